@@ -1,0 +1,101 @@
+"""jeagle's converted checkpoint directory: save and load.
+
+    OUT_DIR/config.json             ModelConfig (format "jeagle-target-v1")
+    OUT_DIR/params/                 orbax checkpoint of the parameter dict (names in models/llama.py)
+    OUT_DIR/tokenizer.json          fast tokenizer
+    OUT_DIR/tokenizer_config.json   special tokens and chat template
+
+Every converter ends in `save_checkpoint`, which checks each tensor's shape against the model the
+config describes, so a converter bug or a config/weight mismatch fails at conversion, not at run time.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from flax import nnx
+
+from jeagle.config import ModelConfig
+from jeagle.models.llama import Llama, abstract_model
+
+FORMAT = "jeagle-target-v1"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read or does not match its config; the message names the file."""
+
+
+def is_converted(path) -> bool:
+    path = Path(path)
+    cfg = path / "config.json"
+    if not (cfg.is_file() and (path / "params").is_dir()):
+        return False
+    try:
+        return json.loads(cfg.read_text()).get("format") == FORMAT
+    except (json.JSONDecodeError, OSError):
+        return False
+
+
+def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], str]]:
+    _, state = nnx.split(abstract_model(cfg))
+    return {k: (tuple(v.shape), str(v.dtype)) for k, v in state.to_pure_dict().items()}
+
+
+def check_params(cfg: ModelConfig, params: dict[str, np.ndarray], source: str) -> None:
+    want = expected_shapes(cfg)
+    missing = sorted(set(want) - set(params))
+    extra = sorted(set(params) - set(want))
+    if missing or extra:
+        raise CheckpointError(f"{source}: tensors do not match the config: missing {missing}, unexpected {extra}")
+    for name, (shape, _) in want.items():
+        if tuple(params[name].shape) != shape:
+            raise CheckpointError(f"{source}: {name} has shape {tuple(params[name].shape)}, the config implies {shape}")
+
+
+def save_checkpoint(out_dir, cfg: ModelConfig, params: dict[str, np.ndarray], *, source: str = "") -> Path:
+    """Write config + params (cast to cfg.dtype). Tokenizer files are the caller's."""
+    out_dir = Path(out_dir).absolute()
+    check_params(cfg, params, source or str(out_dir))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if (out_dir / "params").exists():
+        shutil.rmtree(out_dir / "params")
+    tree = {k: jnp.asarray(np.asarray(v), dtype=cfg.dtype) for k, v in params.items()}
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(out_dir / "params", tree)
+    ckptr.wait_until_finished()
+    cfg.save(out_dir / "config.json")
+    return out_dir
+
+
+def load_config(path) -> ModelConfig:
+    path = Path(path)
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{path} is not a jeagle checkpoint: {cfg_file} is missing")
+    return ModelConfig.load(cfg_file)
+
+
+def load_model(path, *, dtype: str | None = None) -> Llama:
+    """Load a converted checkpoint onto the default device, optionally in another dtype."""
+    path = Path(path).absolute()
+    cfg = load_config(path)
+    if dtype is not None and dtype != cfg.dtype:
+        cfg = cfg.replace(dtype=dtype)
+    if not (path / "params").is_dir():
+        raise CheckpointError(f"{path} is not a jeagle checkpoint: {path / 'params'} is missing")
+    graphdef, state = nnx.split(abstract_model(cfg))
+    target = state.to_pure_dict()
+    try:
+        restored = ocp.StandardCheckpointer().restore(path / "params")
+    except Exception as e:  # orbax raises many types for a damaged directory
+        raise CheckpointError(f"cannot read the parameters in {path / 'params'}: {e}") from e
+    check_params(cfg, restored, str(path / "params"))
+    restored = jax.tree.map(lambda x, t: jnp.asarray(x, dtype=t.dtype), restored, target)
+    nnx.replace_by_pure_dict(state, restored)
+    return nnx.merge(graphdef, state)

@@ -1,0 +1,370 @@
+"""The autoregressive engine: batched ragged prefill, then pipelined decode, with continuous batching.
+
+Device state (donated through every call, never copied):
+    KVCache   slot pools + req_to_token            (cache.py)
+    RowState  per request row: newest token, sampling parameters
+The host keeps only bookkeeping: which request owns which row and slots, how many tokens each has
+been dispatched for, and the tokens that have come back.
+
+A request gets a row and all the slots it can ever use (prompt + max_new_tokens - 1) when it is
+admitted; its req_to_token row is written by its prefill, so a decode step needs nothing from the
+host but the rows and positions. Requests wait in the queue while the pool lacks room.
+
+Pipelining: the host dispatches decode call c+1 (its input tokens live on the device) before it
+reads the tokens of call c, whose device→host copy was started right after dispatch. A request that
+finishes inside call c has already been dispatched into call c+1: that extra work is discarded.
+
+Every (phase, batch bucket, length bucket) executable is compiled ahead of time on first need
+(`jit(...).lower(...).compile()`) and then called directly; compile time is counted separately.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import time
+import warnings
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jeagle.cache import KVCache, OutOfSlots, SlotAllocator, init_cache, slots_for_memory_fraction
+from jeagle.config import ModelConfig
+from jeagle.models.common import AttnInputs
+from jeagle.models.llama import Llama
+from jeagle.sampling import SamplingParams, sample
+
+
+class PromptTooLong(ValueError):
+    """A prompt that does not fit the context window."""
+
+
+def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= 2
+    out.append(hi)
+    return tuple(out)
+
+
+def default_batch_buckets(max_batch: int) -> tuple[int, ...]:
+    """SGLang's capture list (1..8, 10..32 step 2, 40..64 step 4, 72..256 step 8, then step 16)."""
+    sizes = list(range(1, 9)) + list(range(10, 33, 2)) + list(range(40, 65, 4)) + list(range(72, 257, 8))
+    sizes += list(range(272, max(max_batch, 256) + 16, 16))
+    out = [s for s in sizes if s < max_batch] + [max_batch]
+    return tuple(sorted(set(out)))
+
+
+def pick_bucket(buckets: tuple[int, ...], n: int) -> int:
+    i = bisect.bisect_left(buckets, n)
+    if i == len(buckets):
+        raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+    return buckets[i]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_batch_size: int = 16  # rows = max running requests
+    max_context: int | None = None  # default: the model's max_position_embeddings, capped at 8192
+    max_total_tokens: int | None = None  # KV slots; default max_batch_size * max_context (CPU) ...
+    mem_fraction_static: float | None = None  # ... or this fraction of GPU memory
+    max_prefill_tokens: int = 8192  # padded tokens per prefill call (a longer single prompt still runs)
+    decode_steps: int = 1  # tokens per decode dispatch (lax.fori_loop inside one executable)
+    unroll_layers: bool = False
+    batch_buckets: tuple[int, ...] | None = None
+    min_kv_bucket: int = 128
+    min_prefill_bucket: int = 16
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class RowState:
+    last_token: jax.Array  # [R] int32  newest token of each row, its KV not yet written
+    temperature: jax.Array  # [R] f32
+    top_k: jax.Array  # [R] int32
+    top_p: jax.Array  # [R] f32
+    seed: jax.Array  # [R] uint32
+
+
+@dataclass
+class Output:
+    prompt_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length"
+    time_to_first_token_s: float | None = None
+
+
+@dataclass
+class _Request:
+    index: int
+    prompt: list[int]
+    params: SamplingParams
+    eos: frozenset[int]
+    max_new: int
+    row: int = -1
+    slots: np.ndarray | None = None
+    length: int = 0  # positions whose KV is written or dispatched to be written
+    dispatched: int = 0  # new tokens that dispatched work will produce
+    out: Output | None = None
+    done: bool = False
+
+
+class Engine:
+    def __init__(self, model: Llama, config: EngineConfig = EngineConfig()):
+        self.model_cfg: ModelConfig = model.cfg
+        self.cfg = config
+        self.graphdef, self.params = nnx.split(model)
+        mc = self.model_cfg
+        self.max_ctx = config.max_context or min(mc.max_position_embeddings, 8192)
+        self.max_reqs = config.max_batch_size
+        if config.mem_fraction_static is not None:
+            weight_bytes = sum(x.nbytes for x in jax.tree.leaves(self.params))
+            num_slots = slots_for_memory_fraction(mc, config.mem_fraction_static, weight_bytes)
+        else:
+            num_slots = (config.max_total_tokens or self.max_reqs * self.max_ctx) + 1
+        self.allocator = SlotAllocator(num_slots)
+        self.cache = init_cache(mc, num_slots=num_slots, max_reqs=self.max_reqs, max_ctx=self.max_ctx)
+        r = self.max_reqs + 1
+        self.rows = RowState(
+            last_token=jnp.zeros((r,), jnp.int32), temperature=jnp.zeros((r,), jnp.float32),
+            top_k=jnp.zeros((r,), jnp.int32), top_p=jnp.ones((r,), jnp.float32), seed=jnp.zeros((r,), jnp.uint32))
+        self.scratch_row = self.max_reqs
+        self.batch_buckets = config.batch_buckets or default_batch_buckets(self.max_reqs)
+        if self.batch_buckets[-1] < self.max_reqs:
+            raise ValueError(f"largest batch bucket {self.batch_buckets[-1]} < max_batch_size {self.max_reqs}")
+        self.kv_buckets = pow2_buckets(min(config.min_kv_bucket, self.max_ctx), self.max_ctx)
+        self.prefill_buckets = pow2_buckets(min(config.min_prefill_bucket, self.max_ctx), self.max_ctx)
+        self._free_rows = list(range(self.max_reqs - 1, -1, -1))
+        self._executables: dict[tuple, Callable] = {}
+        self.compile_seconds = 0.0
+        self._rng = np.random.default_rng()
+
+    # ---- compiled step functions -------------------------------------------------------------
+    def _prefill_impl(self, params, cache: KVCache, rows: RowState, tokens, lengths, row_ids, table, samp, *, greedy):
+        """tokens [B,T]; lengths [B]; row_ids [B]; table [B, max_ctx] slot rows; samp: per-row params."""
+        model = nnx.merge(self.graphdef, params)
+        b, t = tokens.shape
+        req_to_token = cache.req_to_token.at[row_ids].set(table)
+        pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        valid = pos < lengths[:, None]
+        attn = AttnInputs(positions=pos, write_slots=jnp.where(valid, table[:, :t], 0),
+                          kv_slots=table[:, :t], kv_len=lengths)
+        out = model(tokens, attn, cache.k, cache.v, logits_index=jnp.maximum(lengths - 1, 0),
+                    unroll=self.cfg.unroll_layers)
+        temperature, top_k, top_p, seed = samp
+        tok = sample(out.logits, seed, lengths, temperature, top_k, top_p, all_greedy=greedy)
+        rows = RowState(last_token=rows.last_token.at[row_ids].set(tok),
+                        temperature=rows.temperature.at[row_ids].set(temperature),
+                        top_k=rows.top_k.at[row_ids].set(top_k), top_p=rows.top_p.at[row_ids].set(top_p),
+                        seed=rows.seed.at[row_ids].set(seed))
+        return tok, KVCache(k=out.k, v=out.v, req_to_token=req_to_token), rows
+
+    def _decode_impl(self, params, cache: KVCache, rows: RowState, row_ids, positions, *, steps, kv_len, greedy):
+        """row_ids [B]; positions [B] of each row's newest token. Returns tokens [B, steps]."""
+        model = nnx.merge(self.graphdef, params)
+        b = row_ids.shape[0]
+        table = cache.req_to_token[row_ids]  # [B, max_ctx]
+        kv_slots = table[:, :kv_len]
+        temperature, top_k, top_p, seed = (rows.temperature[row_ids], rows.top_k[row_ids],
+                                           rows.top_p[row_ids], rows.seed[row_ids])
+
+        def step(s, carry):
+            tok, k, v, toks = carry
+            pos = positions + s
+            # Past a request's last allocated position the table holds the scratch slot 0.
+            write = jnp.take_along_axis(table, jnp.minimum(pos, self.max_ctx - 1)[:, None], 1)
+            attn = AttnInputs(positions=pos[:, None], write_slots=write, kv_slots=kv_slots, kv_len=pos + 1)
+            out = model(tok[:, None], attn, k, v, logits_index=jnp.zeros((b,), jnp.int32),
+                        unroll=self.cfg.unroll_layers)
+            nxt = sample(out.logits, seed, pos + 1, temperature, top_k, top_p, all_greedy=greedy)
+            return nxt, out.k, out.v, toks.at[:, s].set(nxt)
+
+        carry = (rows.last_token[row_ids], cache.k, cache.v, jnp.zeros((b, steps), jnp.int32))
+        if steps == 1:
+            tok, k, v, toks = step(0, carry)
+        else:
+            tok, k, v, toks = jax.lax.fori_loop(0, steps, step, carry)
+        rows = RowState(last_token=rows.last_token.at[row_ids].set(tok), temperature=rows.temperature,
+                        top_k=rows.top_k, top_p=rows.top_p, seed=rows.seed)
+        return toks, KVCache(k=k, v=v, req_to_token=cache.req_to_token), rows
+
+    def _executable(self, key: tuple, fn, args) -> Callable:
+        exe = self._executables.get(key)
+        if exe is None:
+            t0 = time.perf_counter()
+            with warnings.catch_warnings():
+                # CPU backends cannot donate; the GPU path does.
+                warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+                exe = jax.jit(fn, donate_argnums=(1, 2)).lower(*args).compile()
+            self.compile_seconds += time.perf_counter() - t0
+            self._executables[key] = exe
+        return exe
+
+    @property
+    def num_compiled(self) -> int:
+        return len(self._executables)
+
+    # ---- dispatch ----------------------------------------------------------------------------
+    def _dispatch_prefill(self, reqs: list[_Request]):
+        b = pick_bucket(self.batch_buckets, len(reqs))
+        t = pick_bucket(self.prefill_buckets, max(len(r.prompt) for r in reqs))
+        tokens = np.zeros((b, t), np.int32)
+        lengths = np.zeros((b,), np.int32)
+        row_ids = np.full((b,), self.scratch_row, np.int32)
+        table = np.zeros((b, self.max_ctx), np.int32)
+        temperature = np.zeros((b,), np.float32)
+        top_k = np.zeros((b,), np.int32)
+        top_p = np.ones((b,), np.float32)
+        seed = np.zeros((b,), np.uint32)
+        for i, r in enumerate(reqs):
+            n = len(r.prompt)
+            tokens[i, :n] = r.prompt
+            lengths[i] = n
+            row_ids[i] = r.row
+            table[i, : len(r.slots)] = r.slots
+            temperature[i], top_k[i], top_p[i] = r.params.temperature, r.params.top_k, r.params.top_p
+            seed[i] = r.params.seed if r.params.seed is not None else self._rng.integers(0, 2**32)
+            r.length = n
+            r.dispatched = 1
+        greedy = all(r.params.greedy for r in reqs)
+        fn = functools.partial(self._prefill_impl, greedy=greedy)
+        args = (self.params, self.cache, self.rows, tokens, lengths, row_ids, table,
+                (temperature, top_k, top_p, seed))
+        exe = self._executable(("prefill", b, t, greedy), fn, args)
+        tok, self.cache, self.rows = exe(*args)
+        tok.copy_to_host_async()
+        return tok[:, None]
+
+    def _dispatch_decode(self, reqs: list[_Request]):
+        steps = self.cfg.decode_steps
+        b = pick_bucket(self.batch_buckets, len(reqs))
+        row_ids = np.full((b,), self.scratch_row, np.int32)
+        positions = np.zeros((b,), np.int32)
+        for i, r in enumerate(reqs):
+            row_ids[i] = r.row
+            positions[i] = r.length
+            r.length += steps
+            r.dispatched += steps
+        kv = pick_bucket(self.kv_buckets, min(int(positions.max()) + steps, self.max_ctx))
+        greedy = all(r.params.greedy for r in reqs)
+        fn = functools.partial(self._decode_impl, steps=steps, kv_len=kv, greedy=greedy)
+        args = (self.params, self.cache, self.rows, row_ids, positions)
+        exe = self._executable(("decode", b, steps, kv, greedy), fn, args)
+        toks, self.cache, self.rows = exe(*args)
+        toks.copy_to_host_async()
+        return toks
+
+    # ---- request lifecycle -------------------------------------------------------------------
+    def _make_request(self, index: int, prompt: list[int], params: SamplingParams) -> _Request:
+        n = len(prompt)
+        if n == 0:
+            raise ValueError(f"prompt {index} is empty")
+        if n >= self.max_ctx:
+            raise PromptTooLong(f"prompt {index} has {n} tokens; the context holds {self.max_ctx} "
+                                "(prompt + at least one new token must fit; raise --max-context if the model allows)")
+        bad = [t for t in prompt if not 0 <= t < self.model_cfg.vocab_size]
+        if bad:
+            raise ValueError(f"prompt {index} has token ids outside the vocabulary: {bad[:5]}")
+        max_new = min(params.max_new_tokens, self.max_ctx - n)
+        need = n + max_new - 1
+        if need > self.allocator.num_slots - 1:
+            raise OutOfSlots(f"request {index} needs {need} KV slots, the pool has {self.allocator.num_slots - 1}; "
+                             "raise --max-total-tokens (or --mem-fraction-static) or lower --max-new-tokens")
+        eos = frozenset(() if params.ignore_eos else self.model_cfg.eos_token_ids) | frozenset(params.stop_token_ids)
+        return _Request(index=index, prompt=list(prompt), params=params, eos=eos, max_new=max_new,
+                        out=Output(prompt_ids=list(prompt)))
+
+    def _admit(self, r: _Request) -> bool:
+        need = len(r.prompt) + r.max_new - 1
+        if not self._free_rows or self.allocator.free_count < need:
+            return False
+        r.row = self._free_rows.pop()
+        r.slots = self.allocator.alloc(need)
+        return True
+
+    def _release(self, r: _Request) -> None:
+        self.allocator.free(r.slots)
+        self._free_rows.append(r.row)
+        r.slots = None
+
+    def _accept_tokens(self, r: _Request, toks: np.ndarray, t0: float, on_tokens) -> None:
+        new = []
+        for tok in toks:
+            if r.done:
+                break
+            tok = int(tok)
+            r.out.token_ids.append(tok)
+            new.append(tok)
+            if r.out.time_to_first_token_s is None:
+                r.out.time_to_first_token_s = time.perf_counter() - t0
+            if tok in r.eos:
+                r.done, r.out.finish_reason = True, "stop"
+            elif len(r.out.token_ids) >= r.max_new:
+                r.done, r.out.finish_reason = True, "length"
+        if new and on_tokens is not None:
+            on_tokens(r.index, new)
+        if r.done:
+            self._release(r)
+
+    # ---- public ------------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] = SamplingParams(),
+                 on_tokens: Callable[[int, list[int]], None] | None = None) -> list[Output]:
+        """Run every prompt to completion; outputs in prompt order. `on_tokens(index, ids)` streams."""
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError("one SamplingParams per prompt")
+        reqs = [self._make_request(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
+        waiting = deque(reqs)
+        running: list[_Request] = []
+        pending: deque = deque()  # (requests, device tokens) in dispatch order
+        t0 = time.perf_counter()
+        compile0 = self.compile_seconds
+
+        while waiting or running or pending:
+            # Admit what fits, in arrival order, and prefill it in groups of bounded padded size.
+            group: list[_Request] = []
+            while waiting and len(running) + len(group) < self.max_reqs:
+                nxt = waiting[0]
+                longest = max([len(r.prompt) for r in group] + [len(nxt.prompt)])
+                padded = pick_bucket(self.batch_buckets, len(group) + 1) * pick_bucket(self.prefill_buckets, longest)
+                if group and padded > self.cfg.max_prefill_tokens:
+                    pending.append((group, self._dispatch_prefill(group)))
+                    running += group
+                    group = []
+                    continue
+                if not self._admit(nxt):
+                    break
+                group.append(waiting.popleft())
+            if group:
+                pending.append((group, self._dispatch_prefill(group)))
+                running += group
+            if waiting and not running and not pending:
+                raise OutOfSlots("cannot admit the next request although nothing is running")
+
+            live = [r for r in running if not r.done and r.dispatched < r.max_new]
+            if live:
+                pending.append((live, self._dispatch_decode(live)))
+            # Keep one call in flight while there is more to dispatch; otherwise drain.
+            while len(pending) > (1 if live else 0):
+                batch, toks = pending.popleft()
+                host = np.asarray(toks)  # its copy started at dispatch
+                for i, r in enumerate(batch):
+                    if not r.done:
+                        self._accept_tokens(r, host[i], t0, on_tokens)
+            running = [r for r in running if not r.done]
+
+        wall = time.perf_counter() - t0 - (self.compile_seconds - compile0)
+        self.last_stats = {
+            "prompt_tokens": sum(len(r.prompt) for r in reqs),
+            "new_tokens": sum(len(r.out.token_ids) for r in reqs),
+            "wall_s": wall,
+            "compile_s": self.compile_seconds - compile0,
+        }
+        return [r.out for r in reqs]

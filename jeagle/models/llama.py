@@ -1,0 +1,177 @@
+"""The target model: Llama 2/3/3.1, SmolLM2, Qwen2 (qkv bias) and Qwen3 (q/k RMSNorm), in Flax NNX.
+
+Weights are stacked over layers ([L, ...]) so the layer loop compiles once (`lax.fori_loop`, the
+default) or unrolls (`unroll=True`, slower to compile, faster for large models whose per-layer
+weight slices a loop does not read in place; see shared/GPU.md). q/k/v and gate/up are fused into one
+matmul each: a small model is bound by kernel launches, not by FLOPs.
+
+The module is split once (`nnx.split`) and its state passed to plain `jax.jit` functions that merge it
+at trace time only: no graph traversal per call. The KV pools are explicit arguments and results, so
+callers can donate them.
+
+Parameter layout (matmul weights are [in, out]; embeddings [vocab, hidden]):
+    embed       [V, H]            lm_head [V, H] (absent when tied)
+    attn_norm   [L, H]            mlp_norm [L, H]            final_norm [H]
+    wqkv        [L, H, (Hq+2Hkv)D] bqkv [L, (Hq+2Hkv)D]  (qkv_bias)
+    q_norm      [L, D]            k_norm  [L, D]           (qk_norm)
+    wo          [L, Hq D, H]      bo      [L, H]           (o_bias)
+    w_gate_up   [L, H, 2I]        w_down  [L, I, H]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jeagle.config import ModelConfig
+from jeagle.models.common import AttnInputs, apply_rope, paged_attention_reference, rms_norm, rope_cos_sin
+
+# The per-layer weights, in the order a layer uses them.
+LAYER_PARAMS = ("attn_norm", "wqkv", "bqkv", "q_norm", "k_norm", "wo", "bo", "mlp_norm", "w_gate_up", "w_down")
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class ForwardOut:
+    logits: jax.Array  # [B, V] at logits_index, or [B, T, V]; fp32
+    hidden: jax.Array  # [B, T, H] final post-norm hidden state
+    aux_hidden: jax.Array | None  # [B, T, len(aux_layers) * H] residual stream entering each aux layer
+    k: jax.Array  # [L, num_slots, Hkv, D] updated pool
+    v: jax.Array
+
+
+class Llama(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        L, H, I, V, D = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
+        qkv = cfg.q_size + 2 * cfg.kv_size
+        dt = jnp.dtype(cfg.dtype)
+        normal = nnx.initializers.normal(0.02)
+
+        def w(*shape):
+            return nnx.Param(normal(rngs.params(), shape, dt))
+
+        def ones(*shape):
+            return nnx.Param(jnp.ones(shape, dt))
+
+        def zeros(*shape):
+            return nnx.Param(jnp.zeros(shape, dt))
+
+        self.embed = w(V, H)
+        self.lm_head = None if cfg.tie_word_embeddings else w(V, H)
+        self.final_norm = ones(H)
+        self.attn_norm = ones(L, H)
+        self.wqkv = w(L, H, qkv)
+        self.bqkv = zeros(L, qkv) if cfg.qkv_bias else None
+        self.q_norm = ones(L, D) if cfg.qk_norm else None
+        self.k_norm = ones(L, D) if cfg.qk_norm else None
+        self.wo = w(L, cfg.q_size, H)
+        self.bo = zeros(L, H) if cfg.o_bias else None
+        self.mlp_norm = ones(L, H)
+        self.w_gate_up = w(L, H, 2 * I)
+        self.w_down = w(L, I, H)
+
+    # ------------------------------------------------------------------------------------------
+    def _layer(self, i, h, k_pool, v_pool, w, cos, sin, attn: AttnInputs):
+        """One decoder layer. `i` is a Python int (unrolled) or a traced index (loop)."""
+        cfg = self.cfg
+        b, t, _ = h.shape
+        wi = {name: (a[i] if a is not None else None) for name, a in w.items()}
+
+        x = rms_norm(h, wi["attn_norm"], cfg.rms_norm_eps)
+        qkv = x @ wi["wqkv"]
+        if wi["bqkv"] is not None:
+            qkv = qkv + wi["bqkv"]
+        q = qkv[..., : cfg.q_size].reshape(b, t, cfg.num_heads, cfg.head_dim)
+        k = qkv[..., cfg.q_size : cfg.q_size + cfg.kv_size].reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        v = qkv[..., cfg.q_size + cfg.kv_size :].reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q = rms_norm(q, wi["q_norm"], cfg.rms_norm_eps)
+            k = rms_norm(k, wi["k_norm"], cfg.rms_norm_eps)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+
+        # Write this step's K/V first so the new tokens attend to themselves through the pool.
+        k_pool = k_pool.at[i, attn.write_slots].set(k)
+        v_pool = v_pool.at[i, attn.write_slots].set(v)
+        k_ctx = k_pool[i, attn.kv_slots]  # [B, S, Hkv, D]
+        v_ctx = v_pool[i, attn.kv_slots]
+        o = paged_attention_reference(q, k_ctx, v_ctx, attn)
+
+        o = o.reshape(b, t, cfg.q_size) @ wi["wo"]
+        if wi["bo"] is not None:
+            o = o + wi["bo"]
+        h = h + o
+
+        x = rms_norm(h, wi["mlp_norm"], cfg.rms_norm_eps)
+        gate, up = jnp.split(x @ wi["w_gate_up"], 2, axis=-1)
+        h = h + (jax.nn.silu(gate) * up) @ wi["w_down"]
+        return h, k_pool, v_pool
+
+    def __call__(
+        self,
+        tokens: jax.Array,  # [B, T] int32
+        attn: AttnInputs,
+        k_pool: jax.Array,
+        v_pool: jax.Array,
+        *,
+        logits_index: jax.Array | None = None,  # [B] index into T; None = logits for every token
+        aux_layers: tuple[int, ...] = (),
+        unroll: bool = False,
+    ) -> ForwardOut:
+        cfg = self.cfg
+        w = {name: (getattr(self, name)[...] if getattr(self, name) is not None else None) for name in LAYER_PARAMS}
+        embed = self.embed[...]
+        h = embed[tokens]
+        cos, sin = rope_cos_sin(attn.positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+
+        def run_layers(start, stop, h, kp, vp):
+            if unroll:
+                for i in range(start, stop):
+                    h, kp, vp = self._layer(i, h, kp, vp, w, cos, sin, attn)
+                return h, kp, vp
+            if stop - start == 0:
+                return h, kp, vp
+
+            def body(i, carry):
+                return self._layer(i, *carry, w, cos, sin, attn)
+
+            return jax.lax.fori_loop(start, stop, body, (h, kp, vp))
+
+        # The aux states are the residual stream *entering* each chosen layer: run the loop in
+        # segments cut at those layers so no per-layer select is needed.
+        aux = []
+        start = 0
+        for layer_id in sorted(aux_layers):
+            if not 0 <= layer_id <= cfg.num_layers:
+                raise ValueError(f"aux layer {layer_id} outside 0..{cfg.num_layers}")
+            h, k_pool, v_pool = run_layers(start, layer_id, h, k_pool, v_pool)
+            aux.append(h)
+            start = layer_id
+        h, k_pool, v_pool = run_layers(start, cfg.num_layers, h, k_pool, v_pool)
+        order = sorted(range(len(aux_layers)), key=lambda n: aux_layers[n])
+        aux_hidden = jnp.concatenate([aux[order.index(n)] for n in range(len(aux_layers))], -1) if aux else None
+
+        hidden = rms_norm(h, self.final_norm[...], cfg.rms_norm_eps)
+        head = embed if self.lm_head is None else self.lm_head[...]
+        x = hidden if logits_index is None else hidden[jnp.arange(hidden.shape[0]), logits_index]
+        logits = jnp.einsum("...h,vh->...v", x, head, preferred_element_type=jnp.float32)
+        return ForwardOut(logits=logits, hidden=hidden, aux_hidden=aux_hidden, k=k_pool, v=v_pool)
+
+
+def abstract_model(cfg: ModelConfig) -> Llama:
+    """A model whose parameters are ShapeDtypeStructs (for loading without materialising)."""
+    return nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+
+
+def random_model(cfg: ModelConfig, seed: int = 0) -> Llama:
+    """Random weights initialised on the default device inside one jit (fast for large shapes)."""
+
+    @nnx.jit
+    def make():
+        return Llama(cfg, rngs=nnx.Rngs(seed))
+
+    return make()

@@ -1,0 +1,64 @@
+"""Sampling parameters and the on-device sampler (greedy, temperature, top-k, top-p, seeded).
+
+Each row draws with the key `fold_in(key(seed), position)`, so a request's sampled tokens depend only
+on its seed and the positions, never on which other requests share the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 128
+    temperature: float = 0.0  # 0 = greedy
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    seed: int | None = None  # None = drawn at random per request
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def row_keys(seeds: jax.Array, positions: jax.Array) -> jax.Array:
+    """One PRNG key per row: seed [B] uint32, positions [B] int32."""
+    return jax.vmap(lambda s, p: jax.random.fold_in(jax.random.key(s), p))(seeds, positions)
+
+
+def sample(logits, seeds, positions, temperature, top_k, top_p, *, all_greedy: bool) -> jax.Array:
+    """logits [B, V] fp32 → tokens [B] int32. Rows with temperature 0 take the argmax."""
+    greedy_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if all_greedy:
+        return greedy_tok
+    v = logits.shape[-1]
+    x = logits / jnp.maximum(temperature, 1e-6)[:, None]
+    order = jnp.argsort(-x, axis=-1)
+    sorted_x = jnp.take_along_axis(x, order, axis=-1)
+    rank = jnp.arange(v)[None, :]
+    keep = (top_k[:, None] <= 0) | (rank < top_k[:, None])
+    sorted_x = jnp.where(keep, sorted_x, -jnp.inf)
+    probs = jax.nn.softmax(sorted_x, axis=-1)
+    # top-p keeps the smallest prefix whose mass reaches p: a token stays if the mass before it < p.
+    before = jnp.cumsum(probs, axis=-1) - probs
+    sorted_x = jnp.where((before < top_p[:, None]) | (rank == 0), sorted_x, -jnp.inf)
+    keys = row_keys(seeds, positions)
+    choice = jax.vmap(jax.random.categorical)(keys, sorted_x)
+    tok = jnp.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(jnp.int32)
+    return jnp.where(temperature <= 0, greedy_tok, tok)
