@@ -44,10 +44,11 @@ _QWEN2_SPLIT = (
 )
 
 # `tokenizer.ggml.pre` names grouped the way llama.cpp's llama-vocab.cpp groups them.
-_PRE_GPT2 = {"gpt2", "default", "mpt", "olmo", "jais"}
+# ("default" really has its own rule in llama.cpp; the GPT-2 split is the closest tokenizers builds in.)
+_PRE_GPT2 = {"gpt2", "gpt-2", "phi-2", "default", "mpt", "olmo", "jais"}
 # llama.cpp first isolates every digit (`\p{N}`), then applies the GPT-2 rule to what is left.
 _PRE_DIGITS_THEN_GPT2 = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva"}
-_PRE_LLAMA3 = {"llama3", "llama-v3", "llama-bpe", "falcon3", "smaug-bpe", "dbrx", "pixtral"}
+_PRE_LLAMA3 = {"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "smaug-bpe", "dbrx", "pixtral"}
 _PRE_QWEN2 = {"qwen2", "deepseek-r1-qwen", "stablelm2", "megrez"}
 
 

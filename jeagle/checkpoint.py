@@ -44,7 +44,7 @@ def is_converted(path) -> bool:
 
 def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], str]]:
     _, state = nnx.split(abstract_model(cfg))
-    return {k: (tuple(v.shape), str(v.dtype)) for k, v in state.to_pure_dict().items()}
+    return {k: (tuple(v.shape), str(v.dtype)) for k, v in nnx.to_pure_dict(state).items()}
 
 
 def check_params(cfg: ModelConfig, params: dict[str, np.ndarray], source: str) -> None:
@@ -90,7 +90,7 @@ def load_model(path, *, dtype: str | None = None) -> Llama:
     if not (path / "params").is_dir():
         raise CheckpointError(f"{path} is not a jeagle checkpoint: {path / 'params'} is missing")
     graphdef, state = nnx.split(abstract_model(cfg))
-    target = state.to_pure_dict()
+    target = nnx.to_pure_dict(state)
     try:
         restored = ocp.StandardCheckpointer().restore(path / "params")
     except Exception as e:  # orbax raises many types for a damaged directory

@@ -104,3 +104,45 @@ def default_target_dir(*, dtype: str = "bfloat16", quiet: bool = False) -> Path:
         _log(f"converting {gguf_path.name} to {out} (once)")
     convert_gguf(gguf_path, out, dtype=dtype, progress=not quiet)
     return out
+
+
+def _source_key(path: Path) -> str:
+    """A cache key for a source checkpoint: its absolute path, size and mtime (no full hash: GBs)."""
+    st = path.stat()
+    return hashlib.sha256(f"{path.absolute()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
+
+
+def resolve_target(spec: str | None, *, dtype: str = "bfloat16", quiet: bool = False) -> Path:
+    """A converted target dir for `--target`: None (the default SmolLM2), a converted dir, a Hugging
+    Face model dir or a .gguf file (the last two converted on first use into the cache)."""
+    from jeagle.checkpoint import CheckpointError, is_converted
+
+    if spec is None:
+        return default_target_dir(dtype=dtype, quiet=quiet)
+    src = Path(spec).expanduser()
+    if not src.exists():
+        raise CheckpointError(f"--target {spec}: no such file or directory")
+    if src.is_dir() and is_converted(src):
+        return src
+    if src.is_dir() and (src / "config.json").is_file():
+        weights = [src / "model.safetensors.index.json", src / "model.safetensors"]
+        key = _source_key(next((w for w in weights if w.exists()), src / "config.json"))
+        out = cache_dir() / "models" / f"hf-{src.name}-{dtype}-{key}"
+        if not is_converted(out):
+            from checkpoints_conv.hf import convert_hf
+
+            if not quiet:
+                _log(f"converting Hugging Face checkpoint {src} to {out} (once)")
+            convert_hf(src, out, dtype=dtype, progress=not quiet)
+        return out
+    if src.is_file() and src.suffix == ".gguf":
+        out = cache_dir() / "models" / f"gguf-{src.stem}-{dtype}-{_source_key(src)}"
+        if not is_converted(out):
+            from checkpoints_conv.gguf import convert_gguf
+
+            if not quiet:
+                _log(f"converting {src.name} to {out} (once)")
+            convert_gguf(src, out, dtype=dtype, progress=not quiet)
+        return out
+    raise CheckpointError(f"--target {spec}: not a jeagle checkpoint, a Hugging Face model dir (config.json) "
+                          "or a .gguf file")

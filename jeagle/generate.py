@@ -1,0 +1,179 @@
+"""`python -m jeagle.generate`: arguments → `GenerateArgs` → the library. Nothing else lives here."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from jeagle.config import DTYPES
+
+
+@dataclass(frozen=True)
+class GenerateArgs:
+    prompts: tuple[str, ...] = ()
+    prompts_file: str | None = None
+    target: str | None = None
+    max_new_tokens: int = 256
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    chat: bool | None = None  # None = chat template when the tokenizer has one
+    batch_size: int | None = None
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+    json: bool = False
+    dtype: str = "bfloat16"
+    max_context: int | None = None
+    max_total_tokens: int | None = None
+    mem_fraction_static: float | None = None
+    decode_steps: int = 1
+    unroll_layers: bool = False
+
+
+def parse_args(argv: list[str] | None = None) -> GenerateArgs:
+    p = argparse.ArgumentParser(prog="python -m jeagle.generate",
+                                description="Generate text with a Llama-family model (default: SmolLM2-135M-Instruct).")
+    p.add_argument("prompts", nargs="*", help="prompts (each one request)")
+    p.add_argument("--prompts-file", help="a .txt file (one prompt per line) or .jsonl (a 'prompt' field per line)")
+    p.add_argument("--target", help="converted jeagle dir, Hugging Face model dir or .gguf file "
+                                    "(default: SmolLM2-135M-Instruct, fetched and converted once)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (request i uses seed + i)")
+    chat = p.add_mutually_exclusive_group()
+    chat.add_argument("--chat", dest="chat", action="store_true", default=None,
+                      help="wrap prompts in the chat template (default when the tokenizer has one)")
+    chat.add_argument("--raw", dest="chat", action="store_false", help="feed prompts as raw text")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help="max requests decoded together (default: number of prompts, at most 16)")
+    p.add_argument("--stop-token-ids", type=lambda s: tuple(int(x) for x in s.split(",") if x), default=())
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object (outputs + stats) on stdout")
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    p.add_argument("--max-context", type=int, default=None, help="context window (default: model's, max 8192)")
+    p.add_argument("--max-total-tokens", type=int, default=None, help="KV cache slots")
+    p.add_argument("--mem-fraction-static", type=float, default=None,
+                   help="size the KV cache to this fraction of GPU memory instead")
+    p.add_argument("--decode-steps", type=int, default=1, help="tokens per decode dispatch")
+    p.add_argument("--unroll-layers", action="store_true", help="unroll the layer loop (slower compile)")
+    a = p.parse_args(argv)
+    if not a.prompts and not a.prompts_file:
+        p.error("give prompts as arguments or --prompts-file")
+    return GenerateArgs(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in vars(a).items()})
+
+
+def read_prompts_file(path: str) -> list[str]:
+    text = Path(path).read_text()
+    if path.endswith(".jsonl"):
+        out = []
+        for n, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                out.append(json.loads(line)["prompt"])
+            except (json.JSONDecodeError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}:{n}: expected a JSON object with a 'prompt' field ({e})") from e
+        return out
+    return [line for line in text.splitlines() if line.strip()]
+
+
+def run(args: GenerateArgs) -> dict:
+    import time
+
+    from jeagle.checkpoint import load_model
+    from jeagle.engine import Engine, EngineConfig
+    from jeagle.fetch import resolve_target
+    from jeagle.sampling import SamplingParams
+    from jeagle.tokenizer import StreamDecoder, Tokenizer
+
+    texts = list(args.prompts) + (read_prompts_file(args.prompts_file) if args.prompts_file else [])
+    target_dir = resolve_target(args.target, dtype=args.dtype, quiet=args.json)
+    tokenizer = Tokenizer.from_dir(target_dir)
+    use_chat = tokenizer.has_chat_template if args.chat is None else args.chat
+    if use_chat and not tokenizer.has_chat_template:
+        raise ValueError("--chat: this tokenizer has no chat template; use --raw")
+    ids = [tokenizer.encode_chat([{"role": "user", "content": t}]) if use_chat else tokenizer.encode(t)
+           for t in texts]
+
+    t_load = time.perf_counter()
+    model = load_model(target_dir, dtype=args.dtype)
+    batch = args.batch_size or min(len(ids), 16)
+    engine = Engine(model, EngineConfig(max_batch_size=batch, max_context=args.max_context,
+                                        max_total_tokens=args.max_total_tokens,
+                                        mem_fraction_static=args.mem_fraction_static,
+                                        decode_steps=args.decode_steps, unroll_layers=args.unroll_layers))
+    load_s = time.perf_counter() - t_load
+    params = [SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                             top_p=args.top_p, seed=None if args.seed is None else args.seed + i,
+                             stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos)
+              for i in range(len(ids))]
+
+    on_tokens = None
+    if len(ids) == 1 and not args.json:
+        stream = StreamDecoder(tokenizer)
+
+        def on_tokens(_index, new_ids):
+            for t in new_ids:
+                if t in engine.model_cfg.eos_token_ids or t in args.stop_token_ids:
+                    continue
+                sys.stdout.write(stream.push(t))
+            sys.stdout.flush()
+
+    outputs = engine.generate(ids, params, on_tokens=on_tokens)
+    stats = engine.last_stats
+    results = []
+    for text, out in zip(texts, outputs):
+        body = out.token_ids
+        if out.finish_reason == "stop" and body:
+            body = body[:-1]  # the stop token itself is not text
+        results.append({"prompt": text, "text": tokenizer.decode(body), "token_ids": out.token_ids,
+                        "finish_reason": out.finish_reason})
+    ttft = [o.time_to_first_token_s for o in outputs if o.time_to_first_token_s is not None]
+    doc = {
+        "outputs": results,
+        "stats": {
+            "prompt_tokens": stats["prompt_tokens"],
+            "new_tokens": stats["new_tokens"],
+            "time_to_first_token_s": sum(ttft) / len(ttft) if ttft else None,
+            "tokens_per_second": stats["new_tokens"] / stats["wall_s"] if stats["wall_s"] > 0 else None,
+            "wall_s": stats["wall_s"],
+            "compile_s": stats["compile_s"],
+            "load_s": load_s,
+            "target": str(target_dir),
+            "batch_size": batch,
+        },
+    }
+    if args.json:
+        print(json.dumps(doc))
+    else:
+        if on_tokens is not None:
+            sys.stdout.write(stream.flush() + "\n")
+        else:
+            for r in results:
+                print(f"=== {r['prompt']}\n{r['text']}\n")
+        s = doc["stats"]
+        print(f"[{s['new_tokens']} new tokens, {s['tokens_per_second']:.1f} tok/s, "
+              f"TTFT {s['time_to_first_token_s']:.3f} s, compile {s['compile_s']:.1f} s]", file=sys.stderr)
+    return doc
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from jeagle.errors import USER_ERRORS
+
+    try:
+        run(args)
+    except USER_ERRORS as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,39 @@
+"""Test helpers: a one-shot forward of a ragged batch through the paged cache."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from jeagle.cache import init_cache
+from jeagle.models.common import AttnInputs
+
+
+def ragged_forward(model, prompts: list[list[int]], *, slot_order: np.ndarray | None = None, unroll=False,
+                   aux_layers=()):
+    """Logits [B, T, V] (fp32 numpy) of every position of each prompt, batched with padding.
+
+    Slots are contiguous (1, 2, ...) or, with `slot_order`, a permutation of them: attention reads
+    keys through the slot table, so the layout must not change the result.
+    """
+    cfg = model.cfg
+    b, t = len(prompts), max(len(p) for p in prompts)
+    tokens = np.zeros((b, t), np.int32)
+    lengths = np.array([len(p) for p in prompts], np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, : len(p)] = p
+    slots = np.arange(1, b * t + 1, dtype=np.int32)
+    if slot_order is not None:
+        slots = slots[slot_order]
+    slots = slots.reshape(b, t)
+    pos = np.broadcast_to(np.arange(t, dtype=np.int32), (b, t))
+    valid = pos < lengths[:, None]
+    cache = init_cache(cfg, num_slots=b * t + 1, max_reqs=b, max_ctx=t)
+    attn = AttnInputs(positions=jnp.asarray(pos), write_slots=jnp.asarray(np.where(valid, slots, 0)),
+                      kv_slots=jnp.asarray(slots), kv_len=jnp.asarray(lengths))
+    out = model(jnp.asarray(tokens), attn, cache.k, cache.v, unroll=unroll, aux_layers=aux_layers)
+    return np.asarray(out.logits), out
+
+
+def max_rel_err(a, b) -> float:
+    return float(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)).max() / np.abs(np.asarray(b)).max())
