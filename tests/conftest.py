@@ -10,6 +10,13 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu" if os.environ.get("JEAGLE_TEST_GPU"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def pytest_configure(config):
+    import jax
+
+    # fp32 parity tests compare against fp32 references: no TF32 matmuls on the GPU.
+    jax.config.update("jax_default_matmul_precision", "highest")
+
+
 def pytest_collection_modifyitems(config, items):
     import jax
 
