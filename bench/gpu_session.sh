@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One GPU session's work, run on the device machine from the repo root (see bench/RESULTS.md):
+#   stage 1: carry .stage1 (first part of the SmolLM2 GGUF) and run `bash bench/gpu_session.sh stage`
+#   stage 2: carry .stage2 + .whl and run `bash bench/gpu_session.sh run` at once (machine still warm)
+set -uo pipefail
+mode="${1:-run}"
+if [ "$mode" = stage ]; then
+  mkdir -p "$HOME/stage" && cp .stage1/* "$HOME/stage/" && ls -la "$HOME/stage"
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  exit 0
+fi
+export JEAGLE_CACHE="$HOME/jcache"
+mkdir -p "$JEAGLE_CACHE/gguf" "$OUT"
+cp .stage2/* "$HOME/stage/"
+cat "$HOME/stage"/smolpart.* > "$JEAGLE_CACHE/gguf/SmolLM2-135M-Instruct.Q4_1.gguf"
+echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $JEAGLE_CACHE/gguf/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c - || exit 3
+python3 -m pip install -q --no-index --no-deps --no-compile --target "$HOME/site" .whl/*.whl || exit 4
+export PYTHONPATH="$HOME/site:$PWD" PYTHONUNBUFFERED=1 JEAGLE_TEST_GPU=1 TOKENIZERS_PARALLELISM=false
+python3 -c "import jax, flax, transformers; print(jax.__version__, flax.__version__, transformers.__version__, jax.devices())"
+shift || true
+steps=" ${*:-tests bench} "
+if [[ "$steps" == *" tests "* ]]; then
+  python3 -m pytest -q -m gpu -s tests/test_gpu.py 2>&1 | tee "$OUT/pytest_gpu.log"
+  python3 -m pytest -q -x tests/test_parity_hf.py tests/test_cache.py tests/test_engine.py 2>&1 | tail -5 | tee "$OUT/pytest_cpu_suite_on_gpu.log"
+fi
+if [[ "$steps" == *" bench "* ]]; then
+  python3 bench/decode.py --batch-sizes 1,16 --decode-steps "${DECODE_STEPS:-1,4}" --unroll "${UNROLL:-0,1}" \
+    --json-out "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log"
+fi

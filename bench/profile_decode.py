@@ -1,0 +1,104 @@
+"""Where a decode step's time goes: a `jax.profiler` trace of warm decode, summarised by device op.
+
+Random weights of a named shape (no checkpoint needed), so the layout of the step, not the values,
+is measured. Prints per batch size: device ops per decode step, device-busy time per step against
+the wall time per step, and the top ops by total time; then one JSON line.
+
+    python bench/profile_decode.py --shape smollm2 --batch-sizes 1,16
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+SHAPES = {
+    # SmolLM2-135M-Instruct
+    "smollm2": dict(arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
+                    num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0, tie_word_embeddings=True,
+                    max_position_embeddings=8192, rms_norm_eps=1e-5),
+    # Llama-3.1-8B
+    "llama8b": dict(arch="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+                    num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0, max_position_embeddings=8192,
+                    rms_norm_eps=1e-5),
+}
+
+
+def device_events(trace_dir: str):
+    """(name, duration_us) of every op the trace puts on a GPU stream."""
+    files = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
+    files += glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+    if not files:
+        raise RuntimeError(f"no trace json under {trace_dir}")
+    with gzip.open(sorted(files)[-1]) as f:
+        doc = json.load(f)
+    events = doc["traceEvents"] if isinstance(doc, dict) else doc
+    gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
+                and "gpu" in str(e.get("args", {}).get("name", "")).lower()}
+    return [(e["name"], float(e.get("dur", 0))) for e in events if e.get("ph") == "X" and e.get("pid") in gpu_pids]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="smollm2", choices=sorted(SHAPES))
+    p.add_argument("--batch-sizes", default="1,16")
+    p.add_argument("--steps", type=int, default=64, help="decode steps traced")
+    p.add_argument("--decode-steps", type=int, default=1)
+    p.add_argument("--unroll", action="store_true")
+    p.add_argument("--context", type=int, default=256, help="prompt length")
+    p.add_argument("--top", type=int, default=20)
+    args = p.parse_args(argv)
+
+    import jax
+
+    from jeagle.config import ModelConfig
+    from jeagle.engine import Engine, EngineConfig
+    from jeagle.models.llama import random_model
+    from jeagle.sampling import SamplingParams
+
+    cfg = ModelConfig(**SHAPES[args.shape])
+    model = random_model(cfg)
+    prompt = list(range(100, 100 + args.context))
+    out = {"bench": "profile_decode", "shape": args.shape, "device": jax.devices()[0].device_kind, "rows": []}
+    for batch in [int(b) for b in args.batch_sizes.split(",")]:
+        engine = Engine(model, EngineConfig(max_batch_size=batch, max_context=1024, decode_steps=args.decode_steps,
+                                            unroll_layers=args.unroll))
+        sp = SamplingParams(max_new_tokens=args.steps, ignore_eos=True)
+        engine.generate([prompt] * batch, sp)
+        t0 = time.perf_counter()
+        engine.generate([prompt] * batch, sp)
+        wall = time.perf_counter() - t0
+        with tempfile.TemporaryDirectory() as d:
+            with jax.profiler.trace(d, create_perfetto_trace=True):
+                engine.generate([prompt] * batch, sp)
+            ev = device_events(d)
+        by_name = collections.defaultdict(lambda: [0, 0.0])
+        for name, dur in ev:
+            by_name[name][0] += 1
+            by_name[name][1] += dur
+        busy_us = sum(d for _, d in ev)
+        row = {"batch": batch, "wall_ms_per_step": 1e3 * wall / args.steps, "device_ops_per_step": len(ev) / args.steps,
+               "device_busy_ms_per_step": busy_us / 1e3 / args.steps,
+               "top": sorted(((n, c / args.steps, t / args.steps) for n, (c, t) in by_name.items()),
+                             key=lambda x: -x[2])[: args.top]}
+        out["rows"].append(row)
+        print(f"\nbatch {batch}: wall {row['wall_ms_per_step']:.3f} ms/step, device busy "
+              f"{row['device_busy_ms_per_step']:.3f} ms/step, {row['device_ops_per_step']:.0f} device ops/step")
+        print(f"{'op':<70} {'per step':>8} {'us/step':>9}")
+        for n, c, t in row["top"]:
+            print(f"{n[:70]:<70} {c:>8.1f} {t:>9.1f}")
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
