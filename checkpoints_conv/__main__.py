@@ -1,4 +1,4 @@
-"""`python -m checkpoints_conv {hf,gguf} SRC OUT_DIR [--dtype ...]` — convert a target checkpoint."""
+"""`python -m checkpoints_conv {hf,gguf,eagle,export-eagle} ...` — convert targets and EAGLE heads."""
 
 from __future__ import annotations
 
@@ -17,8 +17,16 @@ def main(argv: list[str] | None = None) -> int:
     gg = sub.add_parser("gguf", help="llama.cpp GGUF file")
     gg.add_argument("src", help=".gguf file")
     gg.add_argument("out", help="output dir")
-    for sp in (hf, gg):
+    ea = sub.add_parser("eagle", help="PyTorch EAGLE-1/2 or EAGLE-3 head dir (pytorch_model.bin or model.safetensors)")
+    ea.add_argument("src", help="head dir with config.json and weights")
+    ea.add_argument("out", help="output dir")
+    ea.add_argument("--target", required=True, help="the target: converted dir, Hugging Face dir or .gguf file")
+    ex = sub.add_parser("export-eagle", help="write a converted head in the SGLang/vLLM PyTorch layout")
+    ex.add_argument("src", help="converted jeagle draft dir")
+    ex.add_argument("out", help="output dir (model.safetensors + config.json)")
+    for sp in (hf, gg, ea):
         sp.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="stored weight dtype")
+    for sp in (hf, gg):
         sp.add_argument("--quiet", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
 
@@ -30,10 +38,18 @@ def main(argv: list[str] | None = None) -> int:
             from checkpoints_conv.hf import convert_hf
 
             out = convert_hf(args.src, args.out, dtype=args.dtype, progress=not args.quiet)
-        else:
+        elif args.kind == "gguf":
             from checkpoints_conv.gguf import convert_gguf
 
             out = convert_gguf(args.src, args.out, dtype=args.dtype, progress=not args.quiet)
+        elif args.kind == "eagle":
+            from checkpoints_conv.eagle import convert_eagle
+
+            out = convert_eagle(args.src, args.out, target=args.target, dtype=args.dtype)
+        else:
+            from checkpoints_conv.eagle import export_eagle
+
+            out = export_eagle(args.src, args.out)
     except (CheckpointError, ConfigError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -21,33 +21,39 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
-from jeagle.config import ModelConfig
+from jeagle.config import DraftConfig, ModelConfig
+from jeagle.models.eagle import EagleHead, abstract_draft
 from jeagle.models.llama import Llama, abstract_model
 
 FORMAT = "jeagle-target-v1"
+DRAFT_FORMAT = "jeagle-draft-v1"
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be read or does not match its config; the message names the file."""
 
 
-def is_converted(path) -> bool:
+def is_converted(path, fmt: str = FORMAT) -> bool:
     path = Path(path)
     cfg = path / "config.json"
     if not (cfg.is_file() and (path / "params").is_dir()):
         return False
     try:
-        return json.loads(cfg.read_text()).get("format") == FORMAT
+        return json.loads(cfg.read_text()).get("format") == fmt
     except (json.JSONDecodeError, OSError):
         return False
 
 
-def expected_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], str]]:
-    _, state = nnx.split(abstract_model(cfg))
+def _abstract(cfg):
+    return abstract_draft(cfg) if isinstance(cfg, DraftConfig) else abstract_model(cfg)
+
+
+def expected_shapes(cfg) -> dict[str, tuple[tuple[int, ...], str]]:
+    _, state = nnx.split(_abstract(cfg))
     return {k: (tuple(v.shape), str(v.dtype)) for k, v in nnx.to_pure_dict(state).items()}
 
 
-def check_params(cfg: ModelConfig, params: dict[str, np.ndarray], source: str) -> None:
+def check_params(cfg, params: dict[str, np.ndarray], source: str) -> None:
     want = expected_shapes(cfg)
     missing = sorted(set(want) - set(params))
     extra = sorted(set(params) - set(want))
@@ -58,14 +64,16 @@ def check_params(cfg: ModelConfig, params: dict[str, np.ndarray], source: str) -
             raise CheckpointError(f"{source}: {name} has shape {tuple(params[name].shape)}, the config implies {shape}")
 
 
-def save_checkpoint(out_dir, cfg: ModelConfig, params: dict[str, np.ndarray], *, source: str = "") -> Path:
-    """Write config + params (cast to cfg.dtype). Tokenizer files are the caller's."""
+def save_checkpoint(out_dir, cfg, params: dict[str, np.ndarray], *, source: str = "") -> Path:
+    """Write config + params (floating point cast to cfg.dtype; integer buffers kept as int32) for a
+    target (ModelConfig) or a draft head (DraftConfig). Tokenizer files are the caller's."""
     out_dir = Path(out_dir).absolute()
     check_params(cfg, params, source or str(out_dir))
     out_dir.mkdir(parents=True, exist_ok=True)
     if (out_dir / "params").exists():
         shutil.rmtree(out_dir / "params")
-    tree = {k: jnp.asarray(np.asarray(v), dtype=cfg.dtype) for k, v in params.items()}
+    want = expected_shapes(cfg)
+    tree = {k: jnp.asarray(np.asarray(v), dtype=want[k][1]) for k, v in params.items()}
     ckptr = ocp.StandardCheckpointer()
     ckptr.save(out_dir / "params", tree)
     ckptr.wait_until_finished()
@@ -78,18 +86,38 @@ def load_config(path) -> ModelConfig:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise CheckpointError(f"{path} is not a jeagle checkpoint: {cfg_file} is missing")
+    if is_converted(path, DRAFT_FORMAT):
+        raise CheckpointError(f"{path} is a draft head, not a target model")
     return ModelConfig.load(cfg_file)
 
 
 def load_model(path, *, dtype: str | None = None) -> Llama:
-    """Load a converted checkpoint onto the default device, optionally in another dtype."""
+    """Load a converted target checkpoint onto the default device, optionally in another dtype."""
     path = Path(path).absolute()
     cfg = load_config(path)
     if dtype is not None and dtype != cfg.dtype:
         cfg = cfg.replace(dtype=dtype)
+    return _restore(path, cfg)
+
+
+def load_draft(path, *, target: ModelConfig | None = None, dtype: str | None = None) -> EagleHead:
+    """Load a converted EAGLE head; with `target`, check that it can run on that target."""
+    path = Path(path).absolute()
+    cfg_file = path / "config.json"
+    if not is_converted(path, DRAFT_FORMAT):
+        raise CheckpointError(f"{path} is not a converted jeagle draft (python -m checkpoints_conv eagle ...)")
+    cfg = DraftConfig.load(cfg_file)
+    if dtype is not None and dtype != cfg.dtype:
+        cfg = cfg.replace(dtype=dtype)
+    if target is not None:
+        cfg.check_target(target)
+    return _restore(path, cfg)
+
+
+def _restore(path: Path, cfg):
     if not (path / "params").is_dir():
         raise CheckpointError(f"{path} is not a jeagle checkpoint: {path / 'params'} is missing")
-    graphdef, state = nnx.split(abstract_model(cfg))
+    graphdef, state = nnx.split(_abstract(cfg))
     target = nnx.to_pure_dict(state)
     try:
         restored = ocp.StandardCheckpointer().restore(path / "params")

@@ -207,3 +207,110 @@ def rope_inv_freq(cfg_head_dim: int, theta: float, scaling: RopeScaling | None) 
             out.append((1 - smooth) * f / scaling.factor + smooth * f)
     return out
 
+
+
+DRAFT_KINDS = ("eagle1", "eagle3")
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    """An EAGLE draft head. `eagle1` covers EAGLE-1/2 heads (same weights; EAGLE-2 differs only in
+    the dynamic tree). `aux_layer_ids` (EAGLE-3): the target layers whose *entering* residual stream
+    is concatenated low|mid|high as the draft's input feature (jeagle's convention, see README)."""
+
+    kind: str
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int  # the target's vocabulary
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    fc_bias: bool = False
+    qkv_bias: bool = False
+    draft_vocab_size: int = 0  # EAGLE-3 lm_head size (0 for EAGLE-1, which uses the target's head)
+    target_hidden_size: int = 0
+    aux_layer_ids: tuple[int, ...] = ()
+    dtype: str = "bfloat16"
+    name: str = ""
+
+    # The attention helpers read these off any config.
+    o_bias = False
+    qk_norm = False
+
+    def __post_init__(self):
+        if self.kind not in DRAFT_KINDS:
+            raise ConfigError(f"unknown draft kind {self.kind!r}; expected one of {DRAFT_KINDS}")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype {self.dtype!r} not in {DTYPES}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"draft num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.kind == "eagle3" and (not self.draft_vocab_size or len(self.aux_layer_ids) != 3):
+            raise ConfigError("an EAGLE-3 draft needs draft_vocab_size and three aux_layer_ids")
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def rope_scaling(self):
+        return None  # EAGLE heads use plain RoPE with their own theta
+
+    def replace(self, **kw) -> "DraftConfig":
+        return dataclasses.replace(self, **kw)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["aux_layer_ids"] = list(self.aux_layer_ids)
+        return {"format": "jeagle-draft-v1", **d}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "DraftConfig":
+        d = dict(d)
+        if d.pop("format", "jeagle-draft-v1") != "jeagle-draft-v1":
+            raise ConfigError("not a jeagle draft config")
+        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ConfigError(f"unknown draft config keys {sorted(unknown)}")
+        d["aux_layer_ids"] = tuple(d.get("aux_layer_ids", ()))
+        return cls(**d)
+
+    def save(self, path: Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: Path) -> "DraftConfig":
+        try:
+            return cls.from_dict(json.loads(Path(path).read_text()))
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path} is not valid JSON: {e}") from e
+
+    def check_target(self, target: ModelConfig) -> None:
+        """A clear error, naming both sides, when this head cannot run on `target`."""
+        if self.vocab_size != target.vocab_size:
+            raise ConfigError(f"draft vocab_size {self.vocab_size} != target vocab_size {target.vocab_size}")
+        if self.kind == "eagle1" and self.hidden_size != target.hidden_size:
+            raise ConfigError(f"draft hidden_size {self.hidden_size} != target hidden_size {target.hidden_size} "
+                              "(an EAGLE-1/2 head reads the target's hidden state and embedding)")
+        if self.kind == "eagle3":
+            if self.target_hidden_size != target.hidden_size:
+                raise ConfigError(f"draft fc expects target hidden size {self.target_hidden_size} "
+                                  f"(3 x {self.target_hidden_size} features), the target has {target.hidden_size}")
+            if self.hidden_size != target.hidden_size:
+                raise ConfigError(f"draft hidden_size {self.hidden_size} != target hidden_size "
+                                  f"{target.hidden_size} (the head embeds tokens with the target's embedding)")
+            bad = [i for i in self.aux_layer_ids if not 0 <= i < target.num_layers]
+            if bad:
+                raise ConfigError(f"draft aux layers {list(self.aux_layer_ids)}: {bad} outside the target's "
+                                  f"{target.num_layers} layers")
+
+
+def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's default features: the residual stream entering layers 2, L//2 and L-3."""
+    return (2, num_layers // 2, num_layers - 3)

@@ -73,3 +73,26 @@ def test_kv_slots_exhausted_is_a_clear_error(model):
     engine = Engine(model, EngineConfig(max_batch_size=2, max_context=64, max_total_tokens=16))
     with pytest.raises(OutOfSlots, match="needs 19 KV slots, the pool has 16"):
         engine.generate([[1] * 10], SamplingParams(max_new_tokens=10))
+
+
+def test_capacity_from_memory_fraction():
+    from jeagle.cache import kv_bytes_per_token, slots_for_memory_fraction
+
+    class FakeGPU:
+        platform = "gpu"
+
+        def memory_stats(self):
+            return {"bytes_limit": 80 * 2**30, "bytes_in_use": 2**30}
+
+    per_token = kv_bytes_per_token(CFG)
+    slots = slots_for_memory_fraction(CFG, 0.5, weight_bytes=2**30, device=FakeGPU())
+    assert slots == (40 * 2**30 - 2 * 2**30) // per_token
+
+    class FakeCPU:
+        platform = "cpu"
+
+        def memory_stats(self):
+            return None
+
+    with pytest.raises(ValueError, match="pass --max-total-tokens"):
+        slots_for_memory_fraction(CFG, 0.5, weight_bytes=0, device=FakeCPU())

@@ -37,3 +37,33 @@ def ragged_forward(model, prompts: list[list[int]], *, slot_order: np.ndarray | 
 
 def max_rel_err(a, b) -> float:
     return float(np.abs(np.asarray(a, np.float64) - np.asarray(b, np.float64)).max() / np.abs(np.asarray(b)).max())
+
+
+class DraftRunner:
+    """Feeds chunks of (tokens, features) through a draft head over its own slot pool, positions
+    continuing across calls — the paged-cache counterpart of a PyTorch past_key_values loop."""
+
+    def __init__(self, head, target, max_len: int = 64):
+        from jeagle.models.common import AttnInputs  # noqa: F401  (kept local: tests only)
+
+        self.head, self.target, self.max_len = head, target, max_len
+        cfg = head.cfg
+        shape = (cfg.num_layers, max_len + 1, cfg.num_kv_heads, cfg.head_dim)
+        # A shuffled slot order: the draft reads its keys through the table like the target.
+        self.slots = np.random.default_rng(0).permutation(np.arange(1, max_len + 1)).astype(np.int32)
+        self.k = jnp.zeros(shape, cfg.dtype)
+        self.v = jnp.zeros(shape, cfg.dtype)
+        self.pos = 0
+
+    def step(self, feature: np.ndarray, tokens: np.ndarray):
+        t = tokens.shape[1]
+        pos = np.arange(self.pos, self.pos + t, dtype=np.int32)[None]
+        attn = AttnInputs(positions=jnp.asarray(pos), write_slots=jnp.asarray(self.slots[pos]),
+                          kv_slots=jnp.asarray(self.slots[None]), kv_len=jnp.asarray([self.pos + t], jnp.int32))
+        lm_head = None
+        if self.head.cfg.kind == "eagle1":
+            lm_head = self.target.embed[...] if self.target.lm_head is None else self.target.lm_head[...]
+        out = self.head(jnp.asarray(tokens, jnp.int32), jnp.asarray(feature), attn, self.k, self.v,
+                        embed=self.target.embed[...], lm_head=lm_head)
+        self.k, self.v, self.pos = out.k, out.v, self.pos + t
+        return np.asarray(out.hidden), np.asarray(out.logits)

@@ -74,3 +74,38 @@ def paged_attention_reference(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, 
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v_ctx.dtype), v_ctx, preferred_element_type=jnp.float32)
     return out.astype(q.dtype).reshape(b, t, hq, d)
+
+
+def attention_sublayer(x, wi: dict, layer, k_pool, v_pool, cos, sin, attn: AttnInputs, cfg):
+    """Self-attention on an already-normalised input x [B,T,Din] → (output [B,T,H], k_pool, v_pool).
+
+    `wi` holds this layer's wqkv [Din,(Hq+2Hkv)D] and optional bqkv, q_norm, k_norm, wo, bo; `layer`
+    indexes the pools (a Python int or a traced index). `cfg` provides num_heads, num_kv_heads,
+    head_dim, q_size, kv_size, rms_norm_eps and qk_norm (the target's or a draft's config).
+    """
+    b, t, _ = x.shape
+    qkv = x @ wi["wqkv"]
+    if wi.get("bqkv") is not None:
+        qkv = qkv + wi["bqkv"]
+    q = qkv[..., : cfg.q_size].reshape(b, t, cfg.num_heads, cfg.head_dim)
+    k = qkv[..., cfg.q_size : cfg.q_size + cfg.kv_size].reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    v = qkv[..., cfg.q_size + cfg.kv_size :].reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    if cfg.qk_norm:
+        q = rms_norm(q, wi["q_norm"], cfg.rms_norm_eps)
+        k = rms_norm(k, wi["k_norm"], cfg.rms_norm_eps)
+    q = apply_rope(q, cos, sin)
+    k = apply_rope(k, cos, sin)
+    # Write this step's K/V first so the new tokens attend to themselves through the pool.
+    k_pool = k_pool.at[layer, attn.write_slots].set(k)
+    v_pool = v_pool.at[layer, attn.write_slots].set(v)
+    o = paged_attention_reference(q, k_pool[layer, attn.kv_slots], v_pool[layer, attn.kv_slots], attn)
+    o = o.reshape(b, t, cfg.q_size) @ wi["wo"]
+    if wi.get("bo") is not None:
+        o = o + wi["bo"]
+    return o, k_pool, v_pool
+
+
+def mlp_sublayer(x, wi: dict):
+    """SwiGLU on a normalised input: down(silu(gate) * up) with gate|up fused in w_gate_up."""
+    gate, up = jnp.split(x @ wi["w_gate_up"], 2, axis=-1)
+    return (jax.nn.silu(gate) * up) @ wi["w_down"]

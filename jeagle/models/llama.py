@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jeagle.config import ModelConfig
-from jeagle.models.common import AttnInputs, apply_rope, paged_attention_reference, rms_norm, rope_cos_sin
+from jeagle.models.common import AttnInputs, attention_sublayer, mlp_sublayer, rms_norm, rope_cos_sin
 
 # The per-layer weights, in the order a layer uses them.
 LAYER_PARAMS = ("attn_norm", "wqkv", "bqkv", "q_norm", "k_norm", "wo", "bo", "mlp_norm", "w_gate_up", "w_down")
@@ -78,37 +78,11 @@ class Llama(nnx.Module):
     def _layer(self, i, h, k_pool, v_pool, w, cos, sin, attn: AttnInputs):
         """One decoder layer. `i` is a Python int (unrolled) or a traced index (loop)."""
         cfg = self.cfg
-        b, t, _ = h.shape
         wi = {name: (a[i] if a is not None else None) for name, a in w.items()}
-
-        x = rms_norm(h, wi["attn_norm"], cfg.rms_norm_eps)
-        qkv = x @ wi["wqkv"]
-        if wi["bqkv"] is not None:
-            qkv = qkv + wi["bqkv"]
-        q = qkv[..., : cfg.q_size].reshape(b, t, cfg.num_heads, cfg.head_dim)
-        k = qkv[..., cfg.q_size : cfg.q_size + cfg.kv_size].reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-        v = qkv[..., cfg.q_size + cfg.kv_size :].reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-        if cfg.qk_norm:
-            q = rms_norm(q, wi["q_norm"], cfg.rms_norm_eps)
-            k = rms_norm(k, wi["k_norm"], cfg.rms_norm_eps)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
-
-        # Write this step's K/V first so the new tokens attend to themselves through the pool.
-        k_pool = k_pool.at[i, attn.write_slots].set(k)
-        v_pool = v_pool.at[i, attn.write_slots].set(v)
-        k_ctx = k_pool[i, attn.kv_slots]  # [B, S, Hkv, D]
-        v_ctx = v_pool[i, attn.kv_slots]
-        o = paged_attention_reference(q, k_ctx, v_ctx, attn)
-
-        o = o.reshape(b, t, cfg.q_size) @ wi["wo"]
-        if wi["bo"] is not None:
-            o = o + wi["bo"]
+        o, k_pool, v_pool = attention_sublayer(rms_norm(h, wi["attn_norm"], cfg.rms_norm_eps), wi, i, k_pool,
+                                               v_pool, cos, sin, attn, cfg)
         h = h + o
-
-        x = rms_norm(h, wi["mlp_norm"], cfg.rms_norm_eps)
-        gate, up = jnp.split(x @ wi["w_gate_up"], 2, axis=-1)
-        h = h + (jax.nn.silu(gate) * up) @ wi["w_down"]
+        h = h + mlp_sublayer(rms_norm(h, wi["mlp_norm"], cfg.rms_norm_eps), wi)
         return h, k_pool, v_pool
 
     def __call__(
