@@ -52,18 +52,17 @@ def kv_bytes_per_token(cfg: ModelConfig) -> int:
     return 2 * cfg.num_layers * cfg.kv_size * jnp.dtype(cfg.dtype).itemsize
 
 
-def init_cache(cfg: ModelConfig, *, num_slots: int, max_reqs: int, max_ctx: int, sharding=None) -> KVCache:
-    """Zeroed pools of `num_slots` slots (slot 0 included) for `max_reqs` request rows."""
+def init_pools(cfg, *, num_slots: int) -> tuple[jax.Array, jax.Array]:
+    """Zeroed K and V pools [L, num_slots, kv_heads, head_dim] for a target or a draft config: a
+    draft head has its own pools indexed by the same slot ids as the target's."""
     shape = (cfg.num_layers, num_slots, cfg.num_kv_heads, cfg.head_dim)
+    return jax.jit(lambda: (jnp.zeros(shape, cfg.dtype), jnp.zeros(shape, cfg.dtype)))()
 
-    def make():
-        return KVCache(
-            k=jnp.zeros(shape, cfg.dtype),
-            v=jnp.zeros(shape, cfg.dtype),
-            req_to_token=jnp.zeros((max_reqs + 1, max_ctx), jnp.int32),
-        )
 
-    return jax.jit(make, out_shardings=sharding)()
+def init_cache(cfg: ModelConfig, *, num_slots: int, max_reqs: int, max_ctx: int) -> KVCache:
+    """Zeroed pools of `num_slots` slots (slot 0 included) for `max_reqs` request rows."""
+    k, v = init_pools(cfg, num_slots=num_slots)
+    return KVCache(k=k, v=v, req_to_token=jnp.zeros((max_reqs + 1, max_ctx), jnp.int32))
 
 
 def slots_for_memory_fraction(cfg: ModelConfig, fraction: float, weight_bytes: int, device=None) -> int:

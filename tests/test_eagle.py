@@ -163,3 +163,58 @@ def test_mismatches_are_clear_errors(target, tmp_path):
         convert_eagle(tmp_path / "lab", tmp_path / "o6", target=target[0])
     with pytest.raises(CheckpointError, match="is not a converted jeagle draft"):
         load_draft(target[0])
+
+
+def test_qkv_biases_of_qwen2_style_heads(target, tmp_path):
+    """Heads trained on Qwen2 carry q/k/v biases: give the official module biased projections and
+    compare, so bias handling is checked against the official forward too."""
+    import torch
+
+    from tests.eagle_refs import _save_state
+
+    ref = make_eagle1(tmp_path / "head", **HEAD, embed=embed_of(target))
+    torch.manual_seed(7)
+    attn = ref.model.layers[0].self_attn
+    for name in ("q_proj", "k_proj", "v_proj"):
+        old = getattr(attn, name)
+        new = torch.nn.Linear(old.in_features, old.out_features, bias=True)
+        with torch.no_grad():
+            new.weight.copy_(old.weight)
+            new.bias.copy_(0.1 * torch.randn(old.out_features))
+        setattr(attn, name, new)
+    state = {k: v.detach().clone() for k, v in ref.model.state_dict().items() if k != "embed_tokens.weight"}
+    ref.weights_path.unlink()
+    _save_state(state, tmp_path / "head", "bin")
+    head = load_draft(convert_eagle(tmp_path / "head", tmp_path / "conv", target=target[0], dtype="float32"))
+    assert head.cfg.qkv_bias
+    ref.reset()
+    run_chunks(ref.step, DraftRunner(head, target[1]), [5, 2], H, np.random.default_rng(4))
+
+
+def test_draft_runs_under_jit_with_donated_pools(target, tmp_path):
+    """The same conventions as the target: split once, plain jax.jit, pools donated and returned."""
+    import jax
+    import jax.numpy as jnp
+
+    from jeagle.cache import init_pools
+    from jeagle.models.common import AttnInputs
+
+    make_eagle3(tmp_path / "head", **HEAD, draft_vocab_size=64, target_hidden_size=H, embed=embed_of(target))
+    head = load_draft(convert_eagle(tmp_path / "head", tmp_path / "conv", target=target[0], dtype="float32"))
+    graphdef, state = nnx.split(head)
+    k, v = init_pools(head.cfg, num_slots=17)
+
+    def draft_step(state, tokens, feature, attn, k, v, embed):
+        return nnx.merge(graphdef, state)(tokens, feature, attn, k, v, embed=embed)
+
+    rng = np.random.default_rng(3)
+    tokens, aux = rng.integers(0, V, (2, 4)), rng.standard_normal((2, 4, 3 * H)).astype(np.float32)
+    slots = jnp.arange(1, 9, dtype=jnp.int32).reshape(2, 4)
+    attn = AttnInputs(positions=jnp.tile(jnp.arange(4, dtype=jnp.int32), (2, 1)), write_slots=slots,
+                      kv_slots=slots, kv_len=jnp.array([4, 3], jnp.int32))
+    embed = target[1].embed[...]
+    jitted = jax.jit(draft_step, donate_argnums=(4, 5))(state, tokens, aux, attn, k, v, embed)
+    k2, v2 = init_pools(head.cfg, num_slots=17)
+    eager = head(jnp.asarray(tokens), jnp.asarray(aux), attn, k2, v2, embed=embed)
+    assert max_rel_err(jitted.hidden, eager.hidden) <= 1e-5
+    assert max_rel_err(jitted.k, eager.k) <= 1e-5
