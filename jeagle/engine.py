@@ -110,7 +110,8 @@ class _Request:
     row: int = -1
     slots: np.ndarray | None = None
     length: int = 0  # positions whose KV is written or dispatched to be written
-    dispatched: int = 0  # new tokens that dispatched work will produce
+    dispatched: int = 0  # new tokens (speculative: calls) that dispatched work will produce
+    processed: int = 0  # dispatched calls whose results the host has read
     out: Output | None = None
     done: bool = False
 
@@ -272,8 +273,11 @@ class Engine:
         bad = [t for t in prompt if not 0 <= t < self.model_cfg.vocab_size]
         if bad:
             raise ValueError(f"prompt {index} has token ids outside the vocabulary: {bad[:5]}")
-        max_new = min(params.max_new_tokens, self.max_ctx - n)
-        need = n + max_new - 1
+        max_new = min(params.max_new_tokens, self.max_ctx - n - self._context_reserve)
+        if max_new < 1:
+            raise PromptTooLong(f"prompt {index} has {n} tokens; with {self._context_reserve} positions reserved for "
+                                f"speculation the context of {self.max_ctx} leaves no room for new tokens")
+        need = self._slots_needed(n, max_new)
         if need > self.allocator.num_slots - 1:
             raise OutOfSlots(f"request {index} needs {need} KV slots, the pool has {self.allocator.num_slots - 1}; "
                              "raise --max-total-tokens (or --mem-fraction-static) or lower --max-new-tokens")
@@ -281,8 +285,14 @@ class Engine:
         return _Request(index=index, prompt=list(prompt), params=params, eos=eos, max_new=max_new,
                         out=Output(prompt_ids=list(prompt)))
 
+    # Speculative engines reserve positions past the last token (tree depth) and extra slots.
+    _context_reserve = 0
+
+    def _slots_needed(self, prompt_len: int, max_new: int) -> int:
+        return prompt_len + max_new - 1
+
     def _admit(self, r: _Request) -> bool:
-        need = len(r.prompt) + r.max_new - 1
+        need = self._slots_needed(len(r.prompt), r.max_new)
         if not self._free_rows or self.allocator.free_count < need:
             return False
         r.row = self._free_rows.pop()
@@ -314,6 +324,15 @@ class Engine:
         if r.done:
             self._release(r)
 
+    def _wants_step(self, r: _Request) -> bool:
+        """Whether r goes into the next decode call (autoregressive: until its last token is dispatched)."""
+        return not r.done and r.dispatched < r.max_new
+
+    def _process(self, kind: str, batch: list[_Request], host: np.ndarray, t0: float, on_tokens) -> None:
+        for i, r in enumerate(batch):
+            if not r.done:
+                self._accept_tokens(r, host[i], t0, on_tokens)
+
     # ---- public ------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] = SamplingParams(),
                  on_tokens: Callable[[int, list[int]], None] | None = None) -> list[Output]:
@@ -337,7 +356,7 @@ class Engine:
                 longest = max([len(r.prompt) for r in group] + [len(nxt.prompt)])
                 padded = pick_bucket(self.batch_buckets, len(group) + 1) * pick_bucket(self.prefill_buckets, longest)
                 if group and padded > self.cfg.max_prefill_tokens:
-                    pending.append((group, self._dispatch_prefill(group)))
+                    pending.append(("prefill", group, self._dispatch_prefill(group)))
                     running += group
                     group = []
                     continue
@@ -345,21 +364,18 @@ class Engine:
                     break
                 group.append(waiting.popleft())
             if group:
-                pending.append((group, self._dispatch_prefill(group)))
+                pending.append(("prefill", group, self._dispatch_prefill(group)))
                 running += group
             if waiting and not running and not pending:
                 raise OutOfSlots("cannot admit the next request although nothing is running")
 
-            live = [r for r in running if not r.done and r.dispatched < r.max_new]
+            live = [r for r in running if self._wants_step(r)]
             if live:
-                pending.append((live, self._dispatch_decode(live)))
+                pending.append(("step", live, self._dispatch_decode(live)))
             # Keep one call in flight while there is more to dispatch; otherwise drain.
             while len(pending) > (1 if live else 0):
-                batch, toks = pending.popleft()
-                host = np.asarray(toks)  # its copy started at dispatch
-                for i, r in enumerate(batch):
-                    if not r.done:
-                        self._accept_tokens(r, host[i], t0, on_tokens)
+                kind, batch, toks = pending.popleft()
+                self._process(kind, batch, np.asarray(toks), t0, on_tokens)  # its copy started at dispatch
             running = [r for r in running if not r.done]
 
         wall = time.perf_counter() - t0 - (self.compile_seconds - compile0)

@@ -47,12 +47,15 @@ class AttnInputs:
     write_slots  [B, T] int32  pool slot receiving each new token's K/V (padding: scratch slot 0)
     kv_slots     [B, S] int32  slots of positions 0..S-1 of each request (req_to_token row prefix)
     kv_len       [B]    int32  keys j < kv_len[b] exist; query at position p sees keys j <= p
+    mask         [B, T, S] bool, optional: which keys each query sees, replacing the causal rule
+                 above (tree verify and tree drafting: the prefix plus the node's ancestors)
     """
 
     positions: jax.Array
     write_slots: jax.Array
     kv_slots: jax.Array
     kv_len: jax.Array
+    mask: jax.Array | None = None
 
 
 def paged_attention_reference(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, attn: AttnInputs) -> jax.Array:
@@ -66,8 +69,11 @@ def paged_attention_reference(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, 
     qg = q.reshape(b, t, hkv, g, d)
     scores = jnp.einsum("btkgd,bskd->bkgts", qg, k_ctx, preferred_element_type=jnp.float32)
     scores = scores * (1.0 / np.sqrt(d))
-    j = jnp.arange(k_ctx.shape[1], dtype=jnp.int32)
-    visible = (j[None, None, :] <= attn.positions[:, :, None]) & (j[None, None, :] < attn.kv_len[:, None, None])
+    if attn.mask is not None:
+        visible = attn.mask
+    else:
+        j = jnp.arange(k_ctx.shape[1], dtype=jnp.int32)
+        visible = (j[None, None, :] <= attn.positions[:, :, None]) & (j[None, None, :] < attn.kv_len[:, None, None])
     scores = jnp.where(visible[:, None, None, :, :], scores, -jnp.inf)
     # A fully masked row (a padded query) would be NaN after softmax; give it a harmless uniform row.
     scores = jnp.where(jnp.any(visible, axis=-1)[:, None, None, :, None], scores, 0.0)

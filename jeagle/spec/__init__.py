@@ -1,0 +1,1 @@
+"""The speculative round: tree drafting, tree building, verification, acceptance, commit, draft extend."""

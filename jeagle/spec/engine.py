@@ -1,0 +1,191 @@
+"""The speculative engine: the autoregressive engine's scheduling with EAGLE rounds as the decode step.
+
+Prefill (one executable per batch × length bucket): the target over the prompts, the first token
+sampled, then the draft extended over positions 0..L-1 with the pairs (token t+1, target feature t),
+leaving the draft's top-K and feature for the first round. Each decode call is one `spec_round`.
+
+A request owns, from admission to finish, P = prompt + max_new + S + 1 position slots (capped by the
+context), N tree slots and (S-1)·K draft scratch slots. Rounds chain on the device; the host reads
+each round's emitted tokens one round late (their copy started at dispatch) and stops dispatching a
+request once a round reports it finished.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from jeagle.cache import init_pools
+from jeagle.engine import Engine, EngineConfig, _Request, pick_bucket
+from jeagle.models.common import AttnInputs
+from jeagle.models.eagle import EagleHead
+from jeagle.models.llama import Llama
+from jeagle.sampling import sample
+from jeagle.spec.round import MAX_STOP, SpecConfig, SpecRows, draft_topk, init_rows, spec_round
+
+
+class SpecEngine(Engine):
+    def __init__(self, model: Llama, draft: EagleHead, config: EngineConfig = EngineConfig(),
+                 spec: SpecConfig = SpecConfig()):
+        draft.cfg.check_target(model.cfg)
+        self.spec = spec
+        self._context_reserve = spec.num_steps + 1
+        super().__init__(model, config)
+        self.draft_graphdef, self.draft_params = nnx.split(draft)
+        self.draft_cfg = draft.cfg
+        self.dk, self.dv = init_pools(draft.cfg, num_slots=self.allocator.num_slots)
+        self.srows = init_rows(self.max_reqs + 1, spec, draft.cfg.hidden_size, jnp.dtype(draft.cfg.dtype))
+        self.aux_layers = tuple(draft.cfg.aux_layer_ids) if draft.cfg.kind == "eagle3" else ()
+        self.accept_lengths: list[int] = []
+
+    # ---- slots -----------------------------------------------------------------------------
+    def _positions(self, prompt_len: int, max_new: int) -> int:
+        return min(prompt_len + max_new + self.spec.num_steps + 1, self.max_ctx)
+
+    def _slots_needed(self, prompt_len: int, max_new: int) -> int:
+        return self._positions(prompt_len, max_new) + self.spec.num_draft_tokens + self.spec.scratch
+
+    # ---- compiled functions ----------------------------------------------------------------
+    def _spec_prefill_impl(self, params, dparams, cache, dk, dv, srows: SpecRows, tokens, lengths, row_ids, table,
+                           tree_slots, scratch_slots, samp, *, greedy):
+        target = nnx.merge(self.graphdef, params)
+        head = nnx.merge(self.draft_graphdef, dparams)
+        b, t = tokens.shape
+        req_to_token = cache.req_to_token.at[row_ids].set(table)
+        pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+        valid = pos < lengths[:, None]
+        attn = AttnInputs(positions=pos, write_slots=jnp.where(valid, table[:, :t], 0), kv_slots=table[:, :t],
+                          kv_len=lengths)
+        last = jnp.maximum(lengths - 1, 0)
+        out = target(tokens, attn, cache.k, cache.v, logits_index=last, aux_layers=self.aux_layers,
+                     unroll=self.cfg.unroll_layers)
+        temperature, top_k, top_p, seed, max_new, stop_ids = samp
+        first = sample(out.logits, seed, lengths, temperature, top_k, top_p, all_greedy=greedy)
+        # Draft extend: (token t+1, feature t) at position t; the last pair takes the first new token.
+        nxt = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), jnp.int32)], 1)
+        ext_tok = jnp.where(pos == last[:, None], first[:, None], nxt)
+        feature = out.hidden if head.cfg.kind == "eagle1" else out.aux_hidden
+        lm_head = target.embed[...] if target.lm_head is None else target.lm_head[...]
+        dout = head(ext_tok, feature, attn, dk, dv, embed=target.embed[...], lm_head=lm_head, logits_index=last)
+        topk_p, topk_id = draft_topk(head, dout.logits, self.spec.topk)
+        finished = jnp.any(first[:, None] == stop_ids, -1) | (max_new <= 1)
+        new = SpecRows(root=first, seq_len=lengths, topk_p=topk_p, topk_id=topk_id,
+                       feature=dout.hidden[jnp.arange(b), last].astype(srows.feature.dtype),
+                       tree_slots=tree_slots, scratch_slots=scratch_slots, n_generated=jnp.ones_like(lengths),
+                       max_new=max_new, stop_ids=stop_ids, finished=finished, temperature=temperature, top_k=top_k,
+                       top_p=top_p, seed=seed)
+        srows = srows.scatter(row_ids, new)
+        s = self.spec.num_steps
+        emitted = jnp.full((b, s + 1), -1, jnp.int32).at[:, 0].set(first)
+        res = jnp.concatenate([emitted, jnp.full((b, 1), -1, jnp.int32), finished[:, None].astype(jnp.int32)], 1)
+        cache = type(cache)(k=out.k, v=out.v, req_to_token=req_to_token)
+        return res, cache, dout.k, dout.v, srows
+
+    def _round_impl(self, params, dparams, cache, dk, dv, srows, row_ids, *, kv_len, greedy):
+        target = nnx.merge(self.graphdef, params)
+        head = nnx.merge(self.draft_graphdef, dparams)
+        return spec_round(target, head, self.spec, cache, dk, dv, srows, row_ids, kv_len=kv_len, greedy=greedy,
+                          aux_layers=self.aux_layers, unroll=self.cfg.unroll_layers)
+
+    def _run(self, key, fn, args):
+        exe = self._executable_donating(key, fn, args)
+        res, self.cache, self.dk, self.dv, self.srows = exe(*args)
+        res.copy_to_host_async()
+        return res
+
+    def _executable_donating(self, key, fn, args):
+        import time
+        import warnings
+
+        exe = self._executables.get(key)
+        if exe is None:
+            t0 = time.perf_counter()
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+                exe = jax.jit(fn, donate_argnums=(2, 3, 4, 5)).lower(*args).compile()
+            self.compile_seconds += time.perf_counter() - t0
+            self._executables[key] = exe
+        return exe
+
+    # ---- dispatch --------------------------------------------------------------------------
+    def _dispatch_prefill(self, reqs: list[_Request]):
+        s = self.spec
+        b = pick_bucket(self.batch_buckets, len(reqs))
+        t = pick_bucket(self.prefill_buckets, max(len(r.prompt) for r in reqs))
+        tokens = np.zeros((b, t), np.int32)
+        lengths = np.zeros((b,), np.int32)
+        row_ids = np.full((b,), self.scratch_row, np.int32)
+        table = np.zeros((b, self.max_ctx), np.int32)
+        tree_slots = np.zeros((b, s.num_draft_tokens), np.int32)
+        scratch_slots = np.zeros((b, s.scratch), np.int32)
+        temperature, top_k = np.zeros((b,), np.float32), np.zeros((b,), np.int32)
+        top_p, seed = np.ones((b,), np.float32), np.zeros((b,), np.uint32)
+        max_new, stop_ids = np.ones((b,), np.int32), np.full((b, MAX_STOP), -1, np.int32)
+        for i, r in enumerate(reqs):
+            n = len(r.prompt)
+            npos = self._positions(n, r.max_new)
+            tokens[i, :n], lengths[i], row_ids[i] = r.prompt, n, r.row
+            table[i, :npos] = r.slots[:npos]
+            tree_slots[i] = r.slots[npos : npos + s.num_draft_tokens]
+            scratch_slots[i] = r.slots[npos + s.num_draft_tokens :]
+            temperature[i], top_k[i], top_p[i] = r.params.temperature, r.params.top_k, r.params.top_p
+            seed[i] = r.params.seed if r.params.seed is not None else self._rng.integers(0, 2**32)
+            max_new[i] = r.max_new
+            stops = sorted(r.eos)
+            if len(stops) > MAX_STOP:
+                raise ValueError(f"request {r.index} has {len(stops)} stop tokens; at most {MAX_STOP} are supported")
+            stop_ids[i, : len(stops)] = stops
+            r.length, r.dispatched = n, 1
+        greedy = all(r.params.greedy for r in reqs)
+        fn = functools.partial(self._spec_prefill_impl, greedy=greedy)
+        args = (self.params, self.draft_params, self.cache, self.dk, self.dv, self.srows, tokens, lengths, row_ids,
+                table, tree_slots, scratch_slots, (temperature, top_k, top_p, seed, max_new, stop_ids))
+        return self._run(("spec_prefill", b, t, greedy), fn, args)
+
+    def _dispatch_decode(self, reqs: list[_Request]):
+        s = self.spec
+        b = pick_bucket(self.batch_buckets, len(reqs))
+        row_ids = np.full((b,), self.scratch_row, np.int32)
+        for i, r in enumerate(reqs):
+            row_ids[i] = r.row
+            r.dispatched += 1  # rounds in flight bound how far L can have moved
+        # L <= prompt + tokens received + (S+1) per unread call; the prefix bucket must cover it.
+        longest = max(len(r.prompt) + len(r.out.token_ids) + (s.num_steps + 1) * (r.dispatched - r.processed)
+                      for r in reqs)
+        kv = pick_bucket(self.kv_buckets, min(longest, self.max_ctx))
+        greedy = all(r.params.greedy for r in reqs)
+        fn = functools.partial(self._round_impl, kv_len=kv, greedy=greedy)
+        args = (self.params, self.draft_params, self.cache, self.dk, self.dv, self.srows, row_ids)
+        return self._run(("round", b, kv, greedy), fn, args)
+
+    def _wants_step(self, r: _Request) -> bool:
+        return not r.done
+
+    def _process(self, kind, batch, host, t0, on_tokens) -> None:
+        s = self.spec.num_steps
+        for i, r in enumerate(batch):
+            r.processed += 1
+            if r.done:
+                continue
+            row = host[i]
+            if kind == "step" and row[s + 1] >= 0:
+                self.accept_lengths.append(int(row[s + 1]) + 1)
+            toks = row[: s + 1]
+            self._accept_tokens(r, toks[toks >= 0], t0, on_tokens)
+            if row[s + 2] and not r.done:
+                raise AssertionError(f"request {r.index}: the device finished it, the host did not")
+
+    def generate(self, prompts, params=None, on_tokens=None):
+        from jeagle.sampling import SamplingParams
+
+        self.accept_lengths = []
+        outs = super().generate(prompts, SamplingParams() if params is None else params, on_tokens)
+        acc = self.accept_lengths
+        self.last_stats["rounds"] = len(acc)
+        self.last_stats["accept_length"] = float(np.mean(acc)) if acc else 1.0
+        self.last_stats["accept_length_histogram"] = {str(k): acc.count(k) for k in range(1, self.spec.num_steps + 2)}
+        return outs

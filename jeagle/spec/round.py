@@ -1,0 +1,226 @@
+"""One speculative round as one jitted function: draft → tree → verify → accept → finish → commit → extend.
+
+Per-row device state (`SpecRows`, donated between rounds) carries everything the next round needs,
+so rounds chain on the device with no host round trip:
+
+    root          [R]      the previous round's bonus token, at position L (no KV yet)
+    seq_len       [R]      L: positions 0..L-1 hold target and draft KV
+    topk_p/topk_id[R, K]   the draft's top-K at the root (target ids), from the last draft extend
+    feature       [R, H]   the draft hidden recycled as the first draft step's feature
+    tree_slots    [R, N]   slots the verify writes the N tree tokens' KV into (target and draft pools)
+    scratch_slots [R, SK]  slots for the draft's KV of the round's beam tokens, SK = (S-1)·K
+    n_generated, max_new, stop_ids [R, MAX_STOP] (-1 padded), finished, sampling parameters
+
+Slot ownership. A request owns its position slots, its N tree slots and its scratch slots for its
+whole life. Commit swaps, for each accepted node j, the slot at position L+j with the node's tree
+slot: the accepted KV (target and draft) becomes the prefix without a copy, and the position slot
+becomes a free tree slot for the next round.
+
+Draft pairing: the draft consumes (token at p+1, feature at p) at position p. Step i ≥ 1 of the round
+feeds the beam tokens of depth i (position L+i) at position L+i-1 with their parents' draft hidden.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+from jeagle.models.common import AttnInputs
+from jeagle.spec.tree import build_tree_reference, select_nodes
+from jeagle.spec.verify import target_probs, tree_sampling_reference, verify_tree_greedy_reference
+
+MAX_STOP = 8
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    num_steps: int = 5  # S
+    topk: int = 4  # K
+    num_draft_tokens: int = 8  # N (the root included)
+    threshold_single: float = 1.0
+    threshold_acc: float = 1.0
+
+    def __post_init__(self):
+        s, k, n = self.num_steps, self.topk, self.num_draft_tokens
+        if s < 1 or k < 1 or n < 2:
+            raise ValueError(f"speculative steps/topk/draft tokens must be >= 1/1/2, got {s}/{k}/{n}")
+        if k == 1 and n != s + 1:
+            raise ValueError(f"with topk 1 (a chain) num_draft_tokens must be num_steps + 1 = {s + 1}, got {n}")
+        if n - 1 > k + (s - 1) * k * k:
+            raise ValueError(f"num_draft_tokens {n}: N-1 = {n - 1} exceeds the {k + (s - 1) * k * k} nodes that "
+                             f"{s} steps of top-{k} produce (K + (S-1)K²)")
+        if not (0 < self.threshold_acc <= 1 and 0 < self.threshold_single <= 1):
+            raise ValueError("accept thresholds must be in (0, 1]")
+
+    @property
+    def scratch(self) -> int:
+        return max(1, (self.num_steps - 1) * self.topk)
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class SpecRows:
+    root: jax.Array
+    seq_len: jax.Array
+    topk_p: jax.Array
+    topk_id: jax.Array
+    feature: jax.Array
+    tree_slots: jax.Array
+    scratch_slots: jax.Array
+    n_generated: jax.Array
+    max_new: jax.Array
+    stop_ids: jax.Array
+    finished: jax.Array
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    seed: jax.Array
+
+    def gather(self, rows):
+        return jax.tree.map(lambda x: x[rows], self)
+
+    def scatter(self, rows, new: "SpecRows") -> "SpecRows":
+        return jax.tree.map(lambda x, y: x.at[rows].set(y), self, new)
+
+
+def init_rows(num_rows: int, cfg: SpecConfig, hidden: int, dtype) -> SpecRows:
+    r, k = num_rows, cfg.topk
+    z = lambda *s, dt=jnp.int32: jnp.zeros(s, dt)  # noqa: E731
+    return SpecRows(root=z(r), seq_len=z(r), topk_p=z(r, k, dt=jnp.float32), topk_id=z(r, k), feature=z(r, hidden, dt=dtype),
+                    tree_slots=z(r, cfg.num_draft_tokens), scratch_slots=z(r, cfg.scratch), n_generated=z(r),
+                    max_new=z(r), stop_ids=jnp.full((r, MAX_STOP), -1, jnp.int32),
+                    finished=jnp.ones((r,), bool), temperature=z(r, dt=jnp.float32), top_k=z(r),
+                    top_p=jnp.ones((r,), jnp.float32), seed=z(r, dt=jnp.uint32))
+
+
+def draft_topk(head, logits, k: int):
+    """Top-K probabilities and target token ids of draft logits [..., Vd]."""
+    p, idx = jax.lax.top_k(jax.nn.softmax(logits.astype(jnp.float32), -1), k)
+    return p, head.draft_to_target(idx).astype(jnp.int32)
+
+
+def round_keys(seed, seq_len, n):
+    """Uniform coins [B, N] for the tree walk and [B] for the bonus, from (seed, L)."""
+    def one(s, length):
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(s), length), 0x5EC)
+        a, b = jax.random.split(key)
+        return jax.random.uniform(a, (n,)), jax.random.uniform(b, ())
+    return jax.vmap(one)(seed, seq_len)
+
+
+def spec_round(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, row_ids, *, kv_len: int, greedy: bool,
+               aux_layers: tuple[int, ...], unroll: bool = False):
+    """One round for the rows `row_ids` [B]. Returns (out [B, S+3] int32: emitted tokens (-1 padded),
+    accept length (bonus excluded), finished flag; cache, dk, dv, rows)."""
+    S, K, N = cfg.num_steps, cfg.topk, cfg.num_draft_tokens
+    r = rows.gather(row_ids)
+    b = row_ids.shape[0]
+    ar = jnp.arange(b)
+    L = r.seq_len
+    table = cache.req_to_token[row_ids]
+    prefix_slots = table[:, :kv_len]
+    prefix_vis = jnp.arange(kv_len)[None, :] < L[:, None]  # [B, kv_len]
+    embed = target.embed[...]
+    lm_head_t = embed if target.lm_head is None else target.lm_head[...]
+
+    # ---- draft: S steps of top-K expansion ------------------------------------------------
+    scores, tokens, parents = [r.topk_p], [r.topk_id], [jnp.full((b, K), -1, jnp.int32)]
+    beam_tok, beam_scores = r.topk_id, r.topk_p
+    beam_feat = jnp.broadcast_to(r.feature[:, None, :], (b, K, r.feature.shape[-1]))
+    beam_flat = jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), (b, K))
+    sk = cfg.scratch
+    anc = jnp.zeros((b, K, sk), bool)
+    for i in range(1, S):
+        entry = (i - 1) * K + jnp.arange(K)
+        anc = anc.at[:, jnp.arange(K), entry].set(True)
+        attn = AttnInputs(positions=jnp.broadcast_to((L + i - 1)[:, None], (b, K)),
+                          write_slots=r.scratch_slots[:, entry],
+                          kv_slots=jnp.concatenate([prefix_slots, r.scratch_slots], 1), kv_len=L,
+                          mask=jnp.concatenate([jnp.broadcast_to(prefix_vis[:, None], (b, K, kv_len)), anc], 2))
+        out = head(beam_tok, beam_feat, attn, dk, dv, embed=embed, lm_head=lm_head_t)
+        dk, dv = out.k, out.v
+        p, ids = draft_topk(head, out.logits, K)  # [B, K, K]
+        expand = (beam_scores[:, :, None] * p).reshape(b, K * K)
+        new_scores, cs = jax.lax.top_k(expand, K)
+        parent_beam = cs // K
+        scores.append(expand)
+        tokens.append(ids.reshape(b, K * K))
+        parents.append(jnp.repeat(beam_flat, K, axis=1))
+        beam_tok = jnp.take_along_axis(ids.reshape(b, K * K), cs, 1)
+        beam_scores = new_scores
+        beam_feat = jnp.take_along_axis(out.hidden, parent_beam[:, :, None], 1)
+        anc = jnp.take_along_axis(anc, parent_beam[:, :, None], 1)
+        beam_flat = (K + (i - 1) * K * K + cs).astype(jnp.int32)
+
+    # ---- organize + build the tree -------------------------------------------------------
+    selected = select_nodes(jnp.concatenate(scores, 1), N)
+    tree = build_tree_reference(r.root, jnp.concatenate(tokens, 1), jnp.concatenate(parents, 1), selected, S)
+
+    # ---- verify: one target forward over the B·N tree tokens ------------------------------
+    node_slots = r.tree_slots
+    tree_attn = AttnInputs(positions=L[:, None] + tree.depth, write_slots=node_slots,
+                           kv_slots=jnp.concatenate([prefix_slots, node_slots], 1), kv_len=L,
+                           mask=jnp.concatenate([jnp.broadcast_to(prefix_vis[:, None], (b, N, kv_len)), tree.mask], 2))
+    tout = target(tree.tokens, tree_attn, cache.k, cache.v, aux_layers=aux_layers, unroll=unroll)
+
+    # ---- accept ----------------------------------------------------------------------------
+    walk = (tree.tokens, tree.retrieve_index, tree.retrieve_next_token, tree.retrieve_next_sibling)
+    g_predict, g_index, g_len, g_bonus = verify_tree_greedy_reference(
+        *walk, jnp.argmax(tout.logits, -1).astype(jnp.int32), S + 1)
+    if greedy:
+        predict, accept_index, acc, bonus = g_predict, g_index, g_len, g_bonus
+    else:
+        probs = target_probs(tout.logits, r.temperature, r.top_k, r.top_p)
+        coins, final_coin = round_keys(r.seed, L, N)
+        s_out = tree_sampling_reference(*walk, probs, coins, final_coin, S + 1, cfg.threshold_single,
+                                        cfg.threshold_acc)
+        use_greedy = r.temperature <= 0
+        predict, accept_index, acc, bonus = (jnp.where(use_greedy.reshape((b,) + (1,) * (g.ndim - 1)), g, s)
+                                             for g, s in zip((g_predict, g_index, g_len, g_bonus), s_out))
+    path = jnp.where(accept_index >= 0, accept_index % N, -1)  # [B, S+1] node ids
+
+    # ---- finish checks inside the accepted run ----------------------------------------------
+    j = jnp.arange(S + 1)[None, :]
+    in_run = j <= acc[:, None]
+    emitted = jnp.where(in_run, jnp.take_along_axis(predict, jnp.maximum(path, 0), 1), -1)
+    is_stop = jnp.any(emitted[:, :, None] == r.stop_ids[:, None, :], -1) & in_run & (emitted >= 0)
+    first_stop = jnp.where(jnp.any(is_stop, 1), jnp.argmax(is_stop, 1), S + 1)
+    limit = r.max_new - r.n_generated - 1  # index of the emitted token that reaches max_new_tokens
+    cut = jnp.minimum(jnp.minimum(first_stop, limit), acc)
+    finishing = (first_stop <= acc) | (limit <= acc)
+    n_emit = jnp.where(r.finished, 0, cut + 1)
+    emitted = jnp.where(j < n_emit[:, None], emitted, -1)
+    finished = r.finished | finishing
+    commit = ~finished
+
+    # ---- draft extend over the N tree nodes (static shape) -----------------------------------
+    last = jnp.take_along_axis(path, acc[:, None], 1)[:, 0]
+    ext_tok = jnp.where(predict >= 0, predict, tree.tokens)  # accepted nodes: the token that follows them
+    feature = tout.hidden if head.cfg.kind == "eagle1" else tout.aux_hidden
+    dout = head(ext_tok, feature, tree_attn, dk, dv, embed=embed, lm_head=lm_head_t, logits_index=last)
+    dk, dv = dout.k, dout.v
+    topk_p, topk_id = draft_topk(head, dout.logits, K)
+    new_feature = dout.hidden[ar, last]
+
+    # ---- commit: swap position slots and accepted tree slots ---------------------------------
+    valid = commit[:, None] & in_run  # root + accepted nodes
+    max_ctx = cache.req_to_token.shape[1]
+    pos_cols = jnp.where(valid, L[:, None] + j, max_ctx)  # out of range → dropped
+    pos_slots = jnp.take_along_axis(table, jnp.minimum(L[:, None] + j, max_ctx - 1), 1)
+    node_cols = jnp.where(valid, path, N)
+    acc_slots = jnp.take_along_axis(node_slots, jnp.maximum(path, 0), 1)
+    req_to_token = cache.req_to_token.at[row_ids[:, None], pos_cols].set(acc_slots, mode="drop")
+    tree_slots = node_slots.at[ar[:, None], node_cols].set(pos_slots, mode="drop")
+
+    keep = lambda new, old: jnp.where(commit.reshape((b,) + (1,) * (old.ndim - 1)), new, old)  # noqa: E731
+    new_rows = SpecRows(root=keep(bonus, r.root), seq_len=keep(L + acc + 1, L), topk_p=keep(topk_p, r.topk_p),
+                        topk_id=keep(topk_id, r.topk_id), feature=keep(new_feature.astype(r.feature.dtype), r.feature),
+                        tree_slots=tree_slots, scratch_slots=r.scratch_slots, n_generated=r.n_generated + n_emit,
+                        max_new=r.max_new, stop_ids=r.stop_ids, finished=finished, temperature=r.temperature,
+                        top_k=r.top_k, top_p=r.top_p, seed=r.seed)
+    rows = rows.scatter(row_ids, new_rows)
+    out = jnp.concatenate([emitted, jnp.where(r.finished, -1, acc)[:, None], finished[:, None].astype(jnp.int32)], 1)
+    cache = type(cache)(k=tout.k, v=tout.v, req_to_token=req_to_token)
+    return out, cache, dk, dv, rows
