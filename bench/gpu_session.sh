@@ -20,8 +20,14 @@ python3 -c "import jax, flax, transformers; print(jax.__version__, flax.__versio
 shift || true
 steps=" ${*:-tests bench} "
 if [[ "$steps" == *" tests "* ]]; then
-  python3 -m pytest -q -m gpu -s tests/test_gpu.py 2>&1 | tee "$OUT/pytest_gpu.log"
+  python3 -m pytest -q -m gpu -s tests/test_gpu.py 2>&1 | grep -v "Converting\|Loading" | tee "$OUT/pytest_gpu.log"
   python3 -m pytest -q -x tests/test_parity_hf.py tests/test_cache.py tests/test_engine.py 2>&1 | tail -5 | tee "$OUT/pytest_cpu_suite_on_gpu.log"
+fi
+if [[ "$steps" == *" spectests "* ]]; then
+  python3 -m pytest -q -x tests/test_spec.py -k "hand or oracle or eos or committed or split" 2>&1 | tail -5 | tee "$OUT/pytest_spec_on_gpu.log"
+fi
+if [[ "$steps" == *" specbench "* ]]; then
+  python3 bench/spec_round.py --shape smollm2 --batch-sizes 1,16 --tiers 5,4,8:3,1,4 2>&1 | tee "$OUT/spec_round.log"
 fi
 if [[ "$steps" == *" bench "* ]]; then
   python3 bench/decode.py --batch-sizes 1,16 --decode-steps "${DECODE_STEPS:-1,4}" --unroll "${UNROLL:-0,1}" \

@@ -351,18 +351,20 @@ class Engine:
         while waiting or running or pending:
             # Admit what fits, in arrival order, and prefill it in groups of bounded padded size.
             group: list[_Request] = []
+            group_longest = 0
             while waiting and len(running) + len(group) < self.max_reqs:
                 nxt = waiting[0]
-                longest = max([len(r.prompt) for r in group] + [len(nxt.prompt)])
+                longest = max(group_longest, len(nxt.prompt))
                 padded = pick_bucket(self.batch_buckets, len(group) + 1) * pick_bucket(self.prefill_buckets, longest)
                 if group and padded > self.cfg.max_prefill_tokens:
                     pending.append(("prefill", group, self._dispatch_prefill(group)))
                     running += group
-                    group = []
+                    group, group_longest = [], 0
                     continue
                 if not self._admit(nxt):
                     break
                 group.append(waiting.popleft())
+                group_longest = longest
             if group:
                 pending.append(("prefill", group, self._dispatch_prefill(group)))
                 running += group

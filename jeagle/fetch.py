@@ -146,3 +146,25 @@ def resolve_target(spec: str | None, *, dtype: str = "bfloat16", quiet: bool = F
         return out
     raise CheckpointError(f"--target {spec}: not a jeagle checkpoint, a Hugging Face model dir (config.json) "
                           "or a .gguf file")
+
+
+def resolve_draft(spec: str, target_dir: Path, *, dtype: str = "bfloat16", quiet: bool = False) -> Path:
+    """A converted draft dir for `--draft`: a converted jeagle draft, or a PyTorch EAGLE head dir
+    converted on first use (for this target) into the cache."""
+    from jeagle.checkpoint import DRAFT_FORMAT, CheckpointError, is_converted
+
+    src = Path(spec).expanduser()
+    if not src.is_dir():
+        raise CheckpointError(f"--draft {spec}: no such directory")
+    if is_converted(src, DRAFT_FORMAT):
+        return src
+    weights = next((w for w in (src / "model.safetensors", src / "pytorch_model.bin") if w.exists()), src / "config.json")
+    key = _source_key(weights) + hashlib.sha256(str(Path(target_dir).absolute()).encode()).hexdigest()[:6]
+    out = cache_dir() / "drafts" / f"{src.name}-{dtype}-{key}"
+    if not is_converted(out, DRAFT_FORMAT):
+        from checkpoints_conv.eagle import convert_eagle
+
+        if not quiet:
+            _log(f"converting EAGLE head {src} to {out} (once)")
+        convert_eagle(src, out, target=target_dir, dtype=dtype)
+    return out

@@ -32,6 +32,13 @@ class GenerateArgs:
     mem_fraction_static: float | None = None
     decode_steps: int = 1
     unroll_layers: bool = False
+    draft: str | None = None
+    speculative_algorithm: str | None = None
+    speculative_num_steps: int | None = None
+    speculative_eagle_topk: int | None = None
+    speculative_num_draft_tokens: int | None = None
+    speculative_accept_threshold_single: float = 1.0
+    speculative_accept_threshold_acc: float = 1.0
 
 
 def parse_args(argv: list[str] | None = None) -> GenerateArgs:
@@ -62,9 +69,25 @@ def parse_args(argv: list[str] | None = None) -> GenerateArgs:
                    help="size the KV cache to this fraction of GPU memory instead")
     p.add_argument("--decode-steps", type=int, default=1, help="tokens per decode dispatch")
     p.add_argument("--unroll-layers", action="store_true", help="unroll the layer loop (slower compile)")
+    spec = p.add_argument_group("speculative decoding (EAGLE)")
+    spec.add_argument("--draft", help="EAGLE head: a converted jeagle draft dir or a PyTorch EAGLE/EAGLE-3 dir "
+                                      "(converted on first use and cached)")
+    spec.add_argument("--speculative-algorithm", choices=["EAGLE", "EAGLE3", "none"], default=None,
+                      help="default: detected from the head; 'none' decodes with the target only")
+    spec.add_argument("--speculative-num-steps", type=int, default=None, help="S (default 5)")
+    spec.add_argument("--speculative-eagle-topk", type=int, default=None, help="K (default 4)")
+    spec.add_argument("--speculative-num-draft-tokens", type=int, default=None, help="N (default 8; S+1 when K=1)")
+    spec.add_argument("--speculative-accept-threshold-single", type=float, default=1.0)
+    spec.add_argument("--speculative-accept-threshold-acc", type=float, default=1.0)
     a = p.parse_args(argv)
     if not a.prompts and not a.prompts_file:
         p.error("give prompts as arguments or --prompts-file")
+    given = [x is not None for x in (a.speculative_num_steps, a.speculative_eagle_topk, a.speculative_num_draft_tokens)]
+    if any(given) and not all(given):
+        p.error("give all three of --speculative-num-steps, --speculative-eagle-topk, "
+                "--speculative-num-draft-tokens, or none (defaults 5/4/8)")
+    if a.speculative_algorithm in ("EAGLE", "EAGLE3") and not a.draft:
+        p.error(f"--speculative-algorithm {a.speculative_algorithm} needs --draft")
     return GenerateArgs(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in vars(a).items()})
 
 
@@ -81,6 +104,26 @@ def read_prompts_file(path: str) -> list[str]:
                 raise ValueError(f"{path}:{n}: expected a JSON object with a 'prompt' field ({e})") from e
         return out
     return [line for line in text.splitlines() if line.strip()]
+
+
+ALGORITHMS = {"eagle1": "EAGLE", "eagle3": "EAGLE3"}
+
+
+def load_speculative_draft(args: GenerateArgs, target_dir, model):
+    """The draft head for --draft (converted on first use), or None for target-only decoding."""
+    if args.speculative_algorithm == "none" or not args.draft:
+        return None
+    from jeagle.checkpoint import load_draft
+    from jeagle.config import ConfigError
+    from jeagle.fetch import resolve_draft
+
+    draft_dir = resolve_draft(args.draft, target_dir, dtype=args.dtype, quiet=args.json)
+    head = load_draft(draft_dir, target=model.cfg, dtype=args.dtype)
+    detected = ALGORITHMS[head.cfg.kind]
+    if args.speculative_algorithm is not None and args.speculative_algorithm != detected:
+        raise ConfigError(f"--speculative-algorithm {args.speculative_algorithm}, but {args.draft} is an "
+                          f"{detected} head")
+    return head
 
 
 def run(args: GenerateArgs) -> dict:
@@ -104,10 +147,23 @@ def run(args: GenerateArgs) -> dict:
     t_load = time.perf_counter()
     model = load_model(target_dir, dtype=args.dtype)
     batch = args.batch_size or min(len(ids), 16)
-    engine = Engine(model, EngineConfig(max_batch_size=batch, max_context=args.max_context,
-                                        max_total_tokens=args.max_total_tokens,
-                                        mem_fraction_static=args.mem_fraction_static,
-                                        decode_steps=args.decode_steps, unroll_layers=args.unroll_layers))
+    engine_cfg = EngineConfig(max_batch_size=batch, max_context=args.max_context,
+                              max_total_tokens=args.max_total_tokens, mem_fraction_static=args.mem_fraction_static,
+                              decode_steps=args.decode_steps, unroll_layers=args.unroll_layers)
+    draft = load_speculative_draft(args, target_dir, model)
+    if draft is None:
+        engine = Engine(model, engine_cfg)
+    else:
+        from jeagle.spec.engine import SpecEngine
+        from jeagle.spec.round import SpecConfig
+
+        s, k, n = args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens
+        if s is None:
+            s, k, n = 5, 4, 8
+        spec = SpecConfig(num_steps=s, topk=k, num_draft_tokens=n,
+                          threshold_single=args.speculative_accept_threshold_single,
+                          threshold_acc=args.speculative_accept_threshold_acc)
+        engine = SpecEngine(model, draft, engine_cfg, spec)
     load_s = time.perf_counter() - t_load
     params = [SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                              top_p=args.top_p, seed=None if args.seed is None else args.seed + i,
@@ -147,6 +203,10 @@ def run(args: GenerateArgs) -> dict:
             "load_s": load_s,
             "target": str(target_dir),
             "batch_size": batch,
+            # Tokens emitted per round per request, bonus included (1.0 without a draft).
+            "accept_length": stats.get("accept_length", 1.0),
+            "rounds": stats.get("rounds", 0),
+            "accept_length_histogram": stats.get("accept_length_histogram", {}),
         },
     }
     if args.json:

@@ -79,3 +79,43 @@ def test_offline_and_not_cached_says_what_to_do(tmp_path):
 def test_prompt_longer_than_context_is_refused():
     proc = run_cli("--max-context", "16", "word " * 40, "--raw", check=False)
     assert proc.returncode == 2 and "the context holds 16" in proc.stderr
+
+
+@pytest.fixture(scope="module")
+def smollm2_head(smollm2_dir, tmp_path_factory):
+    """A random-weight EAGLE-1 head for SmolLM2 in the official PyTorch format (converted on the fly)."""
+    import numpy as np
+
+    from jeagle.checkpoint import load_model
+    from tests.eagle_refs import make_eagle1
+
+    embed = np.asarray(load_model(smollm2_dir).embed[...], np.float32)
+    out = tmp_path_factory.mktemp("smollm2_head")
+    make_eagle1(out, vocab_size=49152, hidden_size=576, intermediate_size=1536, num_heads=9, num_kv_heads=3,
+                rope_theta=10000.0, embed=embed, save_embed=False)
+    return out
+
+
+SPEC = ("--speculative-num-steps", "3", "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "4")
+
+
+def test_draft_gives_the_target_only_output(single, smollm2_head):
+    doc = json.loads(run_cli("--json", "--max-new-tokens", "24", "--draft", str(smollm2_head), *SPEC, QUESTION).stdout)
+    assert doc["outputs"][0]["token_ids"] == single["outputs"][0]["token_ids"]
+    stats = doc["stats"]
+    assert stats["rounds"] > 0 and stats["accept_length"] >= 1.0
+    assert sum(stats["accept_length_histogram"].values()) == stats["rounds"]
+    assert single["stats"]["accept_length"] == 1.0 and single["stats"]["rounds"] == 0
+
+
+def test_speculative_flag_errors(smollm2_head):
+    proc = run_cli("--draft", str(smollm2_head), "--speculative-algorithm", "EAGLE3", QUESTION, check=False)
+    assert proc.returncode == 2 and "is an EAGLE head" in proc.stderr
+    proc = run_cli("--draft", str(smollm2_head), "--speculative-num-steps", "3", QUESTION, check=False)
+    assert proc.returncode == 2 and "all three" in proc.stderr
+    proc = run_cli("--draft", str(smollm2_head), "--speculative-num-steps", "2", "--speculative-eagle-topk", "2",
+                   "--speculative-num-draft-tokens", "9", QUESTION, check=False)
+    assert proc.returncode == 2 and "exceeds the 6 nodes" in proc.stderr
+    doc = json.loads(run_cli("--json", "--max-new-tokens", "4", "--draft", str(smollm2_head),
+                             "--speculative-algorithm", "none", QUESTION).stdout)
+    assert doc["stats"]["rounds"] == 0

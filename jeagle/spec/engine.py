@@ -25,14 +25,17 @@ from jeagle.models.common import AttnInputs
 from jeagle.models.eagle import EagleHead
 from jeagle.models.llama import Llama
 from jeagle.sampling import sample
-from jeagle.spec.round import MAX_STOP, SpecConfig, SpecRows, draft_topk, init_rows, spec_round
+from jeagle.spec.round import MAX_STOP, SpecConfig, SpecRows, draft_topk, draft_tree, init_rows, spec_round, verify_commit
 
 
 class SpecEngine(Engine):
     def __init__(self, model: Llama, draft: EagleHead, config: EngineConfig = EngineConfig(),
-                 spec: SpecConfig = SpecConfig()):
+                 spec: SpecConfig = SpecConfig(), *, fused_round: bool = True):
+        """fused_round: one executable per round (default); False runs the draft + tree and the
+        verify + accept + commit + extend as two executables (for measuring the difference)."""
         draft.cfg.check_target(model.cfg)
         self.spec = spec
+        self.fused_round = fused_round
         self._context_reserve = spec.num_steps + 1
         super().__init__(model, config)
         self.draft_graphdef, self.draft_params = nnx.split(draft)
@@ -91,13 +94,24 @@ class SpecEngine(Engine):
         return spec_round(target, head, self.spec, cache, dk, dv, srows, row_ids, kv_len=kv_len, greedy=greedy,
                           aux_layers=self.aux_layers, unroll=self.cfg.unroll_layers)
 
+    def _draft_impl(self, params, dparams, cache, dk, dv, srows, row_ids, *, kv_len):
+        target = nnx.merge(self.graphdef, params)
+        head = nnx.merge(self.draft_graphdef, dparams)
+        return draft_tree(target, head, self.spec, cache, dk, dv, srows, row_ids, kv_len=kv_len)
+
+    def _verify_impl(self, params, dparams, cache, dk, dv, srows, row_ids, tree, *, kv_len, greedy):
+        target = nnx.merge(self.graphdef, params)
+        head = nnx.merge(self.draft_graphdef, dparams)
+        return verify_commit(target, head, self.spec, cache, dk, dv, srows, row_ids, tree, kv_len=kv_len,
+                             greedy=greedy, aux_layers=self.aux_layers, unroll=self.cfg.unroll_layers)
+
     def _run(self, key, fn, args):
         exe = self._executable_donating(key, fn, args)
         res, self.cache, self.dk, self.dv, self.srows = exe(*args)
         res.copy_to_host_async()
         return res
 
-    def _executable_donating(self, key, fn, args):
+    def _executable_donating(self, key, fn, args, donate=(2, 3, 4, 5)):
         import time
         import warnings
 
@@ -106,7 +120,7 @@ class SpecEngine(Engine):
             t0 = time.perf_counter()
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-                exe = jax.jit(fn, donate_argnums=(2, 3, 4, 5)).lower(*args).compile()
+                exe = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
             self.compile_seconds += time.perf_counter() - t0
             self._executables[key] = exe
         return exe
@@ -158,9 +172,16 @@ class SpecEngine(Engine):
                       for r in reqs)
         kv = pick_bucket(self.kv_buckets, min(longest, self.max_ctx))
         greedy = all(r.params.greedy for r in reqs)
-        fn = functools.partial(self._round_impl, kv_len=kv, greedy=greedy)
         args = (self.params, self.draft_params, self.cache, self.dk, self.dv, self.srows, row_ids)
-        return self._run(("round", b, kv, greedy), fn, args)
+        if self.fused_round:
+            return self._run(("round", b, kv, greedy), functools.partial(self._round_impl, kv_len=kv, greedy=greedy),
+                             args)
+        draft_exe = self._executable_donating(("draft", b, kv), functools.partial(self._draft_impl, kv_len=kv), args,
+                                              donate=(3, 4))
+        tree, self.dk, self.dv = draft_exe(*args)
+        args = (self.params, self.draft_params, self.cache, self.dk, self.dv, self.srows, row_ids, tree)
+        return self._run(("verify", b, kv, greedy), functools.partial(self._verify_impl, kv_len=kv, greedy=greedy),
+                         args)
 
     def _wants_step(self, r: _Request) -> bool:
         return not r.done

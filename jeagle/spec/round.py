@@ -114,16 +114,29 @@ def spec_round(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, row
                aux_layers: tuple[int, ...], unroll: bool = False):
     """One round for the rows `row_ids` [B]. Returns (out [B, S+3] int32: emitted tokens (-1 padded),
     accept length (bonus excluded), finished flag; cache, dk, dv, rows)."""
+    tree, dk, dv = draft_tree(target, head, cfg, cache, dk, dv, rows, row_ids, kv_len=kv_len)
+    return verify_commit(target, head, cfg, cache, dk, dv, rows, row_ids, tree, kv_len=kv_len, greedy=greedy,
+                         aux_layers=aux_layers, unroll=unroll)
+
+
+def _prefix(cache, r: SpecRows, row_ids, kv_len: int):
+    table = cache.req_to_token[row_ids]
+    return table, table[:, :kv_len], jnp.arange(kv_len)[None, :] < r.seq_len[:, None]  # [B, kv_len]
+
+
+def _heads(target):
+    embed = target.embed[...]
+    return embed, (embed if target.lm_head is None else target.lm_head[...])
+
+
+def draft_tree(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, row_ids, *, kv_len: int):
+    """Draft S steps of top-K expansion and build the verify tree. Returns (tree, dk, dv)."""
     S, K, N = cfg.num_steps, cfg.topk, cfg.num_draft_tokens
     r = rows.gather(row_ids)
     b = row_ids.shape[0]
-    ar = jnp.arange(b)
     L = r.seq_len
-    table = cache.req_to_token[row_ids]
-    prefix_slots = table[:, :kv_len]
-    prefix_vis = jnp.arange(kv_len)[None, :] < L[:, None]  # [B, kv_len]
-    embed = target.embed[...]
-    lm_head_t = embed if target.lm_head is None else target.lm_head[...]
+    _, prefix_slots, prefix_vis = _prefix(cache, r, row_ids, kv_len)
+    embed, lm_head_t = _heads(target)
 
     # ---- draft: S steps of top-K expansion ------------------------------------------------
     scores, tokens, parents = [r.topk_p], [r.topk_id], [jnp.full((b, K), -1, jnp.int32)]
@@ -157,6 +170,19 @@ def spec_round(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, row
     # ---- organize + build the tree -------------------------------------------------------
     selected = select_nodes(jnp.concatenate(scores, 1), N)
     tree = build_tree_reference(r.root, jnp.concatenate(tokens, 1), jnp.concatenate(parents, 1), selected, S)
+    return tree, dk, dv
+
+
+def verify_commit(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, row_ids, tree, *, kv_len: int,
+                  greedy: bool, aux_layers: tuple[int, ...], unroll: bool = False):
+    """Verify the tree with the target, accept, check finishes, extend the draft, commit."""
+    S, K, N = cfg.num_steps, cfg.topk, cfg.num_draft_tokens
+    r = rows.gather(row_ids)
+    b = row_ids.shape[0]
+    ar = jnp.arange(b)
+    L = r.seq_len
+    table, prefix_slots, prefix_vis = _prefix(cache, r, row_ids, kv_len)
+    embed, lm_head_t = _heads(target)
 
     # ---- verify: one target forward over the B·N tree tokens ------------------------------
     node_slots = r.tree_slots

@@ -1,0 +1,240 @@
+"""The speculative round: lossless greedy decoding for every tier shape and batch composition, hand-built
+trees, oracle/adversarial heads, finish points inside accepted runs, committed KV, sampling exactness."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jeagle.engine import Engine, EngineConfig
+from jeagle.models.eagle import random_draft
+from jeagle.sampling import SamplingParams
+from jeagle.spec.engine import SpecEngine
+from jeagle.spec.round import SpecConfig
+from jeagle.spec.tree import build_tree_reference
+from jeagle.spec.verify import tree_sampling_reference, verify_tree_greedy_reference
+from tests.spec_models import bigram_target, draft_config, signed_identity_head, target_config
+
+TIERS = [(1, 1, 2), (3, 1, 4), (5, 4, 8), (4, 8, 32)]
+BUCKETS = (1, 4, 8)
+
+
+@pytest.fixture(scope="module")
+def target():
+    return bigram_target(target_config())
+
+
+@pytest.fixture(scope="module")
+def heads(target):
+    return {"oracle": signed_identity_head(target, +1.0), "noisy": signed_identity_head(target, +1.0, noise=0.08),
+            "eagle3-random": random_draft(draft_config(target.cfg, "eagle3"), seed=4)}
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(0)
+    return [list(rng.integers(4, 96, n)) for n in (3, 11, 6, 1, 17, 8, 5, 2)]
+
+
+def target_only(model, prompts, sp):
+    return [o.token_ids for o in Engine(model, EngineConfig(max_batch_size=8, max_context=128)).generate(prompts, sp)]
+
+
+def test_spec_config_validation():
+    with pytest.raises(ValueError, match="must be num_steps \\+ 1 = 4"):
+        SpecConfig(3, 1, 5)
+    with pytest.raises(ValueError, match="exceeds the 6 nodes"):
+        SpecConfig(2, 2, 8)
+    SpecConfig(2, 2, 7)
+
+
+@pytest.mark.parametrize("tier", TIERS, ids=[f"S{s}K{k}N{n}" for s, k, n in TIERS])
+@pytest.mark.parametrize("head_name", ["oracle", "noisy", "eagle3-random"])
+def test_lossless_greedy_every_tier_and_batch(target, heads, prompts, tier, head_name):
+    sp = SamplingParams(max_new_tokens=17, ignore_eos=True)
+    want = target_only(target, prompts, sp)
+    for batch in (1, 3, 8):
+        buckets = tuple(b for b in BUCKETS if b < batch) + (batch,)
+        engine = SpecEngine(target, heads[head_name],
+                            EngineConfig(max_batch_size=batch, max_context=128, batch_buckets=buckets), SpecConfig(*tier))
+        got = [o.token_ids for o in engine.generate(prompts if batch > 1 else prompts[:3], sp)]
+        assert got == (want if batch > 1 else want[:3]), (tier, head_name, batch)
+        assert engine.allocator.free_count == engine.allocator.num_slots - 1
+
+
+def test_oracle_accepts_every_step_and_adversary_one(target, prompts):
+    sp = SamplingParams(max_new_tokens=25, ignore_eos=True)
+    want = target_only(target, prompts, sp)
+    for tier in [(3, 1, 4), (5, 4, 8)]:
+        s = tier[0]
+        oracle = SpecEngine(target, signed_identity_head(target, +1.0), EngineConfig(max_batch_size=8, max_context=128),
+                            SpecConfig(*tier))
+        assert [o.token_ids for o in oracle.generate(prompts, sp)] == want
+        hist = oracle.last_stats["accept_length_histogram"]
+        # Every round accepts S drafts + the bonus; only a request's last round may be cut short.
+        assert sum(v for k, v in hist.items() if int(k) != s + 1) <= len(prompts)
+        assert oracle.last_stats["accept_length"] > s
+        adversary = SpecEngine(target, signed_identity_head(target, -1.0), EngineConfig(max_batch_size=8,
+                                                                                       max_context=128), SpecConfig(*tier))
+        assert [o.token_ids for o in adversary.generate(prompts, sp)] == want
+        assert adversary.last_stats["accept_length"] == 1.0
+
+
+def test_eos_and_max_new_tokens_inside_an_accepted_run(target, prompts):
+    oracle = signed_identity_head(target, +1.0)
+    free = target_only(target, prompts[:4], SamplingParams(max_new_tokens=30, ignore_eos=True))
+    engine = SpecEngine(target, oracle, EngineConfig(max_batch_size=4, max_context=128), SpecConfig(5, 4, 8))
+    # A stop token met at emitted index 4: inside the first round's run of 6 (after the prefill token).
+    stops = [(f[4],) for f in free]
+    params = [SamplingParams(max_new_tokens=30, stop_token_ids=s, ignore_eos=True) for s in stops]
+    want = [o.token_ids for o in Engine(target, EngineConfig(max_batch_size=4, max_context=128)).generate(prompts[:4], params)]
+    got = engine.generate(prompts[:4], params)
+    assert [o.token_ids for o in got] == want and all(o.finish_reason == "stop" for o in got)
+    # max_new_tokens 4: one prefill token and 3 of the first round's 6.
+    got = engine.generate(prompts[:4], SamplingParams(max_new_tokens=4, ignore_eos=True))
+    assert [o.token_ids for o in got] == [f[:4] for f in free]
+    assert all(o.finish_reason == "length" for o in got)
+    assert engine.allocator.free_count == engine.allocator.num_slots - 1
+
+
+def test_committed_kv_equals_target_only(target, heads, prompts):
+    from tests.util import ragged_forward
+
+    engine = SpecEngine(target, heads["noisy"], EngineConfig(max_batch_size=4, max_context=128), SpecConfig(5, 4, 8))
+    outs = engine.generate(prompts[:4], SamplingParams(max_new_tokens=21, ignore_eos=True))
+    seqs = [p + o.token_ids for p, o in zip(prompts[:4], outs)]
+    _, ref = ragged_forward(target, seqs)
+    t = max(len(s) for s in seqs)
+    table = np.asarray(engine.cache.req_to_token)
+    k_ours, k_ref = np.asarray(engine.cache.k), np.asarray(ref.k)
+    for row in range(4):  # rows are handed out 0, 1, 2, 3
+        committed = int(engine.srows.seq_len[row])
+        assert committed >= len(prompts[row]) + 1
+        ref_slots = 1 + row * t + np.arange(committed)
+        np.testing.assert_allclose(k_ours[:, table[row, :committed]], k_ref[:, ref_slots], rtol=1e-5, atol=1e-6)
+
+
+# ---- hand-built trees ----------------------------------------------------------------------
+# Two steps of top-2: root → a(10), b(11); a → c(20), d(21); b → e(22), f(23). All six selected:
+# tree nodes 1..6 = a, b, c, d, e, f.
+NODE_TOKENS = jnp.array([[10, 11, 20, 21, 22, 23]] * 3, jnp.int32)
+NODE_PARENTS = jnp.array([[-1, -1, 0, 0, 1, 1]] * 3, jnp.int32)
+SELECTED = jnp.array([[0, 1, 2, 3, 4, 5]] * 3, jnp.int32)
+
+
+def hand_tree():
+    return build_tree_reference(jnp.array([5, 5, 5], jnp.int32), NODE_TOKENS, NODE_PARENTS, SELECTED, max_depth=2)
+
+
+def test_build_tree_by_hand():
+    tree = hand_tree()
+    assert tree.tokens[0].tolist() == [5, 10, 11, 20, 21, 22, 23]
+    assert tree.parent[0].tolist() == [-1, 0, 0, 1, 1, 2, 2]
+    assert tree.depth[0].tolist() == [0, 1, 1, 2, 2, 2, 2]
+    assert tree.retrieve_next_token[0].tolist() == [1, 3, 5, -1, -1, -1, -1]
+    assert tree.retrieve_next_sibling[0].tolist() == [-1, 2, -1, 4, -1, 6, -1]
+    assert tree.retrieve_index[1].tolist() == list(range(7, 14))
+    assert np.asarray(tree.mask[0, 6]).tolist() == [True, False, True, False, False, False, True]
+
+
+def test_greedy_verify_by_hand():
+    tree = hand_tree()
+    predict_in = jnp.full((3, 7), 0, jnp.int32)
+    # request 0: root predicts 11 (second sibling b), b predicts 23 (second sibling f), f predicts 99.
+    predict_in = predict_in.at[0, 0].set(11).at[0, 2].set(23).at[0, 6].set(99)
+    # request 1: no child of the root matches.
+    predict_in = predict_in.at[1, 0].set(50)
+    # request 2: full depth through a and c; bonus 7.
+    predict_in = predict_in.at[2, 0].set(10).at[2, 1].set(20).at[2, 3].set(7)
+    predict, accept_index, accept_length, bonus = verify_tree_greedy_reference(
+        tree.tokens, tree.retrieve_index, tree.retrieve_next_token, tree.retrieve_next_sibling, predict_in, 3)
+    assert accept_index.tolist() == [[0, 2, 6], [7, -1, -1], [14, 15, 17]]
+    assert accept_length.tolist() == [2, 0, 2]
+    assert bonus.tolist() == [99, 50, 7]
+    assert predict.tolist() == [[11, -1, 23, -1, -1, -1, 99], [50, -1, -1, -1, -1, -1, -1],
+                                [10, 20, -1, 7, -1, -1, -1]]
+
+
+def test_sampling_verify_by_hand():
+    tree = hand_tree()
+    v = 64
+    probs = np.full((3, 7, v), 0.0, np.float32)
+    probs[:, :, 40] = 1.0  # default: everything on token 40
+    # root: a=0.3, b=0.5, rest 0.2 on 40. coin 0.6 → a rejected (0.3), b accepted (0.8 >= 0.6).
+    probs[0, 0] = 0
+    probs[0, 0, 10], probs[0, 0, 11], probs[0, 0, 40] = 0.3, 0.5, 0.2
+    # at b: e=0.1, f=0.1, 40=0.8; coin 0.99 rejects both → bonus from the residual = token 40.
+    probs[0, 2] = 0
+    probs[0, 2, 22], probs[0, 2, 23], probs[0, 2, 40] = 0.1, 0.1, 0.8
+    coins = np.full((3, 7), 0.5, np.float32)
+    coins[0, 0], coins[0, 2] = 0.6, 0.99
+    predict, accept_index, accept_length, bonus = tree_sampling_reference(
+        tree.tokens, tree.retrieve_index, tree.retrieve_next_token, tree.retrieve_next_sibling, jnp.asarray(probs),
+        jnp.asarray(coins), jnp.full((3,), 0.5), 3)
+    assert accept_index[0].tolist() == [0, 2, -1] and accept_length[0] == 1 and bonus[0] == 40
+    # requests 1 and 2: all mass on 40, never drafted → nothing accepted, the bonus is 40.
+    assert accept_length[1:].tolist() == [0, 0] and bonus[1:].tolist() == [40, 40]
+
+
+# ---- sampling is exact -----------------------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 0.8)], ids=["plain", "T0.7-k5-p0.8"])
+def test_speculative_sampling_follows_the_target_distribution(temperature, top_k, top_p):
+    """20k requests, one seed each: the joint law of the first two emitted tokens equals the target's."""
+    from scipy.stats import chisquare
+
+    from tests.util import ragged_forward
+
+    cfg = target_config(vocab=16, hidden=16, eos=())
+    target = bigram_target(cfg, seed=3, scale=1.5)
+    head = signed_identity_head(target, +1.0, noise=0.3)  # proposals that are often, not always, right
+    n = 20000
+    prompt = [7]
+    engine = SpecEngine(target, head, EngineConfig(max_batch_size=n, max_context=16, batch_buckets=(n,),
+                                                   max_prefill_tokens=n * 16), SpecConfig(3, 2, 5))
+    sp = [SamplingParams(max_new_tokens=2, temperature=temperature, top_k=top_k, top_p=top_p, seed=i)
+          for i in range(n)]
+    outs = engine.generate([prompt] * n, sp)
+    assert engine.last_stats["accept_length"] > 1.05  # drafts were accepted, so the tree walk was exercised
+    pairs = np.array([o.token_ids[:2] for o in outs])
+
+    # The target's next-token laws after the prompt and after prompt + a, for every a, in one forward.
+    seqs = [prompt] + [prompt + [a] for a in range(16)]
+    logits, _ = ragged_forward(target, seqs)
+
+    def law(i):
+        """Temperature, then top-k, then top-p on the renormalised rest (as HF/vLLM/SGLang apply them)."""
+        x = logits[i, len(seqs[i]) - 1].astype(np.float64) / temperature
+        p = np.exp(x - x.max())
+        order = np.argsort(-p, kind="stable")
+        keep = np.zeros(len(p), bool)
+        keep[order[: top_k or len(p)]] = True
+        p = np.where(keep, p, 0.0) / p[keep].sum()
+        ranked = p[order]
+        before = np.cumsum(ranked) - ranked
+        ok = (before < top_p) | (np.arange(len(p)) == 0)
+        q = np.zeros_like(p)
+        q[order[ok]] = p[order[ok]]
+        return q / q.sum()
+
+    p1 = law(0)
+    expected = np.array([p1[a] * law(1 + a) for a in range(16)]).ravel() * n
+    observed = np.bincount(pairs[:, 0] * 16 + pairs[:, 1], minlength=256).astype(float)
+    assert observed[expected == 0].sum() == 0, "a token outside the filtered support was emitted"
+    big = expected >= 5
+    obs = np.append(observed[big], observed[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    assert chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 0.001
+
+
+def test_split_round_executables_give_the_same_output(target, heads, prompts):
+    """The two-executable round (draft + tree | verify + accept + commit + extend) is the fused one split."""
+    sp = SamplingParams(max_new_tokens=15, ignore_eos=True)
+    fused = SpecEngine(target, heads["noisy"], EngineConfig(max_batch_size=4, max_context=128), SpecConfig(4, 2, 6))
+    split = SpecEngine(target, heads["noisy"], EngineConfig(max_batch_size=4, max_context=128), SpecConfig(4, 2, 6),
+                       fused_round=False)
+    assert [o.token_ids for o in split.generate(prompts[:4], sp)] == [o.token_ids for o in fused.generate(prompts[:4], sp)]
+    assert any(k[0] == "draft" for k in split._executables) and not any(k[0] == "draft" for k in fused._executables)
