@@ -238,3 +238,16 @@ def test_split_round_executables_give_the_same_output(target, heads, prompts):
                        fused_round=False)
     assert [o.token_ids for o in split.generate(prompts[:4], sp)] == [o.token_ids for o in fused.generate(prompts[:4], sp)]
     assert any(k[0] == "draft" for k in split._executables) and not any(k[0] == "draft" for k in fused._executables)
+
+
+def test_model_eos_inside_an_accepted_run(target, prompts):
+    """The model's own EOS (not a request stop id) met inside the oracle's accepted run."""
+    free = target_only(target, prompts[:1], SamplingParams(max_new_tokens=30, ignore_eos=True))[0]
+    eos = free[3]
+    eos_target = bigram_target(target_config(eos=(eos,)))  # same weights (same seed), EOS = that token
+    want = Engine(eos_target, EngineConfig(max_batch_size=1, max_context=128)).generate(prompts[:1],
+                                                                                      SamplingParams(max_new_tokens=30))
+    got = SpecEngine(eos_target, signed_identity_head(eos_target, +1.0), EngineConfig(max_batch_size=1, max_context=128),
+                     SpecConfig(5, 4, 8)).generate(prompts[:1], SamplingParams(max_new_tokens=30))
+    assert got[0].token_ids == want[0].token_ids == free[: free.index(eos) + 1]
+    assert got[0].finish_reason == "stop"
