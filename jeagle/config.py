@@ -23,6 +23,59 @@ class ConfigError(ValueError):
     """A model config that jeagle cannot run; the message names the field."""
 
 
+class _ConfigFile:
+    """What the target and draft configs share: attention sizes and the JSON file round trip.
+    Subclasses set FORMAT and TUPLE_FIELDS (list-valued in JSON, tuples in the frozen config)."""
+
+    FORMAT = ""
+    TUPLE_FIELDS: tuple[str, ...] = ()
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def replace(self, **kw):
+        return dataclasses.replace(self, **kw)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        for name in self.TUPLE_FIELDS:
+            d[name] = list(d[name])
+        return {"format": self.FORMAT, **d}
+
+    @classmethod
+    def _fields_from_dict(cls, d: dict[str, Any]) -> dict[str, Any]:
+        d = dict(d)
+        fmt = d.pop("format", cls.FORMAT)
+        if fmt != cls.FORMAT:
+            raise ConfigError(f"config format {fmt!r}, expected {cls.FORMAT!r}")
+        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ConfigError(f"unknown config keys {sorted(unknown)}")
+        for name in cls.TUPLE_FIELDS:
+            d[name] = tuple(d.get(name, ()))
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]):
+        return cls(**cls._fields_from_dict(d))
+
+    def save(self, path: Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: Path):
+        try:
+            d = json.loads(Path(path).read_text())
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path} is not valid JSON: {e}") from e
+        return cls.from_dict(d)
+
+
 @dataclass(frozen=True)
 class RopeScaling:
     """RoPE frequency scaling: "llama3", "linear", or "freq_factors" (per-frequency divisors, as
@@ -37,7 +90,7 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(_ConfigFile):
     arch: str
     vocab_size: int
     hidden_size: int
@@ -69,48 +122,17 @@ class ModelConfig:
         if self.head_dim % 2:
             raise ConfigError(f"head_dim {self.head_dim} must be even for RoPE")
 
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
-    def replace(self, **kw) -> "ModelConfig":
-        return dataclasses.replace(self, **kw)
-
-    # --- serialisation -------------------------------------------------------------------------
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["eos_token_ids"] = list(self.eos_token_ids)
-        return {"format": "jeagle-target-v1", **d}
+    FORMAT = "jeagle-target-v1"
+    TUPLE_FIELDS = ("eos_token_ids",)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
-        d = dict(d)
-        d.pop("format", None)
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(d) - names
-        if unknown:
-            raise ConfigError(f"unknown config keys {sorted(unknown)}")
+        d = cls._fields_from_dict(d)
         if d.get("rope_scaling") is not None:
             rs = dict(d["rope_scaling"])
             rs["freq_factors"] = tuple(rs.get("freq_factors", ()))
             d["rope_scaling"] = RopeScaling(**rs)
-        d["eos_token_ids"] = tuple(d.get("eos_token_ids", ()))
         return cls(**d)
-
-    def save(self, path: Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-
-    @classmethod
-    def load(cls, path: Path) -> "ModelConfig":
-        try:
-            d = json.loads(Path(path).read_text())
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path} is not valid JSON: {e}") from e
-        return cls.from_dict(d)
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], *, dtype: str = "bfloat16", name: str = "") -> "ModelConfig":
@@ -213,7 +235,7 @@ DRAFT_KINDS = ("eagle1", "eagle3")
 
 
 @dataclass(frozen=True)
-class DraftConfig:
+class DraftConfig(_ConfigFile):
     """An EAGLE draft head. `eagle1` covers EAGLE-1/2 heads (same weights; EAGLE-2 differs only in
     the dynamic tree). `aux_layer_ids` (EAGLE-3): the target layers whose *entering* residual stream
     is concatenated low|mid|high as the draft's input feature (jeagle's convention, see README)."""
@@ -250,46 +272,12 @@ class DraftConfig:
         if self.kind == "eagle3" and (not self.draft_vocab_size or len(self.aux_layer_ids) != 3):
             raise ConfigError("an EAGLE-3 draft needs draft_vocab_size and three aux_layer_ids")
 
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
+    FORMAT = "jeagle-draft-v1"
+    TUPLE_FIELDS = ("aux_layer_ids",)
 
     @property
     def rope_scaling(self):
         return None  # EAGLE heads use plain RoPE with their own theta
-
-    def replace(self, **kw) -> "DraftConfig":
-        return dataclasses.replace(self, **kw)
-
-    def to_dict(self) -> dict[str, Any]:
-        d = dataclasses.asdict(self)
-        d["aux_layer_ids"] = list(self.aux_layer_ids)
-        return {"format": "jeagle-draft-v1", **d}
-
-    @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "DraftConfig":
-        d = dict(d)
-        if d.pop("format", "jeagle-draft-v1") != "jeagle-draft-v1":
-            raise ConfigError("not a jeagle draft config")
-        unknown = set(d) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise ConfigError(f"unknown draft config keys {sorted(unknown)}")
-        d["aux_layer_ids"] = tuple(d.get("aux_layer_ids", ()))
-        return cls(**d)
-
-    def save(self, path: Path) -> None:
-        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
-
-    @classmethod
-    def load(cls, path: Path) -> "DraftConfig":
-        try:
-            return cls.from_dict(json.loads(Path(path).read_text()))
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path} is not valid JSON: {e}") from e
 
     def check_target(self, target: ModelConfig) -> None:
         """A clear error, naming both sides, when this head cannot run on `target`."""

@@ -196,14 +196,15 @@ class Engine:
                         top_k=rows.top_k, top_p=rows.top_p, seed=rows.seed)
         return toks, KVCache(k=k, v=v, req_to_token=cache.req_to_token), rows
 
-    def _executable(self, key: tuple, fn, args) -> Callable:
+    def _executable(self, key: tuple, fn, args, donate=(1, 2)) -> Callable:
+        """The compiled executable for `key`, compiled ahead of time from `args` on first need."""
         exe = self._executables.get(key)
         if exe is None:
             t0 = time.perf_counter()
             with warnings.catch_warnings():
                 # CPU backends cannot donate; the GPU path does.
                 warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-                exe = jax.jit(fn, donate_argnums=(1, 2)).lower(*args).compile()
+                exe = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
             self.compile_seconds += time.perf_counter() - t0
             self._executables[key] = exe
         return exe

@@ -106,24 +106,10 @@ class SpecEngine(Engine):
                              greedy=greedy, aux_layers=self.aux_layers, unroll=self.cfg.unroll_layers)
 
     def _run(self, key, fn, args):
-        exe = self._executable_donating(key, fn, args)
+        exe = self._executable(key, fn, args, donate=(2, 3, 4, 5))  # cache, draft pools, rows
         res, self.cache, self.dk, self.dv, self.srows = exe(*args)
         res.copy_to_host_async()
         return res
-
-    def _executable_donating(self, key, fn, args, donate=(2, 3, 4, 5)):
-        import time
-        import warnings
-
-        exe = self._executables.get(key)
-        if exe is None:
-            t0 = time.perf_counter()
-            with warnings.catch_warnings():
-                warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-                exe = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
-            self.compile_seconds += time.perf_counter() - t0
-            self._executables[key] = exe
-        return exe
 
     # ---- dispatch --------------------------------------------------------------------------
     def _dispatch_prefill(self, reqs: list[_Request]):
@@ -176,7 +162,7 @@ class SpecEngine(Engine):
         if self.fused_round:
             return self._run(("round", b, kv, greedy), functools.partial(self._round_impl, kv_len=kv, greedy=greedy),
                              args)
-        draft_exe = self._executable_donating(("draft", b, kv), functools.partial(self._draft_impl, kv_len=kv), args,
+        draft_exe = self._executable(("draft", b, kv), functools.partial(self._draft_impl, kv_len=kv), args,
                                               donate=(3, 4))
         tree, self.dk, self.dv = draft_exe(*args)
         args = (self.params, self.draft_params, self.cache, self.dk, self.dv, self.srows, row_ids, tree)
