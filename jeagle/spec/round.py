@@ -29,7 +29,8 @@ import jax.numpy as jnp
 
 from jeagle.models.common import AttnInputs
 from jeagle.spec.tree import build_tree_reference, select_nodes
-from jeagle.spec.verify import target_probs, tree_sampling_reference, verify_tree_greedy_reference
+from jeagle.kernels.verify_tree_greedy import verify_tree_greedy
+from jeagle.spec.verify import target_probs, tree_sampling_reference
 
 MAX_STOP = 8
 
@@ -193,7 +194,7 @@ def verify_commit(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, 
 
     # ---- accept ----------------------------------------------------------------------------
     walk = (tree.tokens, tree.retrieve_index, tree.retrieve_next_token, tree.retrieve_next_sibling)
-    g_predict, g_index, g_len, g_bonus = verify_tree_greedy_reference(
+    g_predict, g_index, g_len, g_bonus = verify_tree_greedy(  # kernel or reference, per JEAGLE_KERNELS
         *walk, jnp.argmax(tout.logits, -1).astype(jnp.int32), S + 1)
     if greedy:
         predict, accept_index, acc, bonus = g_predict, g_index, g_len, g_bonus

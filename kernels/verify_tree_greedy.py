@@ -1,0 +1,103 @@
+"""Greedy tree verification as a Pallas kernel (Triton lowering), one program per request.
+
+Layers, as in JAX's own Pallas ops: `_kernel` (body), `_pallas` (the pallas_call wrapper with padding
+to power-of-two blocks), `verify_tree_greedy` (public, validates inputs, goes through the backend
+switch) and `verify_tree_greedy_reference` (pure jnp, the specification, from jeagle.spec.verify).
+
+Per request the kernel walks the tree from the root: at each depth it follows `retrieve_next_token`
+to the first child and `retrieve_next_sibling` along the siblings until a child's token equals the
+target's argmax at the current node, writing `predict` at every accepted node (the accepted child's
+token, or the bonus at the last one), the retrieve indices of the accepted path and its length.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from jeagle.kernels.backend import backend
+from jeagle.spec.verify import verify_tree_greedy_reference
+
+__all__ = ["verify_tree_greedy", "verify_tree_greedy_reference"]
+
+
+def _kernel(cand_ref, ridx_ref, next_ref, sib_ref, tpred_ref, predict_ref, accidx_ref, acclen_ref, *, num_steps):
+    predict_ref[...] = jnp.full(predict_ref.shape, -1, jnp.int32)
+    accidx_ref[...] = jnp.full(accidx_ref.shape, -1, jnp.int32)
+    accidx_ref[0, 0] = ridx_ref[0, 0]
+
+    def depth(_, carry):
+        cur, num, alive = carry
+        target = tpred_ref[0, cur]
+        first = jnp.where(alive, next_ref[0, cur], -1)
+
+        def walking(c):
+            child, found = c
+            return (child >= 0) & jnp.logical_not(found)
+
+        def step(c):
+            child, _ = c
+            hit = cand_ref[0, child] == target
+            return jnp.where(hit, child, sib_ref[0, child]), hit
+
+        child, found = jax.lax.while_loop(walking, step, (first, jnp.bool_(False)))
+
+        @pl.when(found)
+        def _():
+            predict_ref[0, cur] = target
+            accidx_ref[0, num + 1] = ridx_ref[0, child]
+
+        return jnp.where(found, child, cur), num + found.astype(jnp.int32), found
+
+    cur, num, _ = jax.lax.fori_loop(1, num_steps, depth, (jnp.int32(0), jnp.int32(0), jnp.bool_(True)))
+    predict_ref[0, cur] = tpred_ref[0, cur]  # the bonus
+    acclen_ref[0, 0] = num
+
+
+def _pallas(candidates, retrieve_index, next_token, next_sibling, target_predict, num_spec_steps, *, interpret):
+    b, n = candidates.shape
+    np_, sp = pl.next_power_of_2(n), pl.next_power_of_2(num_spec_steps)
+
+    def pad(x):
+        return jnp.pad(x, ((0, 0), (0, np_ - n)), constant_values=-1)
+
+    row = pl.BlockSpec((1, np_), lambda i: (i, 0))
+    predict, accidx, acclen = pl.pallas_call(
+        functools.partial(_kernel, num_steps=num_spec_steps),
+        grid=(b,),
+        in_specs=[row] * 5,
+        out_specs=[row, pl.BlockSpec((1, sp), lambda i: (i, 0)), pl.BlockSpec((1, 1), lambda i: (i, 0))],
+        out_shape=[jax.ShapeDtypeStruct((b, np_), jnp.int32), jax.ShapeDtypeStruct((b, sp), jnp.int32),
+                   jax.ShapeDtypeStruct((b, 1), jnp.int32)],
+        interpret=interpret,
+        name="verify_tree_greedy",
+    )(pad(candidates), pad(retrieve_index), pad(next_token), pad(next_sibling), pad(target_predict))
+    predict, accidx, acclen = predict[:, :n], accidx[:, :num_spec_steps], acclen[:, 0]
+    last = jnp.take_along_axis(accidx, acclen[:, None], 1)[:, 0] - jnp.arange(b) * n
+    bonus = jnp.take_along_axis(predict, last[:, None], 1)[:, 0]
+    return predict, accidx, acclen, bonus
+
+
+def verify_tree_greedy(candidates, retrieve_index, retrieve_next_token, retrieve_next_sibling, target_predict,
+                       num_spec_steps: int):
+    """See jeagle.spec.verify: (predict [B,N], accept_index [B,S+1], accept_length [B], bonus [B])."""
+    args = (candidates, retrieve_index, retrieve_next_token, retrieve_next_sibling, target_predict)
+    shape = candidates.shape
+    if len(shape) != 2 or shape[1] < 1:
+        raise ValueError(f"candidates must be [B, N], got {shape}")
+    for name, x in zip(("retrieve_index", "retrieve_next_token", "retrieve_next_sibling", "target_predict"), args[1:]):
+        if x.shape != shape:
+            raise ValueError(f"{name} has shape {x.shape}, candidates {shape}")
+    for x in args:
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(f"tree inputs must be integer arrays, got {x.dtype}")
+    if num_spec_steps < 1:
+        raise ValueError(f"num_spec_steps must be >= 1, got {num_spec_steps}")
+    args = tuple(x.astype(jnp.int32) for x in args)
+    mode = backend()
+    if mode == "reference":
+        return verify_tree_greedy_reference(*args, num_spec_steps)
+    return _pallas(*args, num_spec_steps, interpret=mode == "interpret")

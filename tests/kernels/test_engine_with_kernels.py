@@ -1,0 +1,34 @@
+"""The speculative engine stays lossless with the kernel backend on (interpreted on CPU, compiled on GPU)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jeagle.engine import Engine, EngineConfig
+from jeagle.sampling import SamplingParams
+from jeagle.spec.engine import SpecEngine
+from jeagle.spec.round import SpecConfig
+from tests.spec_models import bigram_target, signed_identity_head, target_config
+
+
+def run(monkeypatch, mode):
+    monkeypatch.setenv("JEAGLE_KERNELS", mode)
+    target = bigram_target(target_config())
+    rng = np.random.default_rng(5)
+    prompts = [list(rng.integers(4, 96, n)) for n in (4, 9, 2)]
+    sp = SamplingParams(max_new_tokens=14, ignore_eos=True)
+    want = [o.token_ids for o in Engine(target, EngineConfig(max_batch_size=3, max_context=96)).generate(prompts, sp)]
+    for head in (signed_identity_head(target, +1.0), signed_identity_head(target, +1.0, noise=0.08)):
+        for tier in [(3, 1, 4), (5, 4, 8)]:
+            engine = SpecEngine(target, head, EngineConfig(max_batch_size=3, max_context=96), SpecConfig(*tier))
+            assert [o.token_ids for o in engine.generate(prompts, sp)] == want, (mode, tier)
+
+
+def test_lossless_with_interpreted_kernels(monkeypatch):
+    run(monkeypatch, "interpret")
+
+
+@pytest.mark.gpu
+def test_lossless_with_compiled_kernels(monkeypatch):
+    run(monkeypatch, "pallas")
