@@ -31,7 +31,6 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     import jax
-    import numpy as np
 
     from jeagle.config import DraftConfig, ModelConfig
     from jeagle.engine import Engine, EngineConfig

@@ -12,6 +12,8 @@ stacks layers. Canonical tensors are in the PyTorch [out, in] layout with HF's r
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -20,6 +22,17 @@ from jeagle.checkpoint import CheckpointError
 from jeagle.config import ModelConfig
 
 Getter = Callable[[str], "np.ndarray | None"]
+
+
+def read_config_json(src: Path, what: str) -> dict:
+    """`src/config.json` as a dict; a clear CheckpointError naming `what` the dir should be."""
+    cfg_file = Path(src) / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"{src} is not {what}: {cfg_file} is missing")
+    try:
+        return json.loads(cfg_file.read_text())
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{cfg_file} is not valid JSON: {e}") from e
 
 
 def assemble_target(cfg: ModelConfig, get: Getter, *, source: str) -> dict[str, np.ndarray]:

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from checkpoints_conv.common import read_config_json
 from jeagle.checkpoint import CheckpointError, save_checkpoint
 from jeagle.config import ConfigError, DraftConfig, ModelConfig, default_aux_layer_ids
 
@@ -179,13 +180,7 @@ def convert_eagle(src, out, *, target, dtype: str = "bfloat16") -> Path:
     from jeagle.fetch import resolve_target
 
     src, out = Path(src), Path(out)
-    cfg_file = src / "config.json"
-    if not cfg_file.is_file():
-        raise CheckpointError(f"{src} is not an EAGLE head dir: {cfg_file} is missing")
-    try:
-        hf = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{cfg_file} is not valid JSON: {e}") from e
+    hf = read_config_json(src, "an EAGLE head dir")
     target_dir = resolve_target(str(target), quiet=True)
     target_cfg = load_config(target_dir)
     weights = read_eagle_weights(src)

@@ -15,7 +15,7 @@ import numpy as np
 from safetensors import safe_open
 from tqdm import tqdm
 
-from checkpoints_conv.common import assemble_target
+from checkpoints_conv.common import assemble_target, read_config_json
 from jeagle.checkpoint import CheckpointError, save_checkpoint
 from jeagle.config import ModelConfig
 
@@ -53,13 +53,7 @@ def hf_name(canonical: str) -> str:
 
 
 def read_hf_config(src: Path, dtype: str) -> ModelConfig:
-    cfg_file = src / "config.json"
-    if not cfg_file.is_file():
-        raise CheckpointError(f"{src} is not a Hugging Face model dir: {cfg_file} is missing")
-    try:
-        hf = json.loads(cfg_file.read_text())
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{cfg_file} is not valid JSON: {e}") from e
+    hf = read_config_json(src, "a Hugging Face model dir")
     cfg = ModelConfig.from_hf(hf, dtype=dtype, name=src.name)
     gen = src / "generation_config.json"
     if gen.is_file():

@@ -47,7 +47,7 @@ def _random_k_blocks(qtype: str, rows: int, cols: int, rng) -> np.ndarray:
 def encode_tensor(x: np.ndarray, qtype: str, rng):
     """(data, raw_dtype) for GGUFWriter.add_tensor; K-quants get random blocks (returned dequantised too)."""
     import gguf
-    from gguf.quants import dequantize, quantize
+    from gguf.quants import quantize
 
     q = gguf.GGMLQuantizationType[qtype]
     if qtype == "F32":

@@ -3,7 +3,6 @@ GGUF (`gguf_file=`): fp32 logits and greedy continuations."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import torch
 

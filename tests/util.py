@@ -44,8 +44,6 @@ class DraftRunner:
     continuing across calls — the paged-cache counterpart of a PyTorch past_key_values loop."""
 
     def __init__(self, head, target, max_len: int = 64):
-        from jeagle.models.common import AttnInputs  # noqa: F401  (kept local: tests only)
-
         self.head, self.target, self.max_len = head, target, max_len
         cfg = head.cfg
         shape = (cfg.num_layers, max_len + 1, cfg.num_kv_heads, cfg.head_dim)
