@@ -112,6 +112,17 @@ def _source_key(path: Path) -> str:
     return hashlib.sha256(f"{path.absolute()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
 
 
+def _convert_once(src: Path, out: Path, convert, dtype: str, quiet: bool) -> Path:
+    """Convert `src` into the cache dir `out` unless a finished conversion is already there."""
+    from jeagle.checkpoint import is_converted
+
+    if not is_converted(out):
+        if not quiet:
+            _log(f"converting {src} to {out} (once)")
+        convert(src, out, dtype=dtype, progress=not quiet)
+    return out
+
+
 def resolve_target(spec: str | None, *, dtype: str = "bfloat16", quiet: bool = False) -> Path:
     """A converted target dir for `--target`: None (the default SmolLM2), a converted dir, a Hugging
     Face model dir or a .gguf file (the last two converted on first use into the cache)."""
@@ -125,25 +136,16 @@ def resolve_target(spec: str | None, *, dtype: str = "bfloat16", quiet: bool = F
     if src.is_dir() and is_converted(src):
         return src
     if src.is_dir() and (src / "config.json").is_file():
+        from checkpoints_conv.hf import convert_hf
+
         weights = [src / "model.safetensors.index.json", src / "model.safetensors"]
         key = _source_key(next((w for w in weights if w.exists()), src / "config.json"))
-        out = cache_dir() / "models" / f"hf-{src.name}-{dtype}-{key}"
-        if not is_converted(out):
-            from checkpoints_conv.hf import convert_hf
-
-            if not quiet:
-                _log(f"converting Hugging Face checkpoint {src} to {out} (once)")
-            convert_hf(src, out, dtype=dtype, progress=not quiet)
-        return out
+        return _convert_once(src, cache_dir() / "models" / f"hf-{src.name}-{dtype}-{key}", convert_hf, dtype, quiet)
     if src.is_file() and src.suffix == ".gguf":
-        out = cache_dir() / "models" / f"gguf-{src.stem}-{dtype}-{_source_key(src)}"
-        if not is_converted(out):
-            from checkpoints_conv.gguf import convert_gguf
+        from checkpoints_conv.gguf import convert_gguf
 
-            if not quiet:
-                _log(f"converting {src.name} to {out} (once)")
-            convert_gguf(src, out, dtype=dtype, progress=not quiet)
-        return out
+        out = cache_dir() / "models" / f"gguf-{src.stem}-{dtype}-{_source_key(src)}"
+        return _convert_once(src, out, convert_gguf, dtype, quiet)
     raise CheckpointError(f"--target {spec}: not a jeagle checkpoint, a Hugging Face model dir (config.json) "
                           "or a .gguf file")
 

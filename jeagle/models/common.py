@@ -115,3 +115,17 @@ def mlp_sublayer(x, wi: dict):
     """SwiGLU on a normalised input: down(silu(gate) * up) with gate|up fused in w_gate_up."""
     gate, up = jnp.split(x @ wi["w_gate_up"], 2, axis=-1)
     return (jax.nn.silu(gate) * up) @ wi["w_down"]
+
+
+def abstract_module(cls, cfg):
+    """A module of class `cls` whose parameters are ShapeDtypeStructs (for loading without materialising)."""
+    from flax import nnx
+
+    return nnx.eval_shape(lambda: cls(cfg, rngs=nnx.Rngs(0)))
+
+
+def random_module(cls, cfg, seed: int = 0):
+    """A module of class `cls` with random weights, initialised on the default device in one jit."""
+    from flax import nnx
+
+    return nnx.jit(lambda: cls(cfg, rngs=nnx.Rngs(seed)))()

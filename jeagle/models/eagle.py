@@ -29,7 +29,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jeagle.config import DraftConfig
-from jeagle.models.common import AttnInputs, attention_sublayer, mlp_sublayer, rms_norm, rope_cos_sin
+from jeagle.models.common import (AttnInputs, abstract_module, attention_sublayer, mlp_sublayer, random_module,
+                                   rms_norm, rope_cos_sin)
 
 
 class Buffer(nnx.Variable):
@@ -137,12 +138,8 @@ class EagleHead(nnx.Module):
 
 
 def abstract_draft(cfg: DraftConfig) -> EagleHead:
-    return nnx.eval_shape(lambda: EagleHead(cfg, rngs=nnx.Rngs(0)))
+    return abstract_module(EagleHead, cfg)
 
 
 def random_draft(cfg: DraftConfig, seed: int = 0) -> EagleHead:
-    @nnx.jit
-    def make():
-        return EagleHead(cfg, rngs=nnx.Rngs(seed))
-
-    return make()
+    return random_module(EagleHead, cfg, seed)

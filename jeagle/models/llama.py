@@ -27,7 +27,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jeagle.config import ModelConfig
-from jeagle.models.common import AttnInputs, attention_sublayer, mlp_sublayer, rms_norm, rope_cos_sin
+from jeagle.models.common import (AttnInputs, abstract_module, attention_sublayer, mlp_sublayer, random_module,
+                                   rms_norm, rope_cos_sin)
 
 # The per-layer weights, in the order a layer uses them.
 LAYER_PARAMS = ("attn_norm", "wqkv", "bqkv", "q_norm", "k_norm", "wo", "bo", "mlp_norm", "w_gate_up", "w_down")
@@ -137,15 +138,8 @@ class Llama(nnx.Module):
 
 
 def abstract_model(cfg: ModelConfig) -> Llama:
-    """A model whose parameters are ShapeDtypeStructs (for loading without materialising)."""
-    return nnx.eval_shape(lambda: Llama(cfg, rngs=nnx.Rngs(0)))
+    return abstract_module(Llama, cfg)
 
 
 def random_model(cfg: ModelConfig, seed: int = 0) -> Llama:
-    """Random weights initialised on the default device inside one jit (fast for large shapes)."""
-
-    @nnx.jit
-    def make():
-        return Llama(cfg, rngs=nnx.Rngs(seed))
-
-    return make()
+    return random_module(Llama, cfg, seed)
