@@ -2,6 +2,7 @@
 # One GPU session's work, run on the device machine from the repo root (see bench/RESULTS.md):
 #   stage 1: carry .stage1 (first part of the SmolLM2 GGUF) and run `bash bench/gpu_session.sh stage`
 #   stage 2: carry .stage2 + .whl and run `bash bench/gpu_session.sh run` at once (machine still warm)
+# Random-weight steps (kernels, kernelround, specbench) need no staging: `bash bench/gpu_session.sh run kernels`.
 set -uo pipefail
 mode="${1:-run}"
 if [ "$mode" = stage ]; then
@@ -11,10 +12,14 @@ if [ "$mode" = stage ]; then
 fi
 export JEAGLE_CACHE="$HOME/jcache"
 mkdir -p "$JEAGLE_CACHE/gguf" "$OUT"
-cp .stage2/* "$HOME/stage/"
-cat "$HOME/stage"/smolpart.* > "$JEAGLE_CACHE/gguf/SmolLM2-135M-Instruct.Q4_1.gguf"
-echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $JEAGLE_CACHE/gguf/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c - || exit 3
-python3 -m pip install -q --no-index --no-deps --no-compile --target "$HOME/site" .whl/*.whl || exit 4
+if [ -d .stage2 ]; then  # the real model (steps tests, spectests); random-weight steps need none of it
+  cp .stage2/* "$HOME/stage/"
+  cat "$HOME/stage"/smolpart.* > "$JEAGLE_CACHE/gguf/SmolLM2-135M-Instruct.Q4_1.gguf"
+  echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $JEAGLE_CACHE/gguf/SmolLM2-135M-Instruct.Q4_1.gguf" | sha256sum -c - || exit 3
+fi
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target "$HOME/site" .whl/*.whl || exit 4
+fi
 export PYTHONPATH="$HOME/site:$PWD" PYTHONUNBUFFERED=1 JEAGLE_TEST_GPU=1 TOKENIZERS_PARALLELISM=false
 python3 -c "import jax, flax, transformers; print(jax.__version__, flax.__version__, transformers.__version__, jax.devices())"
 shift || true
@@ -28,6 +33,18 @@ if [[ "$steps" == *" spectests "* ]]; then
 fi
 if [[ "$steps" == *" specbench "* ]]; then
   python3 bench/spec_round.py --shape smollm2 --batch-sizes 1,16 --tiers 5,4,8:3,1,4 2>&1 | tee "$OUT/spec_round.log"
+fi
+if [[ "$steps" == *" kernels "* ]]; then
+  python3 -m pytest -q -m gpu tests/kernels/ 2>&1 | tail -15 | tee "$OUT/pytest_kernels_gpu.log"
+  python3 bench/kernels.py 2>&1 | tee "$OUT/kernels.log"
+fi
+if [[ "$steps" == *" kernelround "* ]]; then
+  for temp in 0 0.8; do
+    for kern in reference pallas; do
+      JEAGLE_KERNELS=$kern python3 bench/spec_round.py --shape smollm2 --batch-sizes 1,16,64 --tiers 5,4,8 \
+        --rounds-as fused --temperature $temp 2>&1 | tee "$OUT/spec_round_${kern}_t${temp}.log"
+    done
+  done
 fi
 if [[ "$steps" == *" bench "* ]]; then
   python3 bench/decode.py --batch-sizes 1,16 --decode-steps "${DECODE_STEPS:-1,4}" --unroll "${UNROLL:-0,1}" \

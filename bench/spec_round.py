@@ -1,7 +1,7 @@
 """Cost of one speculative round: one fused executable vs two (draft + tree | verify + commit + extend).
 
 Random weights of a named shape with a random EAGLE-1 head (acceptance does not change what a round
-computes, only how many tokens it yields), greedy, warm. Measures wall time per round over
+computes, only how many tokens it yields), greedy unless `--temperature`, warm. Measures wall time per round over
 `--rounds` rounds of a batch, and the target-only decode step in the same run for scale. Prints a
 table, then one JSON line.
 
@@ -28,6 +28,8 @@ def main(argv=None):
     p.add_argument("--tiers", default="5,4,8:3,1,4")
     p.add_argument("--rounds", type=int, default=64)
     p.add_argument("--context", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="> 0: sampled rounds (the sampling walk)")
+    p.add_argument("--rounds-as", default="fused,split", help="fused (one executable), split (two), or both")
     args = p.parse_args(argv)
 
     import jax
@@ -49,7 +51,7 @@ def main(argv=None):
     prompt = list(range(100, 100 + args.context))
     rows = []
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
-        sp = SamplingParams(max_new_tokens=args.rounds, ignore_eos=True)
+        sp = SamplingParams(max_new_tokens=args.rounds, ignore_eos=True, temperature=args.temperature, seed=0)
         ar = Engine(model, EngineConfig(max_batch_size=batch, max_context=1024))
         ar.generate([prompt] * batch, sp)
         t0 = time.perf_counter()
@@ -57,7 +59,7 @@ def main(argv=None):
         ar_step = (time.perf_counter() - t0) / args.rounds
         for tier in args.tiers.split(":"):
             s, k, n = (int(x) for x in tier.split(","))
-            for fused in (True, False):
+            for fused in [{"fused": True, "split": False}[x] for x in args.rounds_as.split(",")]:
                 eng = SpecEngine(model, head, EngineConfig(max_batch_size=batch, max_context=1024), SpecConfig(s, k, n),
                                  fused_round=fused)
                 eng.generate([prompt] * batch, sp)
@@ -66,6 +68,7 @@ def main(argv=None):
                 wall = time.perf_counter() - t0
                 rounds = eng.last_stats["rounds"] / batch
                 rows.append({"batch": batch, "tier": [s, k, n], "fused": fused, "rounds": rounds,
+                             "temperature": args.temperature, "kernels": os.environ.get("JEAGLE_KERNELS", "default"),
                              "ms_per_round": round(1e3 * wall / rounds, 3), "target_decode_ms": round(1e3 * ar_step, 3),
                              "accept_length": round(eng.last_stats["accept_length"], 3),
                              "compile_s": round(eng.compile_seconds, 1)})

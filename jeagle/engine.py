@@ -35,6 +35,7 @@ from flax import nnx
 
 from jeagle.cache import KVCache, OutOfSlots, SlotAllocator, init_cache, slots_for_memory_fraction
 from jeagle.config import ModelConfig
+from jeagle.kernels.assign_req_to_token_pool import assign_req_to_token_pool
 from jeagle.models.common import AttnInputs
 from jeagle.models.llama import Llama
 from jeagle.sampling import SamplingParams, sample
@@ -59,6 +60,25 @@ def default_batch_buckets(max_batch: int) -> tuple[int, ...]:
     sizes += list(range(272, max(max_batch, 256) + 16, 16))
     out = [s for s in sizes if s < max_batch] + [max_batch]
     return tuple(sorted(set(out)))
+
+
+def flat_slots(b: int, per_request: list) -> tuple[np.ndarray, np.ndarray]:
+    """(count [b], flat slot list) for `assign_rows`: the requests' slots back to back, padded with the
+    scratch slot to a power of two >= 64 so few shapes compile; padding rows own nothing."""
+    count = np.zeros((b,), np.int32)
+    count[: len(per_request)] = [len(s) for s in per_request]
+    flat = np.zeros((max(64, 1 << max(int(count.sum()) - 1, 0).bit_length()),), np.int32)
+    flat[: count.sum()] = np.concatenate(per_request) if per_request else []
+    return count, flat
+
+
+def assign_rows(req_to_token, row_ids, count, flat):
+    """Give rows `row_ids` their slots: clear the rows (past a request's last slot a row holds the
+    scratch slot 0, which decode relies on), then write positions [0, count) from the flat list
+    through the `assign_req_to_token_pool` kernel. Returns (req_to_token, the rows [B, max_ctx])."""
+    req_to_token = assign_req_to_token_pool(req_to_token.at[row_ids].set(0), row_ids, jnp.zeros_like(count), count,
+                                            flat)
+    return req_to_token, req_to_token[row_ids]
 
 
 def pick_bucket(buckets: tuple[int, ...], n: int) -> int:
@@ -148,11 +168,11 @@ class Engine:
         self._rng = np.random.default_rng()
 
     # ---- compiled step functions -------------------------------------------------------------
-    def _prefill_impl(self, params, cache: KVCache, rows: RowState, tokens, lengths, row_ids, table, samp, *, greedy):
-        """tokens [B,T]; lengths [B]; row_ids [B]; table [B, max_ctx] slot rows; samp: per-row params."""
+    def _prefill_impl(self, params, cache: KVCache, rows: RowState, tokens, lengths, row_ids, slots, samp, *, greedy):
+        """tokens [B,T]; lengths [B]; row_ids [B]; slots = (num_slots [B], flat slot list); samp: per-row params."""
         model = nnx.merge(self.graphdef, params)
         b, t = tokens.shape
-        req_to_token = cache.req_to_token.at[row_ids].set(table)
+        req_to_token, table = assign_rows(cache.req_to_token, row_ids, *slots)
         pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         valid = pos < lengths[:, None]
         attn = AttnInputs(positions=pos, write_slots=jnp.where(valid, table[:, :t], 0),
@@ -220,7 +240,6 @@ class Engine:
         tokens = np.zeros((b, t), np.int32)
         lengths = np.zeros((b,), np.int32)
         row_ids = np.full((b,), self.scratch_row, np.int32)
-        table = np.zeros((b, self.max_ctx), np.int32)
         temperature = np.zeros((b,), np.float32)
         top_k = np.zeros((b,), np.int32)
         top_p = np.ones((b,), np.float32)
@@ -230,16 +249,16 @@ class Engine:
             tokens[i, :n] = r.prompt
             lengths[i] = n
             row_ids[i] = r.row
-            table[i, : len(r.slots)] = r.slots
             temperature[i], top_k[i], top_p[i] = r.params.temperature, r.params.top_k, r.params.top_p
             seed[i] = r.params.seed if r.params.seed is not None else self._rng.integers(0, 2**32)
             r.length = n
             r.dispatched = 1
         greedy = all(r.params.greedy for r in reqs)
         fn = functools.partial(self._prefill_impl, greedy=greedy)
-        args = (self.params, self.cache, self.rows, tokens, lengths, row_ids, table,
+        slots = flat_slots(b, [r.slots for r in reqs])
+        args = (self.params, self.cache, self.rows, tokens, lengths, row_ids, slots,
                 (temperature, top_k, top_p, seed))
-        exe = self._executable(("prefill", b, t, greedy), fn, args)
+        exe = self._executable(("prefill", b, t, len(slots[1]), greedy), fn, args)
         tok, self.cache, self.rows = exe(*args)
         tok.copy_to_host_async()
         return tok[:, None]

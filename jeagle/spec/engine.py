@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from jeagle.cache import init_pools
-from jeagle.engine import Engine, EngineConfig, _Request, pick_bucket
+from jeagle.engine import Engine, EngineConfig, _Request, assign_rows, flat_slots, pick_bucket
 from jeagle.models.common import AttnInputs
 from jeagle.models.eagle import EagleHead
 from jeagle.models.llama import Llama
@@ -52,12 +52,12 @@ class SpecEngine(Engine):
         return self._positions(prompt_len, max_new) + self.spec.num_draft_tokens + self.spec.scratch
 
     # ---- compiled functions ----------------------------------------------------------------
-    def _spec_prefill_impl(self, params, dparams, cache, dk, dv, srows: SpecRows, tokens, lengths, row_ids, table,
+    def _spec_prefill_impl(self, params, dparams, cache, dk, dv, srows: SpecRows, tokens, lengths, row_ids, slots,
                            tree_slots, scratch_slots, samp, *, greedy):
         target = nnx.merge(self.graphdef, params)
         head = nnx.merge(self.draft_graphdef, dparams)
         b, t = tokens.shape
-        req_to_token = cache.req_to_token.at[row_ids].set(table)
+        req_to_token, table = assign_rows(cache.req_to_token, row_ids, *slots)
         pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
         valid = pos < lengths[:, None]
         attn = AttnInputs(positions=pos, write_slots=jnp.where(valid, table[:, :t], 0), kv_slots=table[:, :t],
@@ -118,7 +118,7 @@ class SpecEngine(Engine):
         tokens = np.zeros((b, t), np.int32)
         lengths = np.zeros((b,), np.int32)
         row_ids = np.full((b,), self.scratch_row, np.int32)
-        table = np.zeros((b, self.max_ctx), np.int32)
+        positions = []
         tree_slots = np.zeros((b, s.num_draft_tokens), np.int32)
         scratch_slots = np.zeros((b, s.scratch), np.int32)
         temperature, top_k = np.zeros((b,), np.float32), np.zeros((b,), np.int32)
@@ -128,7 +128,7 @@ class SpecEngine(Engine):
             n = len(r.prompt)
             npos = self._positions(n, r.max_new)
             tokens[i, :n], lengths[i], row_ids[i] = r.prompt, n, r.row
-            table[i, :npos] = r.slots[:npos]
+            positions.append(r.slots[:npos])
             tree_slots[i] = r.slots[npos : npos + s.num_draft_tokens]
             scratch_slots[i] = r.slots[npos + s.num_draft_tokens :]
             temperature[i], top_k[i], top_p[i] = r.params.temperature, r.params.top_k, r.params.top_p
@@ -140,10 +140,11 @@ class SpecEngine(Engine):
             stop_ids[i, : len(stops)] = stops
             r.length, r.dispatched = n, 1
         greedy = all(r.params.greedy for r in reqs)
+        slots = flat_slots(b, positions)
         fn = functools.partial(self._spec_prefill_impl, greedy=greedy)
         args = (self.params, self.draft_params, self.cache, self.dk, self.dv, self.srows, tokens, lengths, row_ids,
-                table, tree_slots, scratch_slots, (temperature, top_k, top_p, seed, max_new, stop_ids))
-        return self._run(("spec_prefill", b, t, greedy), fn, args)
+                slots, tree_slots, scratch_slots, (temperature, top_k, top_p, seed, max_new, stop_ids))
+        return self._run(("spec_prefill", b, t, len(slots[1]), greedy), fn, args)
 
     def _dispatch_decode(self, reqs: list[_Request]):
         s = self.spec

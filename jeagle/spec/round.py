@@ -28,9 +28,12 @@ import jax
 import jax.numpy as jnp
 
 from jeagle.models.common import AttnInputs
-from jeagle.spec.tree import build_tree_reference, select_nodes
+from jeagle.kernels.build_tree import build_tree
+from jeagle.kernels.commit_slots import commit_slots
+from jeagle.kernels.tree_speculative_sampling import tree_speculative_sampling
 from jeagle.kernels.verify_tree_greedy import verify_tree_greedy
-from jeagle.spec.verify import target_probs, tree_sampling_reference
+from jeagle.spec.tree import select_nodes
+from jeagle.spec.verify import target_probs
 
 MAX_STOP = 8
 
@@ -121,8 +124,7 @@ def spec_round(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, row
 
 
 def _prefix(cache, r: SpecRows, row_ids, kv_len: int):
-    table = cache.req_to_token[row_ids]
-    return table, table[:, :kv_len], jnp.arange(kv_len)[None, :] < r.seq_len[:, None]  # [B, kv_len]
+    return cache.req_to_token[row_ids, :kv_len], jnp.arange(kv_len)[None, :] < r.seq_len[:, None]  # [B, kv_len]
 
 
 def _heads(target):
@@ -136,7 +138,7 @@ def draft_tree(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, row
     r = rows.gather(row_ids)
     b = row_ids.shape[0]
     L = r.seq_len
-    _, prefix_slots, prefix_vis = _prefix(cache, r, row_ids, kv_len)
+    prefix_slots, prefix_vis = _prefix(cache, r, row_ids, kv_len)
     embed, lm_head_t = _heads(target)
 
     # ---- draft: S steps of top-K expansion ------------------------------------------------
@@ -170,7 +172,7 @@ def draft_tree(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, row
 
     # ---- organize + build the tree -------------------------------------------------------
     selected = select_nodes(jnp.concatenate(scores, 1), N)
-    tree = build_tree_reference(r.root, jnp.concatenate(tokens, 1), jnp.concatenate(parents, 1), selected, S)
+    tree = build_tree(r.root, jnp.concatenate(tokens, 1), jnp.concatenate(parents, 1), selected, S)  # kernel or ref
     return tree, dk, dv
 
 
@@ -182,7 +184,7 @@ def verify_commit(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, 
     b = row_ids.shape[0]
     ar = jnp.arange(b)
     L = r.seq_len
-    table, prefix_slots, prefix_vis = _prefix(cache, r, row_ids, kv_len)
+    prefix_slots, prefix_vis = _prefix(cache, r, row_ids, kv_len)
     embed, lm_head_t = _heads(target)
 
     # ---- verify: one target forward over the B·N tree tokens ------------------------------
@@ -201,8 +203,8 @@ def verify_commit(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, 
     else:
         probs = target_probs(tout.logits, r.temperature, r.top_k, r.top_p)
         coins, final_coin = round_keys(r.seed, L, N)
-        s_out = tree_sampling_reference(*walk, probs, coins, final_coin, S + 1, cfg.threshold_single,
-                                        cfg.threshold_acc)
+        s_out = tree_speculative_sampling(*walk, probs, coins, final_coin, S + 1, cfg.threshold_single,
+                                          cfg.threshold_acc)
         use_greedy = r.temperature <= 0
         predict, accept_index, acc, bonus = (jnp.where(use_greedy.reshape((b,) + (1,) * (g.ndim - 1)), g, s)
                                              for g, s in zip((g_predict, g_index, g_len, g_bonus), s_out))
@@ -232,14 +234,7 @@ def verify_commit(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, 
     new_feature = dout.hidden[ar, last]
 
     # ---- commit: swap position slots and accepted tree slots ---------------------------------
-    valid = commit[:, None] & in_run  # root + accepted nodes
-    max_ctx = cache.req_to_token.shape[1]
-    pos_cols = jnp.where(valid, L[:, None] + j, max_ctx)  # out of range → dropped
-    pos_slots = jnp.take_along_axis(table, jnp.minimum(L[:, None] + j, max_ctx - 1), 1)
-    node_cols = jnp.where(valid, path, N)
-    acc_slots = jnp.take_along_axis(node_slots, jnp.maximum(path, 0), 1)
-    req_to_token = cache.req_to_token.at[row_ids[:, None], pos_cols].set(acc_slots, mode="drop")
-    tree_slots = node_slots.at[ar[:, None], node_cols].set(pos_slots, mode="drop")
+    req_to_token, tree_slots = commit_slots(cache.req_to_token, node_slots, row_ids, L, path, acc, commit)
 
     keep = lambda new, old: jnp.where(commit.reshape((b,) + (1,) * (old.ndim - 1)), new, old)  # noqa: E731
     new_rows = SpecRows(root=keep(bonus, r.root), seq_len=keep(L + acc + 1, L), topk_p=keep(topk_p, r.topk_p),

@@ -48,3 +48,13 @@ def test_bad_inputs_are_refused():
         verify_tree_greedy(x, x, jnp.zeros((2, 5), jnp.int32), x, x, 2)
     with pytest.raises(ValueError, match="integer"):
         verify_tree_greedy(x, x, x, x, jnp.zeros((2, 4)), 2)
+
+
+def test_lowers_to_triton():
+    import functools
+
+    from jeagle.kernels import verify_tree_greedy as vtg
+    from tests.kernels.lowering import lower_for_h100
+
+    args, _ = random_trees(4, 17, 4, seed=1)
+    lower_for_h100(functools.partial(vtg._pallas, num_spec_steps=4, interpret=False), *args)

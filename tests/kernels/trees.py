@@ -44,3 +44,57 @@ def random_trees(b: int, n: int, k: int, seed: int = 0, vocab: int = 12):
     steps = int(depth.max()) + 1
     as_j = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
     return (as_j(cand), tree.retrieve_index, as_j(nxt), as_j(sib), as_j(predict)), steps
+
+
+def random_sampling_inputs(b: int, n: int, k: int, v: int, seed: int = 0):
+    """Tree walk inputs plus target probabilities [B, N, V] (about half the tokens zeroed, as top-k /
+    top-p leave them; the tree's own tokens get most of the mass so walks go deep; a few rows put all
+    their mass on one child, so a rejection leaves an empty residual) and coins."""
+    (cand, ridx, nxt, sib, _), steps = random_trees(b, n, k, seed=seed, vocab=min(v, 12))
+    rng = np.random.default_rng(seed + 1)
+    logits = rng.normal(size=(b, n, v)) * 2
+    logits[rng.random((b, n, v)) < 0.5] = -np.inf
+    c = np.asarray(cand)
+    for r in range(b):
+        for t in range(n):
+            if rng.random() < 0.7:
+                toks = c[r][c[r] >= 0]  # the tree's tokens: some are this node's children
+                logits[r, t, toks] = np.abs(rng.normal(size=toks.size)) * 2 + 3.0
+            if rng.random() < 0.1:
+                logits[r, t] = -np.inf
+                logits[r, t, rng.integers(0, min(v, 12))] = 0.0
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    coins = rng.random((b, n), np.float32)
+    final = rng.random((b,), np.float32)
+    f32 = lambda x: jnp.asarray(x, jnp.float32)  # noqa: E731
+    return (cand, ridx, nxt, sib, f32(probs), f32(coins), f32(final)), steps
+
+
+def random_drafts(b: int, n: int, k: int, seed: int = 0, vocab: int = 1000):
+    """What the draft phase hands build_tree: S steps of top-K beam expansion with random draft
+    probabilities (flat nodes [B, K + (S-1)K²], parents as flat ids, -1 = the root), S the fewest
+    steps that yield N-1 nodes (K = 1: a chain of N-1), and the N-1 best nodes selected."""
+    from jeagle.spec.tree import select_nodes
+
+    s = n - 1 if k == 1 else max(1, -(-(n - 1 - k) // (k * k)) + 1)
+    rng = np.random.default_rng(seed)
+
+    def probs(*shape):
+        p = rng.dirichlet(np.ones(k + 2), size=shape)[..., :k]  # top-K of a distribution: sums below 1
+        return -np.sort(-p, axis=-1)
+
+    scores, tokens, parents = [probs(b)], [rng.integers(0, vocab, (b, k))], [np.full((b, k), -1)]
+    beam_scores, beam_flat = scores[0], np.broadcast_to(np.arange(k), (b, k))
+    for i in range(1, s):
+        expand = (beam_scores[:, :, None] * probs(b, k)).reshape(b, k * k)
+        cs = np.argsort(-expand, axis=1, kind="stable")[:, :k]
+        scores.append(expand)
+        tokens.append(rng.integers(0, vocab, (b, k * k)))
+        parents.append(np.repeat(beam_flat, k, axis=1))
+        beam_scores = np.take_along_axis(expand, cs, 1)
+        beam_flat = k + (i - 1) * k * k + cs
+    as_j = lambda x: jnp.asarray(np.concatenate(x, 1), jnp.int32)  # noqa: E731
+    selected = select_nodes(jnp.asarray(np.concatenate(scores, 1), jnp.float32), n)
+    root = jnp.asarray(rng.integers(0, vocab, b), jnp.int32)
+    return (root, as_j(tokens), as_j(parents), selected), s
