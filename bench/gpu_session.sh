@@ -2,7 +2,7 @@
 # One GPU session's work, run on the device machine from the repo root (see bench/RESULTS.md):
 #   stage 1: carry .stage1 (first part of the SmolLM2 GGUF) and run `bash bench/gpu_session.sh stage`
 #   stage 2: carry .stage2 + .whl and run `bash bench/gpu_session.sh run` at once (machine still warm)
-# Random-weight steps (kernels, kernelround, specbench) need no staging: `bash bench/gpu_session.sh run kernels`.
+# Random-weight steps (kernels, kernelround, specbench) need no staging: `bash bench/gpu_session.sh run kerneltests kernelbench kernelround`.
 set -uo pipefail
 mode="${1:-run}"
 if [ "$mode" = stage ]; then
@@ -34,8 +34,10 @@ fi
 if [[ "$steps" == *" specbench "* ]]; then
   python3 bench/spec_round.py --shape smollm2 --batch-sizes 1,16 --tiers 5,4,8:3,1,4 2>&1 | tee "$OUT/spec_round.log"
 fi
-if [[ "$steps" == *" kernels "* ]]; then
+if [[ "$steps" == *" kerneltests "* ]]; then
   python3 -m pytest -q -m gpu tests/kernels/ 2>&1 | tail -15 | tee "$OUT/pytest_kernels_gpu.log"
+fi
+if [[ "$steps" == *" kernelbench "* ]]; then
   python3 bench/kernels.py 2>&1 | tee "$OUT/kernels.log"
 fi
 if [[ "$steps" == *" kernelround "* ]]; then
