@@ -35,14 +35,14 @@ if [[ "$steps" == *" specbench "* ]]; then
   python3 bench/spec_round.py --shape smollm2 --batch-sizes 1,16 --tiers 5,4,8:3,1,4 2>&1 | tee "$OUT/spec_round.log"
 fi
 if [[ "$steps" == *" kerneltests "* ]]; then
-  python3 -m pytest -q -m gpu tests/kernels/ 2>&1 | tail -15 | tee "$OUT/pytest_kernels_gpu.log"
+  python3 -m pytest -q -m gpu tests/kernels/${KTESTS:-} 2>&1 | tail -15 | tee "$OUT/pytest_kernels_gpu.log"
 fi
 if [[ "$steps" == *" kernelbench "* ]]; then
-  python3 bench/kernels.py 2>&1 | tee "$OUT/kernels.log"
+  python3 bench/kernels.py --kernels "${KBENCH:-}" 2>&1 | tee "$OUT/kernels.log"
 fi
 if [[ "$steps" == *" kernelround "* ]]; then
-  for temp in 0 0.8; do
-    for kern in reference pallas; do
+  for temp in ${KROUND_TEMPS:-0 0.8}; do
+    for kern in ${KROUND_KERNELS:-reference pallas}; do
       JEAGLE_KERNELS=$kern python3 bench/spec_round.py --shape smollm2 --batch-sizes 1,16,64 --tiers 5,4,8 \
         --rounds-as fused --temperature $temp 2>&1 | tee "$OUT/spec_round_${kern}_t${temp}.log"
     done

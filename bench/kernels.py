@@ -130,6 +130,7 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=11)
     p.add_argument("--batch-sizes", default="1,8,64,256")
     p.add_argument("--nodes", default="4,8,64")
+    p.add_argument("--kernels", default="", help="comma-separated kernel names (default: all)")
     p.add_argument("--interpret", action="store_true", help="run the kernels interpreted (CPU smoke test only)")
     args = p.parse_args(argv)
     global INTERPRET
@@ -142,6 +143,8 @@ def main(argv=None):
     for b in [int(x) for x in args.batch_sizes.split(",")]:
         todo = [(n, c) for n in [int(x) for x in args.nodes.split(",")] for c in cases(b, n)] + [(None, assign_case(b))]
         for n, (name, ref, ker, kargs) in todo:
+            if args.kernels and name not in args.kernels.split(","):
+                continue
             r_us = device_us(ref, kargs, args.samples, args.reps)
             k_us = device_us(ker, kargs, args.samples, args.reps)
             rows.append({"kernel": name, "B": b, "N": n, "reference_us": round(r_us, 1), "pallas_us": round(k_us, 1),

@@ -19,6 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from jeagle.kernels.backend import backend
 from jeagle.spec.tree import Tree, build_tree_reference
@@ -61,7 +62,7 @@ def _kernel(root_ref, tok_ref, par_ref, sel_ref, tokens_ref, parent_ref, depth_r
     tokens_ref[0, :] = tokens
     parent_ref[0, :] = parent
     depth_ref[0, :] = depth
-    mask_ref[0, :, :] = mask.astype(jnp.int32)
+    mask_ref[0, :, :] = mask.astype(jnp.int8)
     ridx_ref[0, :] = i * n + lane
     next_ref[0, :] = jnp.where(first_child < np_, first_child, -1)
     sib_ref[0, :] = jnp.where(next_sibling < np_, next_sibling, -1)
@@ -78,12 +79,15 @@ def _pallas(root, node_tokens, node_parents, selected, max_depth: int, *, interp
         grid=(b,),
         in_specs=[pl.no_block_spec] * 4,
         out_specs=[row, row, row, pl.BlockSpec((1, np_, np_), lambda i: (i, 0, 0)), row, row, row],
-        out_shape=[vec, vec, vec, jax.ShapeDtypeStruct((b, np_, np_), jnp.int32), vec, vec, vec],
+        out_shape=[vec, vec, vec, jax.ShapeDtypeStruct((b, np_, np_), jnp.int8), vec, vec, vec],
+        # One warp holds an [NP, NP] tile up to NP = 16 at 8 elements a thread; more warps only wait.
+        compiler_params=plgpu.CompilerParams(num_warps=max(1, min(4, np_ * np_ // 256))),
         interpret=interpret,
         name="build_tree",
     )(root, node_tokens, node_parents, selected)
-    tokens, parent, depth, mask, ridx, nxt, sib = (x[:, :n] for x in outs)
-    return Tree(tokens=tokens, parent=parent, depth=depth, mask=mask[:, :, :n] != 0, retrieve_index=ridx,
+    tokens, parent, depth, mask, ridx, nxt, sib = (x[:, :n] if np_ > n else x for x in outs)
+    return Tree(tokens=tokens, parent=parent, depth=depth, mask=(mask[:, :, :n] if np_ > n else mask) != 0,
+                retrieve_index=ridx,
                 retrieve_next_token=nxt, retrieve_next_sibling=sib)
 
 

@@ -19,6 +19,7 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from jeagle.kernels.backend import backend
 
@@ -80,6 +81,7 @@ def _pallas(req_to_token, tree_slots, row_ids, seq_len, path, accept_length, com
         out_specs=[pl.no_block_spec, row],
         out_shape=[jax.ShapeDtypeStruct(req_to_token.shape, jnp.int32), jax.ShapeDtypeStruct((b, np_), jnp.int32)],
         input_output_aliases={6: 0},
+        compiler_params=plgpu.CompilerParams(num_warps=1),  # vectors of N and S+1 lanes: one warp is plenty
         interpret=interpret,
         name="commit_slots",
     )(row_ids, seq_len, accept_length, commit.astype(jnp.int32), path_p, tree_p, req_to_token)
