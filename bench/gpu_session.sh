@@ -35,7 +35,7 @@ if [[ "$steps" == *" specbench "* ]]; then
   python3 bench/spec_round.py --shape smollm2 --batch-sizes 1,16 --tiers 5,4,8:3,1,4 2>&1 | tee "$OUT/spec_round.log"
 fi
 if [[ "$steps" == *" kerneltests "* ]]; then
-  python3 -m pytest -q -m gpu tests/kernels/${KTESTS:-} 2>&1 | tail -15 | tee "$OUT/pytest_kernels_gpu.log"
+  python3 -m pytest -q -m gpu ${KTESTS:-tests/kernels/} 2>&1 | tail -15 | tee "$OUT/pytest_kernels_gpu.log"
 fi
 if [[ "$steps" == *" kernelbench "* ]]; then
   python3 bench/kernels.py --kernels "${KBENCH:-}" 2>&1 | tee "$OUT/kernels.log"
