@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import bisect
 import functools
+import sys
 import time
 import warnings
 from collections import deque
@@ -38,6 +39,7 @@ from jeagle.config import ModelConfig
 from jeagle.kernels.assign_req_to_token_pool import assign_req_to_token_pool
 from jeagle.models.common import AttnInputs
 from jeagle.models.llama import Llama
+from jeagle.runtime import VerifyDone, latency_stats, verify_done_mode
 from jeagle.sampling import SamplingParams, sample
 
 
@@ -62,12 +64,36 @@ def default_batch_buckets(max_batch: int) -> tuple[int, ...]:
     return tuple(sorted(set(out)))
 
 
-def flat_slots(b: int, per_request: list) -> tuple[np.ndarray, np.ndarray]:
-    """(count [b], flat slot list) for `assign_rows`: the requests' slots back to back, padded with the
-    scratch slot to a power of two >= 64 so few shapes compile; padding rows own nothing."""
+def batch_buckets(max_reqs: int, config: "EngineConfig") -> tuple[int, ...]:
+    """The batch buckets: --buckets as given, exact sizes with --disable-padding, else SGLang's list
+    capped by --max-bucket; the largest always covers max_batch_size."""
+    if config.disable_padding:
+        return tuple(range(1, max_reqs + 1))
+    if config.batch_buckets:
+        out = tuple(sorted(set(config.batch_buckets)))
+        if out[0] < 1:
+            raise ValueError(f"batch buckets must be >= 1, got {out}")
+        if out[-1] < max_reqs:
+            raise ValueError(f"largest batch bucket {out[-1]} < max running requests {max_reqs}")
+        return out
+    out = default_batch_buckets(max_reqs)
+    if config.max_bucket is not None:
+        if config.max_bucket < 1:
+            raise ValueError(f"--max-bucket must be >= 1, got {config.max_bucket}")
+        out = tuple(b for b in out if b <= config.max_bucket)
+        if not out or out[-1] < max_reqs:
+            raise ValueError(f"--max-bucket {config.max_bucket} < max running requests {max_reqs}: a full batch "
+                             "would have no bucket")
+    return out
+
+
+def flat_slots(b: int, max_ctx: int, per_request: list) -> tuple[np.ndarray, np.ndarray]:
+    """(count [b], flat slot list [b * max_ctx]) for `assign_rows`: the requests' slots back to back,
+    padded with the scratch slot to a size fixed by the batch bucket, so a prefill executable depends
+    on (batch, length) buckets only; padding rows own nothing."""
     count = np.zeros((b,), np.int32)
     count[: len(per_request)] = [len(s) for s in per_request]
-    flat = np.zeros((max(64, 1 << max(int(count.sum()) - 1, 0).bit_length()),), np.int32)
+    flat = np.zeros((b * max_ctx,), np.int32)
     flat[: count.sum()] = np.concatenate(per_request) if per_request else []
     return count, flat
 
@@ -97,7 +123,11 @@ class EngineConfig:
     max_prefill_tokens: int = 8192  # padded tokens per prefill call (a longer single prompt still runs)
     decode_steps: int = 1  # tokens per decode dispatch (lax.fori_loop inside one executable)
     unroll_layers: bool = False
-    batch_buckets: tuple[int, ...] | None = None
+    batch_buckets: tuple[int, ...] | None = None  # default: SGLang's list capped at max_batch_size
+    max_bucket: int | None = None  # cap the default list (the largest bucket is then max_batch_size)
+    disable_padding: bool = False  # one executable per exact batch size
+    overlap: bool = True  # dispatch step r+1 before the host processes step r
+    verify_done_wait: str | None = None  # "sync" | "dataflow"; None: JEAGLE_VERIFY_DONE_STREAM_WAIT, else sync
     min_kv_bucket: int = 128
     min_prefill_bucket: int = 16
 
@@ -156,9 +186,7 @@ class Engine:
             last_token=jnp.zeros((r,), jnp.int32), temperature=jnp.zeros((r,), jnp.float32),
             top_k=jnp.zeros((r,), jnp.int32), top_p=jnp.ones((r,), jnp.float32), seed=jnp.zeros((r,), jnp.uint32))
         self.scratch_row = self.max_reqs
-        self.batch_buckets = config.batch_buckets or default_batch_buckets(self.max_reqs)
-        if self.batch_buckets[-1] < self.max_reqs:
-            raise ValueError(f"largest batch bucket {self.batch_buckets[-1]} < max_batch_size {self.max_reqs}")
+        self.batch_buckets = batch_buckets(self.max_reqs, config)
         self.kv_buckets = pow2_buckets(min(config.min_kv_bucket, self.max_ctx), self.max_ctx)
         self.prefill_buckets = pow2_buckets(min(config.min_prefill_bucket, self.max_ctx), self.max_ctx)
         self._free_rows = list(range(self.max_reqs - 1, -1, -1))
@@ -166,6 +194,8 @@ class Engine:
         self.compile_seconds = 0.0
         self._compile_mark = 0.0
         self._rng = np.random.default_rng()
+        self.verify_done = VerifyDone(verify_done_mode(config.verify_done_wait))
+        self.warmup_seconds: float | None = None  # set by warmup()
 
     # ---- compiled step functions -------------------------------------------------------------
     def _prefill_impl(self, params, cache: KVCache, rows: RowState, tokens, lengths, row_ids, slots, samp, *, greedy):
@@ -233,10 +263,17 @@ class Engine:
     def num_compiled(self) -> int:
         return len(self._executables)
 
+    # ---- executables (one per phase x bucket; the same keys for dispatch and warm-up) -------------
+    def _prefill_exe(self, b: int, t: int, greedy: bool, args):
+        return self._executable(("prefill", b, t, greedy), functools.partial(self._prefill_impl, greedy=greedy), args)
+
+    def _decode_exe(self, b: int, kv: int, greedy: bool, args):
+        steps = self.cfg.decode_steps
+        fn = functools.partial(self._decode_impl, steps=steps, kv_len=kv, greedy=greedy)
+        return self._executable(("decode", b, steps, kv, greedy), fn, args)
+
     # ---- dispatch ----------------------------------------------------------------------------
-    def _dispatch_prefill(self, reqs: list[_Request]):
-        b = pick_bucket(self.batch_buckets, len(reqs))
-        t = pick_bucket(self.prefill_buckets, max(len(r.prompt) for r in reqs))
+    def _prefill_inputs(self, reqs: list[_Request], b: int, t: int):
         tokens = np.zeros((b, t), np.int32)
         lengths = np.zeros((b,), np.int32)
         row_ids = np.full((b,), self.scratch_row, np.int32)
@@ -253,19 +290,19 @@ class Engine:
             seed[i] = r.params.seed if r.params.seed is not None else self._rng.integers(0, 2**32)
             r.length = n
             r.dispatched = 1
-        greedy = all(r.params.greedy for r in reqs)
-        fn = functools.partial(self._prefill_impl, greedy=greedy)
-        slots = flat_slots(b, [r.slots for r in reqs])
-        args = (self.params, self.cache, self.rows, tokens, lengths, row_ids, slots,
-                (temperature, top_k, top_p, seed))
-        exe = self._executable(("prefill", b, t, len(slots[1]), greedy), fn, args)
-        tok, self.cache, self.rows = exe(*args)
+        slots = flat_slots(b, self.max_ctx, [r.slots for r in reqs])
+        return (self.params, self.cache, self.rows, tokens, lengths, row_ids, slots, (temperature, top_k, top_p, seed))
+
+    def _dispatch_prefill(self, reqs: list[_Request]):
+        b = pick_bucket(self.batch_buckets, len(reqs))
+        t = pick_bucket(self.prefill_buckets, max(len(r.prompt) for r in reqs))
+        args = self._prefill_inputs(reqs, b, t)
+        tok, self.cache, self.rows = self._prefill_exe(b, t, all(r.params.greedy for r in reqs), args)(*args)
         tok.copy_to_host_async()
         return tok[:, None]
 
-    def _dispatch_decode(self, reqs: list[_Request]):
+    def _decode_inputs(self, reqs: list[_Request], b: int):
         steps = self.cfg.decode_steps
-        b = pick_bucket(self.batch_buckets, len(reqs))
         row_ids = np.full((b,), self.scratch_row, np.int32)
         positions = np.zeros((b,), np.int32)
         for i, r in enumerate(reqs):
@@ -273,14 +310,52 @@ class Engine:
             positions[i] = r.length
             r.length += steps
             r.dispatched += steps
-        kv = pick_bucket(self.kv_buckets, min(int(positions.max()) + steps, self.max_ctx))
-        greedy = all(r.params.greedy for r in reqs)
-        fn = functools.partial(self._decode_impl, steps=steps, kv_len=kv, greedy=greedy)
-        args = (self.params, self.cache, self.rows, row_ids, positions)
-        exe = self._executable(("decode", b, steps, kv, greedy), fn, args)
-        toks, self.cache, self.rows = exe(*args)
+        return (self.params, self.cache, self.rows, row_ids, positions)
+
+    def _dispatch_decode(self, reqs: list[_Request]):
+        b = pick_bucket(self.batch_buckets, len(reqs))
+        longest = max(r.length for r in reqs) + self.cfg.decode_steps
+        args = self._decode_inputs(reqs, b)
+        kv = pick_bucket(self.kv_buckets, min(longest, self.max_ctx))
+        toks, self.cache, self.rows = self._decode_exe(b, kv, all(r.params.greedy for r in reqs), args)(*args)
         toks.copy_to_host_async()
         return toks
+
+    # ---- ahead-of-time warm-up ---------------------------------------------------------------
+    def warmup_plan(self, batch_sizes=None, prefill_lengths=None, kv_lengths=None, greedy=(True, False)):
+        """Every (phase, bucket, mode) executable generate() can dispatch, restricted to the given sizes:
+        prefill (b, t) with b x t <= max_prefill_tokens (any t for the smallest bucket, which holds a lone
+        long prompt), decode / round (b, kv)."""
+        bs = self.batch_buckets if batch_sizes is None else tuple(pick_bucket(self.batch_buckets, b) for b in batch_sizes)
+        ts = self.prefill_buckets if prefill_lengths is None else tuple(pick_bucket(self.prefill_buckets, t)
+                                                                       for t in prefill_lengths)
+        kvs = self.kv_buckets if kv_lengths is None else tuple(pick_bucket(self.kv_buckets, k) for k in kv_lengths)
+        plan = []
+        for g in greedy:
+            for b in sorted(set(bs)):
+                plan += [("prefill", b, t, g) for t in sorted(set(ts))
+                         if b == self.batch_buckets[0] or b * t <= self.cfg.max_prefill_tokens]
+                plan += [("decode", b, kv, g) for kv in sorted(set(kvs))]
+        return plan
+
+    def warmup(self, batch_sizes=None, prefill_lengths=None, kv_lengths=None, greedy=(True, False),
+               progress: bool = True) -> float:
+        """Compile ahead of time every executable of `warmup_plan(...)` (default: all of them), with a
+        progress bar; afterwards generate() compiles nothing for those shapes (its stats count any
+        compilation as `compilations_after_warmup`). Returns the seconds taken (also `warmup_seconds`)."""
+        from tqdm import tqdm
+
+        plan = self.warmup_plan(batch_sizes, prefill_lengths, kv_lengths, greedy)
+        t0 = time.perf_counter()
+        bar = tqdm(plan, desc="warm-up", unit="exe", disable=not progress, file=sys.stderr)
+        for phase, b, size, g in bar:
+            if phase == "prefill":
+                self._prefill_exe(b, size, g, self._prefill_inputs([], b, size))
+            else:
+                self._decode_exe(b, size, g, self._decode_inputs([], b))
+            bar.set_postfix_str(f"{phase} b={b} {'t' if phase == 'prefill' else 'kv'}={size}")
+        self.warmup_seconds = time.perf_counter() - t0
+        return self.warmup_seconds
 
     # ---- request lifecycle -------------------------------------------------------------------
     def _make_request(self, index: int, prompt: list[int], params: SamplingParams) -> _Request:
@@ -348,6 +423,9 @@ class Engine:
         """Whether r goes into the next decode call (autoregressive: until its last token is dispatched)."""
         return not r.done and r.dispatched < r.max_new
 
+    def _record_verify_done(self, res) -> None:
+        """Speculative engines hand each round's verify results to the verify_done wait."""
+
     def _process(self, kind: str, batch: list[_Request], host: np.ndarray, t0: float, on_tokens) -> None:
         for i, r in enumerate(batch):
             if not r.done:
@@ -367,8 +445,13 @@ class Engine:
         pending: deque = deque()  # (requests, device tokens) in dispatch order
         t0 = time.perf_counter()
         compile0 = self._compile_mark = self.compile_seconds
+        compiled0 = self.num_compiled
+        blocked_per_step: list[float] = []
+        buckets_used: set[int] = set()
 
         while waiting or running or pending:
+            # The next host step starts with the wait on the last round's verify results (sync: hard).
+            blocked = self.verify_done.wait()
             # Admit what fits, in arrival order, and prefill it in groups of bounded padded size.
             group: list[_Request] = []
             group_longest = 0
@@ -393,18 +476,38 @@ class Engine:
 
             live = [r for r in running if self._wants_step(r)]
             if live:
-                pending.append(("step", live, self._dispatch_decode(live)))
-            # Keep one call in flight while there is more to dispatch; otherwise drain.
-            while len(pending) > (1 if live else 0):
+                buckets_used.add(pick_bucket(self.batch_buckets, len(live)))
+                res = self._dispatch_decode(live)
+                pending.append(("step", live, res))
+                self._record_verify_done(res)
+            # Overlap: keep this step in flight while the host processes the previous one; without
+            # overlap (or with nothing more to dispatch) process everything now.
+            keep = 1 if live and self.cfg.overlap else 0
+            while len(pending) > keep:
                 kind, batch, toks = pending.popleft()
-                self._process(kind, batch, np.asarray(toks), t0, on_tokens)  # its copy started at dispatch
+                t1 = time.perf_counter()
+                host = np.asarray(toks)  # its copy started at dispatch: this waits only if it is not done
+                blocked += time.perf_counter() - t1
+                self._process(kind, batch, host, t0, on_tokens)
+            if live:
+                blocked_per_step.append(blocked)
             running = [r for r in running if not r.done]
+        self.verify_done.wait()  # nothing may stay pending past the call
 
         wall = time.perf_counter() - t0 - (self.compile_seconds - compile0)
+        compiled = self.num_compiled - compiled0
         self.last_stats = {
             "prompt_tokens": sum(len(r.prompt) for r in reqs),
             "new_tokens": sum(len(r.out.token_ids) for r in reqs),
             "wall_s": wall,
             "compile_s": self.compile_seconds - compile0,
+            "compilations": compiled,
+            "compilations_after_warmup": compiled if self.warmup_seconds is not None else None,
+            "warmup_s": self.warmup_seconds,
+            "steps": len(blocked_per_step),
+            "host_blocked_ms": latency_stats(blocked_per_step),
+            "buckets_used": sorted(buckets_used),
+            "overlap": self.cfg.overlap,
+            "verify_done_wait": self.verify_done.mode,
         }
         return [r.out for r in reqs]

@@ -39,6 +39,14 @@ class GenerateArgs:
     speculative_num_draft_tokens: int | None = None
     speculative_accept_threshold_single: float = 1.0
     speculative_accept_threshold_acc: float = 1.0
+    buckets: tuple[int, ...] | None = None
+    max_bucket: int | None = None
+    disable_padding: bool = False
+    overlap: bool = True
+    verify_done_wait: str | None = None
+    warmup: bool = False
+    compile_cache_dir: str | None = None
+    no_compile_cache: bool = False
 
 
 def parse_args(argv: list[str] | None = None) -> GenerateArgs:
@@ -57,8 +65,9 @@ def parse_args(argv: list[str] | None = None) -> GenerateArgs:
     chat.add_argument("--chat", dest="chat", action="store_true", default=None,
                       help="wrap prompts in the chat template (default when the tokenizer has one)")
     chat.add_argument("--raw", dest="chat", action="store_false", help="feed prompts as raw text")
-    p.add_argument("--batch-size", type=int, default=None,
-                   help="max requests decoded together (default: number of prompts, at most 16)")
+    p.add_argument("--batch-size", "--max-running-requests", dest="batch_size", type=int, default=None,
+                   help="max requests decoded together (default: number of prompts, at most 48 with a draft, "
+                        "16 without)")
     p.add_argument("--stop-token-ids", type=lambda s: tuple(int(x) for x in s.split(",") if x), default=())
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON object (outputs + stats) on stdout")
@@ -69,6 +78,21 @@ def parse_args(argv: list[str] | None = None) -> GenerateArgs:
                    help="size the KV cache to this fraction of GPU memory instead")
     p.add_argument("--decode-steps", type=int, default=1, help="tokens per decode dispatch")
     p.add_argument("--unroll-layers", action="store_true", help="unroll the layer loop (slower compile)")
+    rt = p.add_argument_group("runtime")
+    rt.add_argument("--buckets", type=lambda s: tuple(int(x) for x in s.split(",") if x), default=None,
+                    help="batch buckets, e.g. 1,2,4,8 (default: SGLang's list up to the batch size)")
+    rt.add_argument("--max-bucket", type=int, default=None, help="cap the default bucket list")
+    rt.add_argument("--disable-padding", action="store_true", help="compile one executable per exact batch size")
+    rt.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
+                    help="dispatch the next round before the host processes the last one (default on)")
+    rt.add_argument("--verify-done-wait", choices=["sync", "dataflow"], default=None,
+                    help="after a round: hard wait (sync, default) or data dependence only (dataflow; also "
+                         "JEAGLE_VERIFY_DONE_STREAM_WAIT=1)")
+    rt.add_argument("--warmup", action="store_true",
+                    help="compile every (phase, bucket) executable at start-up (progress on stderr)")
+    rt.add_argument("--compile-cache-dir", default=None,
+                    help="persistent compilation cache (default: $JEAGLE_CACHE/xla)")
+    rt.add_argument("--no-compile-cache", action="store_true", help="do not persist compilations")
     spec = p.add_argument_group("speculative decoding (EAGLE)")
     spec.add_argument("--draft", help="EAGLE head: a converted jeagle draft dir or a PyTorch EAGLE/EAGLE-3 dir "
                                       "(converted on first use and cached)")
@@ -144,13 +168,21 @@ def run(args: GenerateArgs) -> dict:
     ids = [tokenizer.encode_chat([{"role": "user", "content": t}]) if use_chat else tokenizer.encode(t)
            for t in texts]
 
+    if not args.no_compile_cache:
+        from jeagle.fetch import cache_dir
+        from jeagle.runtime import enable_compile_cache
+
+        enable_compile_cache(args.compile_cache_dir or cache_dir() / "xla")
     t_load = time.perf_counter()
     model = load_model(target_dir, dtype=args.dtype)
-    batch = args.batch_size or min(len(ids), 16)
+    draft = load_speculative_draft(args, target_dir, model)
+    batch = args.batch_size or min(len(ids), 48 if draft is not None else 16)
     engine_cfg = EngineConfig(max_batch_size=batch, max_context=args.max_context,
                               max_total_tokens=args.max_total_tokens, mem_fraction_static=args.mem_fraction_static,
-                              decode_steps=args.decode_steps, unroll_layers=args.unroll_layers)
-    draft = load_speculative_draft(args, target_dir, model)
+                              decode_steps=args.decode_steps, unroll_layers=args.unroll_layers,
+                              batch_buckets=args.buckets, max_bucket=args.max_bucket,
+                              disable_padding=args.disable_padding, overlap=args.overlap,
+                              verify_done_wait=args.verify_done_wait)
     if draft is None:
         engine = Engine(model, engine_cfg)
     else:
@@ -165,6 +197,15 @@ def run(args: GenerateArgs) -> dict:
                           threshold_acc=args.speculative_accept_threshold_acc)
         engine = SpecEngine(model, draft, engine_cfg, spec)
     load_s = time.perf_counter() - t_load
+    if args.warmup:
+        # Only what these prompts can dispatch: batch sizes up to theirs, their prompt-length buckets,
+        # prefix buckets up to the longest possible context, the greedy and/or sampled variants.
+        n = min(len(ids), batch)
+        longest = min(max(map(len, ids)) + args.max_new_tokens + engine._context_reserve, engine.max_ctx)
+        modes = tuple(sorted({args.temperature <= 0}))
+        engine.warmup(batch_sizes=range(1, n + 1), prefill_lengths=[len(x) for x in ids],
+                      kv_lengths=[k for k in engine.kv_buckets if k < longest] + [longest], greedy=modes,
+                      progress=not args.json)
     params = [SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                              top_p=args.top_p, seed=None if args.seed is None else args.seed + i,
                              stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos)
@@ -207,6 +248,13 @@ def run(args: GenerateArgs) -> dict:
             "accept_length": stats.get("accept_length", 1.0),
             "rounds": stats.get("rounds", 0),
             "accept_length_histogram": stats.get("accept_length_histogram", {}),
+            "warmup_s": stats["warmup_s"],
+            "compilations": stats["compilations"],
+            "compilations_after_warmup": stats["compilations_after_warmup"],
+            "host_blocked_ms": stats["host_blocked_ms"],
+            "buckets_used": stats["buckets_used"],
+            "overlap": stats["overlap"],
+            "verify_done_wait": stats["verify_done_wait"],
         },
     }
     if args.json:

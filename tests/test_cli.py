@@ -119,3 +119,16 @@ def test_speculative_flag_errors(smollm2_head):
     doc = json.loads(run_cli("--json", "--max-new-tokens", "4", "--draft", str(smollm2_head),
                              "--speculative-algorithm", "none", QUESTION).stdout)
     assert doc["stats"]["rounds"] == 0
+
+
+def test_runtime_flags_keep_the_output(single, smollm2_head):
+    """No overlap, dataflow waits, explicit buckets and a warm-up: same tokens, nothing compiled after."""
+    doc = json.loads(run_cli("--json", "--max-new-tokens", "24", "--draft", str(smollm2_head), *SPEC, "--no-overlap",
+                             "--verify-done-wait", "dataflow", "--buckets", "1,2", "--warmup", "--max-context", "256",
+                             QUESTION).stdout)
+    assert doc["outputs"][0]["token_ids"] == single["outputs"][0]["token_ids"]
+    stats = doc["stats"]
+    assert stats["compilations_after_warmup"] == 0 and stats["warmup_s"] > 0
+    assert stats["overlap"] is False and stats["verify_done_wait"] == "dataflow" and stats["buckets_used"] == [1]
+    assert set(stats["host_blocked_ms"]) == {"mean", "p50", "p99"}
+    assert single["stats"]["compilations_after_warmup"] is None  # no warm-up asked for

@@ -104,17 +104,24 @@ class SpecEngine(Engine):
         return verify_commit(target, head, self.spec, cache, dk, dv, srows, row_ids, tree, kv_len=kv_len,
                              greedy=greedy, aux_layers=self.aux_layers, unroll=self.cfg.unroll_layers)
 
-    def _run(self, key, fn, args):
-        exe = self._executable(key, fn, args, donate=(2, 3, 4, 5))  # cache, draft pools, rows
+    def _run(self, exe, args):
         res, self.cache, self.dk, self.dv, self.srows = exe(*args)
         res.copy_to_host_async()
         return res
 
+    # ---- executables -------------------------------------------------------------------------
+    def _prefill_exe(self, b, t, greedy, args):
+        fn = functools.partial(self._spec_prefill_impl, greedy=greedy)
+        return self._executable(("spec_prefill", b, t, greedy), fn, args, donate=(2, 3, 4, 5))  # cache, pools, rows
+
+    def _decode_exe(self, b, kv, greedy, args):
+        """The fused round (the split one is a measurement mode: compiled on first use, not warmed up)."""
+        fn = functools.partial(self._round_impl, kv_len=kv, greedy=greedy)
+        return self._executable(("round", b, kv, greedy), fn, args, donate=(2, 3, 4, 5))
+
     # ---- dispatch --------------------------------------------------------------------------
-    def _dispatch_prefill(self, reqs: list[_Request]):
+    def _prefill_inputs(self, reqs, b, t):
         s = self.spec
-        b = pick_bucket(self.batch_buckets, len(reqs))
-        t = pick_bucket(self.prefill_buckets, max(len(r.prompt) for r in reqs))
         tokens = np.zeros((b, t), np.int32)
         lengths = np.zeros((b,), np.int32)
         row_ids = np.full((b,), self.scratch_row, np.int32)
@@ -139,38 +146,46 @@ class SpecEngine(Engine):
                 raise ValueError(f"request {r.index} has {len(stops)} stop tokens; at most {MAX_STOP} are supported")
             stop_ids[i, : len(stops)] = stops
             r.length, r.dispatched = n, 1
-        greedy = all(r.params.greedy for r in reqs)
-        slots = flat_slots(b, positions)
-        fn = functools.partial(self._spec_prefill_impl, greedy=greedy)
-        args = (self.params, self.draft_params, self.cache, self.dk, self.dv, self.srows, tokens, lengths, row_ids,
+        slots = flat_slots(b, self.max_ctx, positions)
+        return (self.params, self.draft_params, self.cache, self.dk, self.dv, self.srows, tokens, lengths, row_ids,
                 slots, tree_slots, scratch_slots, (temperature, top_k, top_p, seed, max_new, stop_ids))
-        return self._run(("spec_prefill", b, t, len(slots[1]), greedy), fn, args)
 
-    def _dispatch_decode(self, reqs: list[_Request]):
-        s = self.spec
+    def _dispatch_prefill(self, reqs: list[_Request]):
         b = pick_bucket(self.batch_buckets, len(reqs))
+        t = pick_bucket(self.prefill_buckets, max(len(r.prompt) for r in reqs))
+        args = self._prefill_inputs(reqs, b, t)
+        return self._run(self._prefill_exe(b, t, all(r.params.greedy for r in reqs), args), args)
+
+    def _decode_inputs(self, reqs, b):
         row_ids = np.full((b,), self.scratch_row, np.int32)
         for i, r in enumerate(reqs):
             row_ids[i] = r.row
             r.dispatched += 1  # rounds in flight bound how far L can have moved
+        return (self.params, self.draft_params, self.cache, self.dk, self.dv, self.srows, row_ids)
+
+    def _dispatch_decode(self, reqs: list[_Request]):
+        s = self.spec
+        b = pick_bucket(self.batch_buckets, len(reqs))
+        args = self._decode_inputs(reqs, b)
         # L <= prompt + tokens received + (S+1) per unread call; the prefix bucket must cover it.
         longest = max(len(r.prompt) + len(r.out.token_ids) + (s.num_steps + 1) * (r.dispatched - r.processed)
                       for r in reqs)
         kv = pick_bucket(self.kv_buckets, min(longest, self.max_ctx))
         greedy = all(r.params.greedy for r in reqs)
-        args = (self.params, self.draft_params, self.cache, self.dk, self.dv, self.srows, row_ids)
         if self.fused_round:
-            return self._run(("round", b, kv, greedy), functools.partial(self._round_impl, kv_len=kv, greedy=greedy),
-                             args)
+            return self._run(self._decode_exe(b, kv, greedy, args), args)
         draft_exe = self._executable(("draft", b, kv), functools.partial(self._draft_impl, kv_len=kv), args,
-                                              donate=(3, 4))
+                                     donate=(3, 4))
         tree, self.dk, self.dv = draft_exe(*args)
-        args = (self.params, self.draft_params, self.cache, self.dk, self.dv, self.srows, row_ids, tree)
-        return self._run(("verify", b, kv, greedy), functools.partial(self._verify_impl, kv_len=kv, greedy=greedy),
-                         args)
+        args = (self.params, self.draft_params, self.cache, self.dk, self.dv, self.srows, args[-1], tree)
+        fn = functools.partial(self._verify_impl, kv_len=kv, greedy=greedy)
+        return self._run(self._executable(("verify", b, kv, greedy), fn, args, donate=(2, 3, 4, 5)), args)
 
     def _wants_step(self, r: _Request) -> bool:
         return not r.done
+
+    def _record_verify_done(self, res) -> None:
+        self.verify_done.record(res)
 
     def _process(self, kind, batch, host, t0, on_tokens) -> None:
         s = self.spec.num_steps

@@ -1,0 +1,96 @@
+"""The runtime around the round (issue 6): identical outputs with overlap on/off, sync/dataflow waits,
+padded/unpadded buckets while the batch grows and shrinks; nothing compiles after warm-up; stats."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jeagle.engine import Engine, EngineConfig, batch_buckets
+from jeagle.sampling import SamplingParams
+from jeagle.spec.engine import SpecEngine
+from jeagle.spec.round import SpecConfig
+from tests.spec_models import bigram_target, signed_identity_head, target_config
+
+# (overlap, verify_done_wait, disable_padding)
+MODES = [(True, "sync", False), (True, "dataflow", False), (False, "sync", False), (True, "dataflow", True)]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return bigram_target(target_config())
+
+
+@pytest.fixture(scope="module")
+def head(target):
+    return signed_identity_head(target, +1.0, noise=0.08)
+
+
+@pytest.fixture(scope="module")
+def workload():
+    """More requests than rows (the batch grows as rows free up) with different lengths (it shrinks)."""
+    rng = np.random.default_rng(3)
+    prompts = [list(rng.integers(4, 96, n)) for n in (5, 2, 9, 3, 7)]
+    return prompts, [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in (4, 15, 9, 12, 6)]
+
+
+def spec_engine(target, head, overlap, wait, padding, batch=4):
+    cfg = EngineConfig(max_batch_size=batch, max_context=96, overlap=overlap, verify_done_wait=wait,
+                       disable_padding=padding, batch_buckets=None if padding else (1, 2, 4))
+    return SpecEngine(target, head, cfg, SpecConfig(3, 2, 5))
+
+
+def test_identical_outputs_across_runtime_modes(target, head, workload):
+    prompts, params = workload
+    want = [o.token_ids for o in Engine(target, EngineConfig(max_batch_size=4, max_context=96)).generate(prompts, params)]
+    for overlap, wait, padding in MODES:
+        engine = spec_engine(target, head, overlap, wait, padding)
+        got = [o.token_ids for o in engine.generate(prompts, params)]
+        assert got == want, (overlap, wait, padding)
+        stats = engine.last_stats
+        assert len(stats["buckets_used"]) >= 2, stats["buckets_used"]  # the batch crossed buckets
+        assert stats["overlap"] == overlap and stats["verify_done_wait"] == wait
+        assert stats["host_blocked_ms"]["p99"] >= stats["host_blocked_ms"]["p50"] >= 0
+        assert not engine.verify_done.pending
+
+
+def test_sampled_outputs_do_not_depend_on_runtime_mode(target, head, workload):
+    prompts, params = workload
+    params = [SamplingParams(max_new_tokens=p.max_new_tokens, ignore_eos=True, temperature=0.8, seed=i)
+              for i, p in enumerate(params)]
+    outs = {m: [o.token_ids for o in spec_engine(target, head, *m).generate(prompts, params)] for m in MODES[:3]}
+    assert len({tuple(map(tuple, v)) for v in outs.values()}) == 1, outs
+
+
+def test_nothing_compiles_after_warmup(target, head, workload):
+    prompts, params = workload
+    engine = spec_engine(target, head, True, "sync", False)
+    plan = engine.warmup_plan(prefill_lengths=[max(map(len, prompts))], greedy=(True,))
+    assert {(p[0], p[1]) for p in plan} == {("prefill", b) for b in (1, 2, 4)} | {("decode", b) for b in (1, 2, 4)}
+    seconds = engine.warmup(prefill_lengths=[max(map(len, prompts))], greedy=(True,), progress=False)
+    assert seconds > 0 and engine.num_compiled == len(plan)
+    engine.generate(prompts, params)
+    stats = engine.last_stats
+    assert stats["compilations_after_warmup"] == 0 and stats["warmup_s"] == seconds
+    assert len(stats["buckets_used"]) >= 2
+
+
+def test_autoregressive_engine_overlap_off_and_warmup(target, workload):
+    prompts, params = workload
+    want = [o.token_ids for o in Engine(target, EngineConfig(max_batch_size=4, max_context=96)).generate(prompts, params)]
+    engine = Engine(target, EngineConfig(max_batch_size=4, max_context=96, overlap=False, batch_buckets=(1, 2, 4)))
+    engine.warmup(prefill_lengths=[max(map(len, prompts))], greedy=(True,), progress=False)
+    assert [o.token_ids for o in engine.generate(prompts, params)] == want
+    assert engine.last_stats["compilations_after_warmup"] == 0
+    assert engine.last_stats["verify_done_wait"] == "sync"  # recorded, though only rounds wait on it
+
+
+def test_bucket_options():
+    assert batch_buckets(6, EngineConfig(disable_padding=True)) == (1, 2, 3, 4, 5, 6)
+    assert batch_buckets(48, EngineConfig())[-4:] == (32, 40, 44, 48)  # SGLang: ..32 step 2, 40..64 step 4
+    assert batch_buckets(12, EngineConfig(batch_buckets=(8, 1, 16))) == (1, 8, 16)
+    assert batch_buckets(16, EngineConfig(max_bucket=20)) == batch_buckets(16, EngineConfig())
+    with pytest.raises(ValueError, match="max-bucket 8 < max running requests 16"):
+        batch_buckets(16, EngineConfig(max_bucket=8))
+    with pytest.raises(ValueError, match="largest batch bucket 8 < max running requests 16"):
+        batch_buckets(16, EngineConfig(batch_buckets=(1, 8)))
