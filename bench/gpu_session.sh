@@ -2,7 +2,7 @@
 # One GPU session's work, run on the device machine from the repo root (see bench/RESULTS.md):
 #   stage 1: carry .stage1 (first part of the SmolLM2 GGUF) and run `bash bench/gpu_session.sh stage`
 #   stage 2: carry .stage2 + .whl and run `bash bench/gpu_session.sh run` at once (machine still warm)
-# Random-weight steps (kernels, kernelround, specbench) need no staging: `bash bench/gpu_session.sh run kerneltests kernelbench kernelround`.
+# Random-weight steps (kerneltests, kernelbench, kernelround, specbench, overhead, warmup) need no staging: `bash bench/gpu_session.sh run kerneltests kernelbench kernelround`.
 set -uo pipefail
 mode="${1:-run}"
 if [ "$mode" = stage ]; then
@@ -47,6 +47,12 @@ if [[ "$steps" == *" kernelround "* ]]; then
         --rounds-as fused --temperature $temp 2>&1 | tee "$OUT/spec_round_${kern}_t${temp}.log"
     done
   done
+fi
+if [[ "$steps" == *" overhead "* ]]; then
+  python3 bench/overhead.py --batch-sizes "${OVERHEAD_BATCHES:-1,16,48}" 2>&1 | tee "$OUT/overhead.log"
+fi
+if [[ "$steps" == *" warmup "* ]]; then
+  python3 bench/warmup.py 2>&1 | grep -v "^warm-up" | tee "$OUT/warmup.log"
 fi
 if [[ "$steps" == *" bench "* ]]; then
   python3 bench/decode.py --batch-sizes 1,16 --decode-steps "${DECODE_STEPS:-1,4}" --unroll "${UNROLL:-0,1}" \

@@ -31,6 +31,10 @@ SHAPES = {
     "llama8b": dict(arch="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
                     num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0, max_position_embeddings=8192,
                     rms_norm_eps=1e-5),
+    # a CPU smoke-test shape for the bench scripts (numbers meaningless)
+    "tiny": dict(arch="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                 num_kv_heads=2, head_dim=16, rope_theta=10000.0, tie_word_embeddings=True,
+                 max_position_embeddings=2048, rms_norm_eps=1e-5),
 }
 
 

@@ -1,0 +1,120 @@
+"""Host overhead per speculative round: host-blocked time and GPU idle share, for the runtime modes.
+
+Modes: `no-overlap` (the host processes round r before dispatching r+1, hard wait), `overlap+sync`
+(round r+1 dispatched before round r is processed, but the next host step starts with a hard wait on
+round r's verify results: SGLang's default) and `overlap+dataflow` (no hard wait; rounds depend on
+each other through device data only). Random SmolLM2-shaped weights and a random EAGLE-1 head
+(acceptance does not change a round's cost), greedy, 256-token prompts, warm.
+
+Per mode and batch size:
+  wall ms / round       generate() wall time / rounds
+  host-blocked ms       per round, time the host spent waiting on the device (verify_done wait +
+                        reading results): mean, p50, p99
+  device ms / round     the same round executable run back to back with no host work in between
+                        (`--reps` chained calls, one wait), i.e. what the GPU needs
+  GPU idle share        1 - device ms / wall ms
+Prints a table, then one JSON line.
+
+    python bench/overhead.py --batch-sizes 1,16,48
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+MODES = {"no-overlap": (False, "sync"), "overlap+sync": (True, "sync"), "overlap+dataflow": (True, "dataflow")}
+
+
+def device_round_ms(engine, b, kv, reps):
+    """Device time of one round: `reps` rounds of the compiled executable on padding rows, chained
+    through the donated state, dispatched back to back, one wait at the end."""
+    import jax
+
+    exe = engine._decode_exe(b, kv, True, engine._decode_inputs([], b))
+
+    def run(n):
+        t0 = time.perf_counter()
+        res = None
+        for _ in range(n):
+            args = engine._decode_inputs([], b)
+            res, engine.cache, engine.dk, engine.dv, engine.srows = exe(*args)
+        jax.block_until_ready(res)
+        return time.perf_counter() - t0
+
+    run(2)
+    return 1e3 * (run(reps + 1) - run(1)) / reps
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="smollm2")
+    p.add_argument("--batch-sizes", default="1,16,48")
+    p.add_argument("--tier", default="5,4,8")
+    p.add_argument("--rounds", type=int, default=64)
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--reps", type=int, default=32)
+    p.add_argument("--modes", default=",".join(MODES))
+    args = p.parse_args(argv)
+
+    import tempfile
+
+    from jeagle.runtime import enable_compile_cache
+
+    enable_compile_cache(tempfile.mkdtemp(prefix="jeagle-xla-"))  # the modes share executables: compile once
+    import jax
+
+    from jeagle.config import DraftConfig, ModelConfig
+    from jeagle.engine import EngineConfig, pick_bucket
+    from jeagle.models.eagle import random_draft
+    from jeagle.models.llama import random_model
+    from jeagle.sampling import SamplingParams
+    from jeagle.spec.engine import SpecEngine
+    from jeagle.spec.round import SpecConfig
+    from profile_decode import SHAPES
+
+    cfg = ModelConfig(**SHAPES[args.shape])
+    model = random_model(cfg)
+    head = random_draft(DraftConfig(kind="eagle1", hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                                    num_layers=1, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                                    head_dim=cfg.head_dim, vocab_size=cfg.vocab_size, fc_bias=True), seed=1)
+    s, k, n = (int(x) for x in args.tier.split(","))
+    prompt = list(range(100, 100 + args.context))
+    sp = SamplingParams(max_new_tokens=args.rounds, ignore_eos=True)
+    rows = []
+    print(f"{'batch':>5} {'mode':>17} {'wall ms':>9} {'blk mean':>8} {'blk p50':>8} {'blk p99':>8} {'device ms':>9} "
+          f"{'idle':>6}")
+    for batch in [int(b) for b in args.batch_sizes.split(",")]:
+        device_ms = None
+        for mode in args.modes.split(","):
+            overlap, wait = MODES[mode]
+            eng = SpecEngine(model, head, EngineConfig(max_batch_size=batch, max_context=1024, overlap=overlap,
+                                                       verify_done_wait=wait), SpecConfig(s, k, n))
+            eng.generate([prompt] * batch, sp)  # compiles
+            eng.generate([prompt] * batch, sp)
+            st = eng.last_stats
+            wall_ms = 1e3 * st["wall_s"] / st["steps"]
+            if device_ms is None:
+                kv = pick_bucket(eng.kv_buckets, min(args.context + args.rounds + s + 1, eng.max_ctx))
+                device_ms = device_round_ms(eng, pick_bucket(eng.batch_buckets, batch), kv, args.reps)
+            hb = st["host_blocked_ms"]
+            rows.append({"batch": batch, "mode": mode, "rounds": st["steps"], "wall_ms_per_round": round(wall_ms, 3),
+                         "host_blocked_ms": {k2: round(v, 3) for k2, v in hb.items()},
+                         "host_blocked_share": round(hb["mean"] / wall_ms, 3), "device_ms_per_round": round(device_ms, 3),
+                         "gpu_idle_share": round(max(0.0, 1 - device_ms / wall_ms), 3)})
+            r = rows[-1]
+            print(f"{batch:>5} {mode:>17} {wall_ms:>9.3f} {hb['mean']:>8.3f} {hb['p50']:>8.3f} {hb['p99']:>8.3f} "
+                  f"{device_ms:>9.3f} {r['gpu_idle_share']:>6.1%}", flush=True)
+    print(json.dumps({"bench": "overhead", "shape": args.shape, "tier": [s, k, n], "device": jax.devices()[0].device_kind,
+                      "commit": os.environ.get("JEAGLE_COMMIT", "unknown"), "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
