@@ -2,7 +2,7 @@
 # One GPU session's work, run on the device machine from the repo root (see bench/RESULTS.md):
 #   stage 1: carry .stage1 (first part of the SmolLM2 GGUF) and run `bash bench/gpu_session.sh stage`
 #   stage 2: carry .stage2 + .whl and run `bash bench/gpu_session.sh run` at once (machine still warm)
-# Random-weight steps (kerneltests, kernelbench, kernelround, specbench, overhead, warmup) need no staging: `bash bench/gpu_session.sh run kerneltests kernelbench kernelround`.
+# Random-weight steps (kerneltests, kernelbench, kernelround, specbench, overhead, warmup, cmdbuf) need no staging: `bash bench/gpu_session.sh run kerneltests kernelbench kernelround`.
 set -uo pipefail
 mode="${1:-run}"
 if [ "$mode" = stage ]; then
@@ -46,6 +46,13 @@ if [[ "$steps" == *" kernelround "* ]]; then
       JEAGLE_KERNELS=$kern python3 bench/spec_round.py --shape smollm2 --batch-sizes 1,16,64 --tiers 5,4,8 \
         --rounds-as fused --temperature $temp 2>&1 | tee "$OUT/spec_round_${kern}_t${temp}.log"
     done
+  done
+fi
+if [[ "$steps" == *" cmdbuf "* ]]; then  # XLA command buffers: default, off, and with WHILE/CONDITIONAL
+  for flags in "" "--xla_gpu_enable_command_buffer=" "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"; do
+    echo "XLA_FLAGS=$flags" | tee -a "$OUT/cmdbuf.log"
+    XLA_FLAGS="$flags" python3 bench/spec_round.py --shape smollm2 --batch-sizes 1,16,48 --tiers 5,4,8 \
+      --rounds-as fused 2>&1 | tee -a "$OUT/cmdbuf.log"
   done
 fi
 if [[ "$steps" == *" overhead "* ]]; then
