@@ -386,6 +386,10 @@ class Engine:
     def _slots_needed(self, prompt_len: int, max_new: int) -> int:
         return prompt_len + max_new - 1
 
+    def _prefix_bound(self, prompt_len: int, max_new: int) -> int:
+        """The longest prefix a decode call for such a request can attend over (what picks its kv bucket)."""
+        return min(prompt_len + max_new + self.cfg.decode_steps, self.max_ctx)
+
     def _admit(self, r: _Request) -> bool:
         need = self._slots_needed(len(r.prompt), r.max_new)
         if not self._free_rows or self.allocator.free_count < need:

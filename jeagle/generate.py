@@ -201,7 +201,7 @@ def run(args: GenerateArgs) -> dict:
         # Only what these prompts can dispatch: batch sizes up to theirs, their prompt-length buckets,
         # prefix buckets up to the longest possible context, the greedy and/or sampled variants.
         n = min(len(ids), batch)
-        longest = min(max(map(len, ids)) + args.max_new_tokens + engine._context_reserve, engine.max_ctx)
+        longest = max(engine._prefix_bound(len(x), args.max_new_tokens) for x in ids)
         modes = (args.temperature == 0.0,)  # every request shares the temperature: greedy or sampled variants
         engine.warmup(batch_sizes=range(1, n + 1), prefill_lengths=[len(x) for x in ids],
                       kv_lengths=[k for k in engine.kv_buckets if k < longest] + [longest], greedy=modes,

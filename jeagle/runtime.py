@@ -10,7 +10,8 @@ are the handle the next host step may wait on before it schedules the next round
               with `--verify-done-wait dataflow` or `JEAGLE_VERIFY_DONE_STREAM_WAIT=1` (SGLang's
               `SGLANG_SPEC_V2_VERIFY_DONE_STREAM_WAIT`). The handle must still be live device arrays
               (not deleted or donated); if that check, or anything else, fails, the error is logged
-              and the host falls back to the hard wait.
+              and the host falls back to the hard wait (which, for a deleted buffer, raises JAX's
+              own error rather than carrying on with a result that no longer exists).
 
 The pending handle is consumed once: a second wait without a new round does nothing.
 """

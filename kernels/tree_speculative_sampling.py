@@ -86,16 +86,20 @@ def _kernel(cand_ref, ridx_ref, next_ref, sib_ref, coins_ref, final_ref, probs_r
         _, r = jax.lax.while_loop(lambda c: c[0] >= 0, drop, (head, q))
         return idx, q, r
 
+    # Totals and the search both chain `running + cumsum(block)` and carry its last (largest: the
+    # terms are >= 0) element, so the search sees exactly the totals' partial sums and `u < total`
+    # always lands inside a block, on a lane with mass.
     def totals(j, c):
         tq, tr, lq, lr = c
         idx, q, r = load(j, jnp.bool_(True))
-        return (tq + jnp.sum(q), tr + jnp.sum(r), jnp.maximum(lq, jnp.max(jnp.where(q > 0, idx, -1))),
-                jnp.maximum(lr, jnp.max(jnp.where(r > 0, idx, -1))))
+        return (jnp.max(tq + jnp.cumsum(q)), jnp.max(tr + jnp.cumsum(r)),
+                jnp.maximum(lq, jnp.max(jnp.where(q > 0, idx, -1))), jnp.maximum(lr, jnp.max(jnp.where(r > 0, idx, -1))))
 
     zero = jnp.float32(0.0)
     tq, tr, lq, lr = jax.lax.fori_loop(0, num_blocks, totals, (zero, zero, jnp.int32(-1), jnp.int32(-1)))
     use_resid = tr > 0
     total, last = jnp.where(use_resid, tr, tq), jnp.where(use_resid, lr, lq)
+    last = jnp.where(last < 0, v - 1, last)  # no mass at all: the reference's clamp gives V-1
     u = final_ref[0, 0] * total
 
     def searching(c):
@@ -106,11 +110,13 @@ def _kernel(cand_ref, ridx_ref, next_ref, sib_ref, coins_ref, final_ref, probs_r
         j, running, _ = c
         idx, _, r = load(j, use_resid)
         cdf = running + jnp.cumsum(r)
-        first = jnp.min(jnp.where(cdf > u, idx, v))
-        return j + 1, running + jnp.sum(r), jnp.where(first < v, first, -1)
+        hit = (cdf > u) & (r > 0) & (idx >= j * block)
+        first = jnp.min(jnp.where(hit, idx, v))
+        return j + 1, jnp.max(cdf), jnp.where(first < v, first, -1)
 
     _, _, tok = jax.lax.while_loop(searching, search, (jnp.int32(0), zero, jnp.int32(-1)))
     tok = jnp.where(tok >= 0, jnp.minimum(tok, last), last)
+    tok = jnp.where(u != u, 0, tok)  # NaN probabilities: the reference's count of cdf <= u is 0
     predict_ref[0, cur] = tok
     bonus_ref[0, 0] = tok
 

@@ -94,3 +94,12 @@ def test_bucket_options():
         batch_buckets(16, EngineConfig(max_bucket=8))
     with pytest.raises(ValueError, match="largest batch bucket 8 < max running requests 16"):
         batch_buckets(16, EngineConfig(batch_buckets=(1, 8)))
+
+
+def test_prefix_bound_covers_what_dispatch_asks_for(target, head):
+    """The CLI warms up prefix buckets up to _prefix_bound: with overlap a round is dispatched while
+    another is unread, so L may run (S+1) past the tokens received twice."""
+    s1 = 4  # SpecConfig(3, 2, 5)
+    on, off = spec_engine(target, head, True, "sync", False), spec_engine(target, head, False, "sync", False)
+    assert on._prefix_bound(16, 40) >= 16 + 40 - 1 + 2 * s1 and off._prefix_bound(16, 40) >= 16 + 40 - 1 + s1
+    assert on._prefix_bound(90, 40) == on.max_ctx

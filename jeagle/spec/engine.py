@@ -48,6 +48,10 @@ class SpecEngine(Engine):
     def _positions(self, prompt_len: int, max_new: int) -> int:
         return min(prompt_len + max_new + self.spec.num_steps + 1, self.max_ctx)
 
+    def _prefix_bound(self, prompt_len: int, max_new: int) -> int:
+        # Dispatch bounds L by tokens received + (S+1) per unread round: two with overlap, one without.
+        return min(prompt_len + max_new + (self.spec.num_steps + 1) * (2 if self.cfg.overlap else 1), self.max_ctx)
+
     def _slots_needed(self, prompt_len: int, max_new: int) -> int:
         return self._positions(prompt_len, max_new) + self.spec.num_draft_tokens + self.spec.scratch
 

@@ -99,3 +99,32 @@ def test_lowers_to_triton(v):
 
     args, _ = random_sampling_inputs(4, 8, 4, v, seed=1)
     lower_for_h100(functools.partial(tss._pallas, num_spec_steps=4, interpret=False), *args)
+
+
+@pytest.mark.parametrize("mode", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
+def test_bonus_never_lands_on_a_token_without_mass(monkeypatch, mode):
+    """Zero-mass holes at and around the block boundary (V = 3,000: blocks of 2,048, the last one
+    overlapping): whatever the coin, the bonus is a token with mass; rows with no mass at all or NaN
+    probabilities give what the reference gives."""
+    import jax.numpy as jnp
+
+    monkeypatch.setenv("JEAGLE_KERNELS", mode)
+    b, v = 512, 3000
+    rng = np.random.default_rng(7)
+    q = rng.random(v).astype(np.float32)
+    q[952] = 0
+    q[2040:2150] = 0
+    q[2990:] = 0
+    q /= q.sum()
+    probs = np.broadcast_to(q, (b, 1, v)).copy()
+    probs[1] = 0.0  # no mass at all
+    probs[2] = np.nan
+    one = lambda x: jnp.asarray(np.full((b, 1), x), jnp.int32)  # noqa: E731
+    cand, ridx, nxt, sib = one(0), jnp.arange(b, dtype=jnp.int32)[:, None], one(-1), one(-1)
+    coins = jnp.zeros((b, 1), jnp.float32)
+    final = jnp.asarray(np.concatenate([[0.5, 0.5, 0.5], np.linspace(0, 1, b - 3, endpoint=False)]), jnp.float32)
+    args = (cand, ridx, nxt, sib, jnp.asarray(probs), coins, final, 1)
+    bonus = np.asarray(tree_speculative_sampling(*args)[3])
+    want = np.asarray(tree_speculative_sampling_reference(*args)[3])
+    assert bonus[1] == want[1] == v - 1 and bonus[2] == want[2] == 0
+    assert (q[bonus[3:]] > 0).all()
