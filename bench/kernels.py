@@ -79,8 +79,7 @@ def cases(b, n):
     from jeagle.kernels import commit_slots as cs
     from jeagle.kernels import tree_speculative_sampling as tss
     from jeagle.kernels import verify_tree_greedy as vtg
-    from tests.kernels.test_slots import commit_inputs
-    from tests.kernels.trees import random_drafts, random_trees
+    from tests.kernels.trees import commit_inputs, random_drafts, random_trees
 
     k = 4 if n > 4 else 2
     tree_args, steps = random_trees(b, n, k, seed=b + n)

@@ -38,6 +38,20 @@ SHAPES = {
 }
 
 
+def random_target_and_head(shape: str):
+    """A random-weight target of a named shape and a random one-layer EAGLE-1 head for it: what the
+    speculative benches time (a round's cost depends on shapes, not weights)."""
+    from jeagle.config import DraftConfig, ModelConfig
+    from jeagle.models.eagle import random_draft
+    from jeagle.models.llama import random_model
+
+    cfg = ModelConfig(**SHAPES[shape])
+    head = random_draft(DraftConfig(kind="eagle1", hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                                    num_layers=1, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                                    head_dim=cfg.head_dim, vocab_size=cfg.vocab_size, fc_bias=True), seed=1)
+    return random_model(cfg), head
+
+
 def device_events(trace_dir: str):
     """(name, duration_us) of every op the trace puts on a GPU stream."""
     files = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)

@@ -34,20 +34,13 @@ def main(argv=None):
 
     import jax
 
-    from jeagle.config import DraftConfig, ModelConfig
     from jeagle.engine import Engine, EngineConfig
-    from jeagle.models.eagle import random_draft
-    from jeagle.models.llama import random_model
     from jeagle.sampling import SamplingParams
     from jeagle.spec.engine import SpecEngine
     from jeagle.spec.round import SpecConfig
-    from profile_decode import SHAPES
+    from profile_decode import random_target_and_head
 
-    cfg = ModelConfig(**SHAPES[args.shape])
-    model = random_model(cfg)
-    head = random_draft(DraftConfig(kind="eagle1", hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                                    num_layers=1, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
-                                    head_dim=cfg.head_dim, vocab_size=cfg.vocab_size, fc_bias=True), seed=1)
+    model, head = random_target_and_head(args.shape)
     prompt = list(range(100, 100 + args.context))
     rows = []
     for batch in [int(b) for b in args.batch_sizes.split(",")]:

@@ -27,19 +27,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def build(args):
-    from jeagle.config import DraftConfig, ModelConfig
     from jeagle.engine import EngineConfig
-    from jeagle.models.eagle import random_draft
-    from jeagle.models.llama import random_model
     from jeagle.spec.engine import SpecEngine
     from jeagle.spec.round import SpecConfig
-    from profile_decode import SHAPES
+    from profile_decode import random_target_and_head
 
-    cfg = ModelConfig(**SHAPES[args.shape])
-    head = random_draft(DraftConfig(kind="eagle1", hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                                    num_layers=1, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
-                                    head_dim=cfg.head_dim, vocab_size=cfg.vocab_size, fc_bias=True), seed=1)
-    return SpecEngine(random_model(cfg), head, EngineConfig(max_batch_size=args.max_batch, max_context=args.max_context),
+    model, head = random_target_and_head(args.shape)
+    return SpecEngine(model, head, EngineConfig(max_batch_size=args.max_batch, max_context=args.max_context),
                       SpecConfig(5, 4, 8))
 
 

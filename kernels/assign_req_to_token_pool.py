@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jeagle.kernels.backend import backend
+from jeagle.kernels.backend import dispatch, int32_inputs
 
 __all__ = ["assign_req_to_token_pool", "assign_req_to_token_pool_reference"]
 
@@ -82,11 +82,5 @@ def assign_req_to_token_pool(req_to_token, row_ids, start, end, out_cache_loc):
         raise ValueError(f"row_ids, start and end must be [B], got {row_ids.shape}, {start.shape}, {end.shape}")
     if out_cache_loc.ndim != 1 or out_cache_loc.shape[0] < 1:
         raise ValueError(f"out_cache_loc must be a non-empty [T], got {out_cache_loc.shape}")
-    for x in (row_ids, start, end, out_cache_loc):
-        if not jnp.issubdtype(x.dtype, jnp.integer):
-            raise ValueError(f"slot inputs must be integer arrays, got {x.dtype}")
-    args = tuple(x.astype(jnp.int32) for x in (req_to_token, row_ids, start, end, out_cache_loc))
-    mode = backend()
-    if mode == "reference":
-        return assign_req_to_token_pool_reference(*args)
-    return _pallas(*args, interpret=mode == "interpret")
+    args = int32_inputs("slot inputs", req_to_token, row_ids, start, end, out_cache_loc)
+    return dispatch(assign_req_to_token_pool_reference, _pallas, *args)

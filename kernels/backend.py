@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 
 import jax
+import jax.numpy as jnp
 
 BACKENDS = ("pallas", "interpret", "reference")
 
@@ -22,3 +23,20 @@ def backend() -> str:
     if choice not in BACKENDS:
         raise ValueError(f"JEAGLE_KERNELS={choice!r}; expected one of {BACKENDS}")
     return choice
+
+
+def int32_inputs(what: str, *xs):
+    """The inputs as int32, after refusing any that is not an integer array (ValueError names `what`)."""
+    for x in xs:
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(f"{what} must be integer arrays, got {x.dtype}")
+    return tuple(x.astype(jnp.int32) for x in xs)
+
+
+def dispatch(reference, pallas, *args, **static):
+    """Run `reference(*args, *static.values())` or `pallas(*args, **static, interpret=...)` as the switch
+    says; every public kernel function ends here, after validating its inputs."""
+    mode = backend()
+    if mode == "reference":
+        return reference(*args, *static.values())
+    return pallas(*args, *static.values(), interpret=mode == "interpret")

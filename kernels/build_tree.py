@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jeagle.kernels.backend import backend
+from jeagle.kernels.backend import dispatch, int32_inputs
 from jeagle.spec.tree import Tree, build_tree_reference
 
 __all__ = ["build_tree", "build_tree_reference"]
@@ -104,14 +104,7 @@ def build_tree(root, node_tokens, node_parents, selected, max_depth: int) -> Tre
         raise ValueError(f"selected must be [B={b}, N-1] with N >= 2, got {selected.shape}")
     if selected.shape[1] > node_tokens.shape[1]:
         raise ValueError(f"selected has {selected.shape[1]} nodes, more than the {node_tokens.shape[1]} drafted")
-    args = (root, node_tokens, node_parents, selected)
-    for x in args:
-        if not jnp.issubdtype(x.dtype, jnp.integer):
-            raise ValueError(f"tree inputs must be integer arrays, got {x.dtype}")
+    args = int32_inputs("tree inputs", root, node_tokens, node_parents, selected)
     if max_depth < 1:
         raise ValueError(f"max_depth must be >= 1, got {max_depth}")
-    args = tuple(x.astype(jnp.int32) for x in args)
-    mode = backend()
-    if mode == "reference":
-        return build_tree_reference(*args, max_depth)
-    return _pallas(*args, max_depth, interpret=mode == "interpret")
+    return dispatch(build_tree_reference, _pallas, *args, max_depth=max_depth)

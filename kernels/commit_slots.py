@@ -21,7 +21,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jeagle.kernels.backend import backend
+from jeagle.kernels.backend import dispatch, int32_inputs
 
 __all__ = ["commit_slots", "commit_slots_reference"]
 
@@ -102,11 +102,5 @@ def commit_slots(req_to_token, tree_slots, row_ids, seq_len, path, accept_length
         raise ValueError(f"path must be [B={b}, S+1], got {path.shape}")
     if commit.dtype != jnp.bool_:
         raise ValueError(f"commit must be bool, got {commit.dtype}")
-    for x in (tree_slots, row_ids, seq_len, path, accept_length):
-        if not jnp.issubdtype(x.dtype, jnp.integer):
-            raise ValueError(f"slot inputs must be integer arrays, got {x.dtype}")
-    args = tuple(x.astype(jnp.int32) for x in (req_to_token, tree_slots, row_ids, seq_len, path, accept_length))
-    mode = backend()
-    if mode == "reference":
-        return commit_slots_reference(*args, commit)
-    return _pallas(*args, commit, interpret=mode == "interpret")
+    args = int32_inputs("slot inputs", req_to_token, tree_slots, row_ids, seq_len, path, accept_length)
+    return dispatch(commit_slots_reference, _pallas, *args, commit)

@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jeagle.kernels.backend import backend
+from jeagle.kernels.backend import dispatch
+from jeagle.kernels.verify_tree_greedy import tree_inputs
 from jeagle.spec.verify import tree_sampling_reference as tree_speculative_sampling_reference
 
 __all__ = ["tree_speculative_sampling", "tree_speculative_sampling_reference"]
@@ -156,16 +157,9 @@ def tree_speculative_sampling(candidates, retrieve_index, retrieve_next_token, r
 
     target_probs [B, N, V] float32 (temperature, top-k and top-p applied); coins [B, N] and
     final_coin [B] uniform in [0, 1)."""
-    tree = (candidates, retrieve_index, retrieve_next_token, retrieve_next_sibling)
+    tree = tree_inputs(candidates, retrieve_index=retrieve_index, retrieve_next_token=retrieve_next_token,
+                       retrieve_next_sibling=retrieve_next_sibling)
     shape = candidates.shape
-    if len(shape) != 2 or shape[1] < 1:
-        raise ValueError(f"candidates must be [B, N], got {shape}")
-    for name, x in zip(("retrieve_index", "retrieve_next_token", "retrieve_next_sibling"), tree[1:]):
-        if x.shape != shape:
-            raise ValueError(f"{name} has shape {x.shape}, candidates {shape}")
-    for x in tree:
-        if not jnp.issubdtype(x.dtype, jnp.integer):
-            raise ValueError(f"tree inputs must be integer arrays, got {x.dtype}")
     if target_probs.ndim != 3 or target_probs.shape[:2] != shape or target_probs.dtype != jnp.float32:
         raise ValueError(f"target_probs must be float32 [B, N, V] = [{shape[0]}, {shape[1]}, V], got "
                          f"{target_probs.dtype}{list(target_probs.shape)}")
@@ -175,11 +169,6 @@ def tree_speculative_sampling(candidates, retrieve_index, retrieve_next_token, r
         raise ValueError(f"num_spec_steps must be >= 1, got {num_spec_steps}")
     if not (0 < threshold_acc <= 1 and 0 < threshold_single <= 1):
         raise ValueError(f"thresholds must be in (0, 1], got single={threshold_single} acc={threshold_acc}")
-    tree = tuple(x.astype(jnp.int32) for x in tree)
     coins, final_coin = coins.astype(jnp.float32), final_coin.astype(jnp.float32)
-    mode = backend()
-    if mode == "reference":
-        return tree_speculative_sampling_reference(*tree, target_probs, coins, final_coin, num_spec_steps,
-                                                   threshold_single, threshold_acc)
-    return _pallas(*tree, target_probs, coins, final_coin, num_spec_steps, threshold_single, threshold_acc,
-                   interpret=mode == "interpret")
+    return dispatch(tree_speculative_sampling_reference, _pallas, *tree, target_probs, coins, final_coin,
+                    num_spec_steps=num_spec_steps, threshold_single=threshold_single, threshold_acc=threshold_acc)

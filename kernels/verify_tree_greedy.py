@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jeagle.kernels.backend import backend
+from jeagle.kernels.backend import dispatch, int32_inputs
 from jeagle.spec.verify import verify_tree_greedy_reference
 
 __all__ = ["verify_tree_greedy", "verify_tree_greedy_reference"]
@@ -81,23 +81,22 @@ def _pallas(candidates, retrieve_index, next_token, next_sibling, target_predict
     return predict, accidx, acclen, bonus
 
 
-def verify_tree_greedy(candidates, retrieve_index, retrieve_next_token, retrieve_next_sibling, target_predict,
-                       num_spec_steps: int):
-    """See jeagle.spec.verify: (predict [B,N], accept_index [B,S+1], accept_length [B], bonus [B])."""
-    args = (candidates, retrieve_index, retrieve_next_token, retrieve_next_sibling, target_predict)
+def tree_inputs(candidates, **others):
+    """The walk's [B, N] integer rows as int32, after checking that `others` share candidates' shape."""
     shape = candidates.shape
     if len(shape) != 2 or shape[1] < 1:
         raise ValueError(f"candidates must be [B, N], got {shape}")
-    for name, x in zip(("retrieve_index", "retrieve_next_token", "retrieve_next_sibling", "target_predict"), args[1:]):
+    for name, x in others.items():
         if x.shape != shape:
             raise ValueError(f"{name} has shape {x.shape}, candidates {shape}")
-    for x in args:
-        if not jnp.issubdtype(x.dtype, jnp.integer):
-            raise ValueError(f"tree inputs must be integer arrays, got {x.dtype}")
+    return int32_inputs("tree inputs", candidates, *others.values())
+
+
+def verify_tree_greedy(candidates, retrieve_index, retrieve_next_token, retrieve_next_sibling, target_predict,
+                       num_spec_steps: int):
+    """See jeagle.spec.verify: (predict [B,N], accept_index [B,S+1], accept_length [B], bonus [B])."""
+    args = tree_inputs(candidates, retrieve_index=retrieve_index, retrieve_next_token=retrieve_next_token,
+                       retrieve_next_sibling=retrieve_next_sibling, target_predict=target_predict)
     if num_spec_steps < 1:
         raise ValueError(f"num_spec_steps must be >= 1, got {num_spec_steps}")
-    args = tuple(x.astype(jnp.int32) for x in args)
-    mode = backend()
-    if mode == "reference":
-        return verify_tree_greedy_reference(*args, num_spec_steps)
-    return _pallas(*args, num_spec_steps, interpret=mode == "interpret")
+    return dispatch(verify_tree_greedy_reference, _pallas, *args, num_spec_steps=num_spec_steps)

@@ -43,6 +43,7 @@ def spec_engine(target, head, overlap, wait, padding, batch=4):
 def test_identical_outputs_across_runtime_modes(target, head, workload):
     prompts, params = workload
     want = [o.token_ids for o in Engine(target, EngineConfig(max_batch_size=4, max_context=96)).generate(prompts, params)]
+    steps = {}
     for overlap, wait, padding in MODES:
         engine = spec_engine(target, head, overlap, wait, padding)
         got = [o.token_ids for o in engine.generate(prompts, params)]
@@ -52,6 +53,9 @@ def test_identical_outputs_across_runtime_modes(target, head, workload):
         assert stats["overlap"] == overlap and stats["verify_done_wait"] == wait
         assert stats["host_blocked_ms"]["p99"] >= stats["host_blocked_ms"]["p50"] >= 0
         assert not engine.verify_done.pending
+        steps[overlap, wait, padding] = stats["steps"]
+    # Overlap dispatches the round after a request's last before it learns the request finished.
+    assert steps[True, "sync", False] > steps[False, "sync", False]
 
 
 def test_sampled_outputs_do_not_depend_on_runtime_mode(target, head, workload):

@@ -12,42 +12,9 @@ import pytest
 
 from jeagle.kernels.assign_req_to_token_pool import assign_req_to_token_pool, assign_req_to_token_pool_reference
 from jeagle.kernels.commit_slots import commit_slots, commit_slots_reference
+from tests.kernels.trees import assign_inputs, commit_inputs
 
 SIZES = [1, 3, 64]
-
-
-def assign_inputs(b, seed, c=700):
-    rng = np.random.default_rng(seed)
-    rt = rng.integers(0, 1000, (b + 2, c))
-    rows = rng.permutation(b + 1)[:b]  # distinct rows
-    start = rng.integers(0, c, b)
-    end = np.minimum(start + rng.integers(0, 600, b), c)
-    empty = rng.random(b) < 0.2  # rows with nothing to write
-    end[empty] = start[empty]
-    pad = rng.random(b) < 0.2  # padding rows: the scratch row, nothing to write
-    rows[pad], start[pad], end[pad] = b + 1, 0, 0
-    total = int((end - start).sum())
-    loc = rng.integers(1, 10**6, max(total, 1) + int(rng.integers(0, 40)))
-    i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
-    return i32(rt), i32(rows), i32(start), i32(end), i32(loc)
-
-
-def commit_inputs(b, n, seed, s1=6, c=300):
-    from tests.kernels.trees import random_trees
-
-    (cand, ridx, nxt, sib, pred), steps = random_trees(b, n, 4 if n > 4 else 2, seed=seed)
-    from jeagle.kernels.verify_tree_greedy import verify_tree_greedy_reference
-
-    _, accept_index, acc, _ = verify_tree_greedy_reference(cand, ridx, nxt, sib, pred, min(steps, s1))
-    path = jnp.where(accept_index >= 0, accept_index % n, -1)
-    rng = np.random.default_rng(seed)
-    rows = rng.permutation(b + 1)[:b]
-    seq_len = rng.integers(1, c - s1, b)
-    commit = rng.random(b) < 0.8
-    rt = rng.integers(1, 10**6, (b + 2, c))
-    tree = rng.integers(1, 10**6, (b, n))
-    i32 = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
-    return i32(rt), i32(tree), i32(rows), i32(seq_len), path, acc, jnp.asarray(commit)
 
 
 def check_assign(mode, monkeypatch, b, seed):

@@ -8,6 +8,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jeagle.spec.tree import build_tree_reference
+from jeagle.spec.verify import verify_tree_greedy_reference
+
+
+def _i32(x):
+    return jnp.asarray(x, jnp.int32)
 
 
 def random_trees(b: int, n: int, k: int, seed: int = 0, vocab: int = 12):
@@ -42,8 +47,7 @@ def random_trees(b: int, n: int, k: int, seed: int = 0, vocab: int = 12):
             if kids and rng.random() < 0.75:
                 predict[r, t] = cand[r, int(rng.choice(kids))]
     steps = int(depth.max()) + 1
-    as_j = lambda x: jnp.asarray(x, jnp.int32)  # noqa: E731
-    return (as_j(cand), tree.retrieve_index, as_j(nxt), as_j(sib), as_j(predict)), steps
+    return (_i32(cand), tree.retrieve_index, _i32(nxt), _i32(sib), _i32(predict)), steps
 
 
 def random_sampling_inputs(b: int, n: int, k: int, v: int, seed: int = 0):
@@ -94,7 +98,38 @@ def random_drafts(b: int, n: int, k: int, seed: int = 0, vocab: int = 1000):
         parents.append(np.repeat(beam_flat, k, axis=1))
         beam_scores = np.take_along_axis(expand, cs, 1)
         beam_flat = k + (i - 1) * k * k + cs
-    as_j = lambda x: jnp.asarray(np.concatenate(x, 1), jnp.int32)  # noqa: E731
     selected = select_nodes(jnp.asarray(np.concatenate(scores, 1), jnp.float32), n)
     root = jnp.asarray(rng.integers(0, vocab, b), jnp.int32)
-    return (root, as_j(tokens), as_j(parents), selected), s
+    return (root, _i32(np.concatenate(tokens, 1)), _i32(np.concatenate(parents, 1)), selected), s
+
+
+def assign_inputs(b, seed, c=700):
+    """assign_req_to_token_pool inputs: distinct rows, random [start, end) spans (some empty), padding
+    rows on the scratch row, a flat slot list with slack at the end."""
+    rng = np.random.default_rng(seed)
+    rt = rng.integers(0, 1000, (b + 2, c))
+    rows = rng.permutation(b + 1)[:b]  # distinct rows
+    start = rng.integers(0, c, b)
+    end = np.minimum(start + rng.integers(0, 600, b), c)
+    empty = rng.random(b) < 0.2  # rows with nothing to write
+    end[empty] = start[empty]
+    pad = rng.random(b) < 0.2  # padding rows: the scratch row, nothing to write
+    rows[pad], start[pad], end[pad] = b + 1, 0, 0
+    total = int((end - start).sum())
+    loc = rng.integers(1, 10**6, max(total, 1) + int(rng.integers(0, 40)))
+    return _i32(rt), _i32(rows), _i32(start), _i32(end), _i32(loc)
+
+
+def commit_inputs(b, n, seed, s1=6, c=300):
+    """commit_slots inputs: accepted paths from a greedy walk over random trees, distinct rows, random
+    prefix lengths, about one request in five not committing."""
+    (cand, ridx, nxt, sib, pred), steps = random_trees(b, n, 4 if n > 4 else 2, seed=seed)
+    _, accept_index, acc, _ = verify_tree_greedy_reference(cand, ridx, nxt, sib, pred, min(steps, s1))
+    path = jnp.where(accept_index >= 0, accept_index % n, -1)
+    rng = np.random.default_rng(seed)
+    rows = rng.permutation(b + 1)[:b]
+    seq_len = rng.integers(1, c - s1, b)
+    commit = rng.random(b) < 0.8
+    rt = rng.integers(1, 10**6, (b + 2, c))
+    tree = rng.integers(1, 10**6, (b, n))
+    return _i32(rt), _i32(tree), _i32(rows), _i32(seq_len), path, acc, jnp.asarray(commit)
