@@ -1,14 +1,15 @@
-"""Start-up cost: how long the ahead-of-time warm-up of the default speculative configuration takes,
-cold and from the persistent compilation cache.
+"""Start-up cost: the ahead-of-time warm-up of the default speculative configuration, cold and warm.
 
-Random SmolLM2-shaped target and EAGLE-1 head (compile time depends on shapes, not weights), default
-buckets for `--max-batch` running requests, tier 5,4,8. Compiling the whole default plan can take far
-longer than one device call allows, so this compiles a sample of it (`--sample-batches` ×
-`--sample-prefill` × `--sample-kv`, greedy), times every executable, and projects the full plan
-from the mean per phase. Then a fresh process with the same `--cache-dir` warms the same sample up
-from the persistent cache. Prints a table, then one JSON line.
+Random SmolLM2-shaped target and EAGLE-1 head (compile time depends on shapes, not weights), the
+default buckets for `--max-batch` running requests, tier 5,4,8, greedy and sampled round variants:
+the whole `Engine.warmup_plan()`, compiled for real (no projection).
 
-    python bench/warmup.py --max-batch 48
+    cold  a fresh process, empty executable store and no JAX compilation cache: every executable is
+          traced and lowered on the main thread and compiled on `--workers` threads.
+    warm  a fresh process with the store the cold run filled: every executable loads from it.
+Each runs in its own process (as a real start-up does); prints a table, then one JSON line.
+
+    python bench/warmup.py --max-batch 48 --workers 8
 """
 
 from __future__ import annotations
@@ -26,29 +27,27 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def build(args):
+def child(args):
     from jeagle.engine import EngineConfig
     from jeagle.spec.engine import SpecEngine
     from jeagle.spec.round import SpecConfig
     from profile_decode import random_target_and_head
 
+    t0 = time.perf_counter()
     model, head = random_target_and_head(args.shape)
-    return SpecEngine(model, head, EngineConfig(max_batch_size=args.max_batch, max_context=args.max_context),
-                      SpecConfig(5, 4, 8))
-
-
-def sample_times(engine, args):
-    """Seconds per executable of the sample plan, in plan order."""
-    ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
-    plan = engine.warmup_plan(batch_sizes=ints(args.sample_batches), prefill_lengths=ints(args.sample_prefill),
-                              kv_lengths=ints(args.sample_kv), greedy=(True,))
-    out = []
-    for phase, b, size, g in plan:
-        t0 = time.perf_counter()
-        engine.warmup(batch_sizes=[b], prefill_lengths=[size] if phase == "prefill" else [],
-                      kv_lengths=[size] if phase == "decode" else [], greedy=(g,), progress=False)
-        out.append({"phase": phase, "batch": b, "size": size, "seconds": round(time.perf_counter() - t0, 3)})
-    return out
+    engine = SpecEngine(model, head, EngineConfig(max_batch_size=args.max_batch, max_context=args.max_context,
+                                                  executable_cache_dir=args.store, compile_workers=args.workers),
+                        SpecConfig(5, 4, 8))
+    greedy = (True,) if args.greedy_only else (True, False)
+    plan = engine.warmup_plan(greedy=greedy)
+    seconds = engine.warmup(greedy=greedy, progress=False)
+    store = engine._store
+    print(json.dumps({"seconds": round(seconds, 2), "executables": len(plan),
+                      "prefill": sum(p[0] == "prefill" for p in plan), "rounds": sum(p[0] == "decode" for p in plan),
+                      "loaded": store.loaded, "compiled": len(plan) - store.loaded,
+                      "process_s": round(time.perf_counter() - t0, 2),
+                      "buckets": {"batch": engine.batch_buckets, "prefill_batch": engine.prefill_batch_buckets,
+                                  "prefill_len": engine.prefill_buckets, "kv": engine.kv_buckets}}))
 
 
 def main(argv=None):
@@ -56,48 +55,40 @@ def main(argv=None):
     p.add_argument("--shape", default="smollm2")
     p.add_argument("--max-batch", type=int, default=48)
     p.add_argument("--max-context", type=int, default=2048)
-    p.add_argument("--sample-batches", default="1,16,48")
-    p.add_argument("--sample-prefill", default="256")
-    p.add_argument("--sample-kv", default="512")
-    p.add_argument("--cache-dir", default=None)
-    p.add_argument("--from-cache", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--greedy-only", action="store_true")
+    p.add_argument("--store", default=None)
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.child:
+        return child(args)
 
-    cache = args.cache_dir or tempfile.mkdtemp(prefix="jeagle-xla-")
-    from jeagle.runtime import enable_compile_cache
-
-    enable_compile_cache(cache)
+    store = args.store or tempfile.mkdtemp(prefix="jeagle-exe-")
+    base = [sys.executable, __file__, "--child", "--shape", args.shape, "--max-batch", str(args.max_batch),
+            "--max-context", str(args.max_context), "--workers", str(args.workers), "--store", store]
+    if args.greedy_only:
+        base.append("--greedy-only")
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
+    runs = {}
+    for name in ("cold", "warm"):
+        out = subprocess.run(base, capture_output=True, text=True, env=env)
+        if out.returncode:
+            sys.exit(f"{name} run failed:\n{out.stderr[-4000:]}")
+        runs[name] = json.loads(out.stdout.strip().splitlines()[-1])
     import jax
 
-    engine = build(args)
-    times = sample_times(engine, args)
-    if args.from_cache:
-        print(json.dumps(times))
-        return
-    full = engine.warmup_plan()
-    full_greedy = engine.warmup_plan(greedy=(True,))
-    mean = {ph: sum(t["seconds"] for t in times if t["phase"] == ph) / max(1, sum(t["phase"] == ph for t in times))
-            for ph in ("prefill", "decode")}
-    projected = {name: round(sum(mean[x[0]] for x in plan), 1) for name, plan in (("full", full),
-                                                                                   ("greedy_only", full_greedy))}
-    proc = subprocess.run([sys.executable, __file__, "--from-cache", "--cache-dir", cache, "--shape", args.shape,
-                           "--max-batch", str(args.max_batch), "--max-context", str(args.max_context),
-                           "--sample-batches", args.sample_batches, "--sample-prefill", args.sample_prefill,
-                           "--sample-kv", args.sample_kv], capture_output=True, text=True, check=True)
-    cached = json.loads(proc.stdout.strip().splitlines()[-1])
-    print(f"{'phase':>8} {'batch':>5} {'size':>5} {'cold s':>8} {'cached s':>8}")
-    for t, c in zip(times, cached):
-        print(f"{t['phase']:>8} {t['batch']:>5} {t['size']:>5} {t['seconds']:>8.2f} {c['seconds']:>8.2f}")
-    counts = {name: {ph: sum(x[0] == ph for x in plan) for ph in ("prefill", "decode")}
-              for name, plan in (("full", full), ("greedy_only", full_greedy))}
-    print(f"default plan: {counts['full']} executables; projected cold warm-up {projected['full']} s "
-          f"(greedy only: {counts['greedy_only']}, {projected['greedy_only']} s)")
-    print(json.dumps({"bench": "warmup", "shape": args.shape, "max_batch": args.max_batch,
-                      "max_context": args.max_context, "device": jax.devices()[0].device_kind,
-                      "commit": os.environ.get("JEAGLE_COMMIT", "unknown"), "sample": times, "cached": cached,
-                      "plan_counts": counts, "projected_cold_s": projected,
-                      "buckets": {"batch": engine.batch_buckets, "prefill": engine.prefill_buckets,
-                                  "kv": engine.kv_buckets}}))
+    dev = jax.devices()[0].device_kind
+    c, w = runs["cold"], runs["warm"]
+    print(f"device {dev}; plan: {c['executables']} executables ({c['prefill']} prefill, {c['rounds']} round); "
+          f"buckets {c['buckets']}")
+    print("| start-up | warm-up s | compiled | loaded from the store | process s (incl. model init) |")
+    print("| --- | --- | --- | --- | --- |")
+    for name, r in runs.items():
+        print(f"| {name} ({args.workers} compile threads) | {r['seconds']} | {r['compiled']} | {r['loaded']} | "
+              f"{r['process_s']} |")
+    print(json.dumps({"bench": "warmup", "device": dev, "shape": args.shape, "max_batch": args.max_batch,
+                      "max_context": args.max_context, "workers": args.workers, "greedy_only": args.greedy_only,
+                      "cold": c, "warm": w}))
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ from flax import nnx
 from jeagle.cache import KVCache, OutOfSlots, SlotAllocator, init_cache, slots_for_memory_fraction
 from jeagle.config import ModelConfig
 from jeagle.kernels.assign_req_to_token_pool import assign_req_to_token_pool
+from jeagle.kernels.paged_attention import kernel_serves
 from jeagle.models.common import AttnInputs
 from jeagle.models.llama import Llama
 from jeagle.runtime import VerifyDone, latency_stats, verify_done_mode
@@ -47,13 +48,30 @@ class PromptTooLong(ValueError):
     """A prompt that does not fit the context window."""
 
 
-def pow2_buckets(lo: int, hi: int) -> tuple[int, ...]:
+def pow2_buckets(lo: int, hi: int, factor: int = 2) -> tuple[int, ...]:
+    """lo, lo·factor, lo·factor², ... below hi, then hi."""
     out, b = [], lo
     while b < hi:
         out.append(b)
-        b *= 2
+        b *= factor
     out.append(hi)
     return tuple(out)
+
+
+def prefill_batch_buckets(buckets: tuple[int, ...], config: "EngineConfig") -> tuple[int, ...]:
+    """Batch buckets of the prefill executables. A prefill is one call per admitted group, not a step
+    repeated every few milliseconds, so padding costs little there and compiling a prefill for each
+    of SGLang's ~20 decode buckets (times every length bucket) would dominate start-up: the default
+    keeps the decode buckets nearest 1, 4, 16, 64, ... and the largest. `--buckets` and
+    `--disable-padding` apply to prefill as given."""
+    if config.batch_buckets or config.disable_padding:
+        return buckets
+    keep = {buckets[-1]}
+    target = 1
+    while target < buckets[-1]:
+        keep.add(pick_bucket(buckets, target))
+        target *= 4
+    return tuple(sorted(keep))
 
 
 def default_batch_buckets(max_batch: int) -> tuple[int, ...]:
@@ -85,6 +103,16 @@ def batch_buckets(max_reqs: int, config: "EngineConfig") -> tuple[int, ...]:
             raise ValueError(f"--max-bucket {config.max_bucket} < max running requests {max_reqs}: a full batch "
                              "would have no bucket")
     return out
+
+
+def kv_buckets(max_ctx: int, config: "EngineConfig", head_dims) -> tuple[int, ...]:
+    """Prefix-length buckets of the decode/round executables. With the paged-attention kernel serving
+    every attention of the step (`kernels/paged_attention.py` reads each request's own length) one
+    bucket, the whole context, serves all lengths; the pure-jnp reference gathers a static prefix, so
+    it gets powers of two from `min_kv_bucket`."""
+    if all(kernel_serves(d) for d in head_dims):
+        return (max_ctx,)
+    return pow2_buckets(min(config.min_kv_bucket, max_ctx), max_ctx)
 
 
 def flat_slots(b: int, max_ctx: int, per_request: list) -> tuple[np.ndarray, np.ndarray]:
@@ -129,7 +157,9 @@ class EngineConfig:
     overlap: bool = True  # dispatch step r+1 before the host processes step r
     verify_done_wait: str | None = None  # "sync" | "dataflow"; None: JEAGLE_VERIFY_DONE_STREAM_WAIT, else sync
     min_kv_bucket: int = 128
-    min_prefill_bucket: int = 16
+    executable_cache_dir: str | None = None  # ExecutableStore root (runtime.py); None: no store
+    compile_workers: int | None = None  # warm-up compile threads; None: min(8, CPUs)
+    min_prefill_bucket: int = 64
 
 
 @jax.tree_util.register_dataclass
@@ -187,8 +217,9 @@ class Engine:
             top_k=jnp.zeros((r,), jnp.int32), top_p=jnp.ones((r,), jnp.float32), seed=jnp.zeros((r,), jnp.uint32))
         self.scratch_row = self.max_reqs
         self.batch_buckets = batch_buckets(self.max_reqs, config)
-        self.kv_buckets = pow2_buckets(min(config.min_kv_bucket, self.max_ctx), self.max_ctx)
-        self.prefill_buckets = pow2_buckets(min(config.min_prefill_bucket, self.max_ctx), self.max_ctx)
+        self.kv_buckets = kv_buckets(self.max_ctx, config, (mc.head_dim,))
+        self.prefill_buckets = pow2_buckets(min(config.min_prefill_bucket, self.max_ctx), self.max_ctx, factor=4)
+        self.prefill_batch_buckets = prefill_batch_buckets(self.batch_buckets, config)
         self._free_rows = list(range(self.max_reqs - 1, -1, -1))
         self._executables: dict[tuple, Callable] = {}
         self.compile_seconds = 0.0
@@ -196,9 +227,11 @@ class Engine:
         self._rng = np.random.default_rng()
         self.verify_done = VerifyDone(verify_done_mode(config.verify_done_wait))
         self.warmup_seconds: float | None = None  # set by warmup()
+        self._store_obj = None
+        self._deferred: list | None = None  # warm-up collects lowerings here to compile them in parallel
 
     # ---- compiled step functions -------------------------------------------------------------
-    def _prefill_impl(self, params, cache: KVCache, rows: RowState, tokens, lengths, row_ids, slots, samp, *, greedy):
+    def _prefill_impl(self, params, cache: KVCache, rows: RowState, tokens, lengths, row_ids, slots, samp):
         """tokens [B,T]; lengths [B]; row_ids [B]; slots = (num_slots [B], flat slot list); samp: per-row params."""
         model = nnx.merge(self.graphdef, params)
         b, t = tokens.shape
@@ -210,7 +243,8 @@ class Engine:
         out = model(tokens, attn, cache.k, cache.v, logits_index=jnp.maximum(lengths - 1, 0),
                     unroll=self.cfg.unroll_layers)
         temperature, top_k, top_p, seed = samp
-        tok = sample(out.logits, seed, lengths, temperature, top_k, top_p, all_greedy=greedy)
+        # One executable for greedy and sampled rows: the sampler's sort runs once per prefill, not per step.
+        tok = sample(out.logits, seed, lengths, temperature, top_k, top_p, all_greedy=False)
         rows = RowState(last_token=rows.last_token.at[row_ids].set(tok),
                         temperature=rows.temperature.at[row_ids].set(temperature),
                         top_k=rows.top_k.at[row_ids].set(top_k), top_p=rows.top_p.at[row_ids].set(top_p),
@@ -231,7 +265,8 @@ class Engine:
             pos = positions + s
             # Past a request's last allocated position the table holds the scratch slot 0.
             write = jnp.take_along_axis(table, jnp.minimum(pos, self.max_ctx - 1)[:, None], 1)
-            attn = AttnInputs(positions=pos[:, None], write_slots=write, kv_slots=kv_slots, kv_len=pos + 1)
+            attn = AttnInputs(positions=pos[:, None], write_slots=write, kv_slots=kv_slots, kv_len=pos,
+                              extra_slots=write, extra_mask=jnp.ones((b, 1, 1), bool))
             out = model(tok[:, None], attn, k, v, logits_index=jnp.zeros((b,), jnp.int32),
                         unroll=self.cfg.unroll_layers)
             nxt = sample(out.logits, seed, pos + 1, temperature, top_k, top_p, all_greedy=greedy)
@@ -246,15 +281,42 @@ class Engine:
                         top_k=rows.top_k, top_p=rows.top_p, seed=rows.seed)
         return toks, KVCache(k=k, v=v, req_to_token=cache.req_to_token), rows
 
-    def _executable(self, key: tuple, fn, args, donate=(1, 2)) -> Callable:
-        """The compiled executable for `key`, compiled ahead of time from `args` on first need."""
+    def _static_description(self) -> str:
+        """What, besides argument shapes, decides the compiled code (part of the store's fingerprint)."""
+        import dataclasses
+
+        runtime_only = dict(overlap=True, verify_done_wait=None, executable_cache_dir=None, compile_workers=None)
+        return repr((type(self).__name__, self.model_cfg, dataclasses.replace(self.cfg, **runtime_only)))
+
+    @property
+    def _store(self):
+        if self._store_obj is None and self.cfg.executable_cache_dir:
+            from jeagle.runtime import ExecutableStore, code_fingerprint
+
+            self._store_obj = ExecutableStore(self.cfg.executable_cache_dir, code_fingerprint(self._static_description()))
+        return self._store_obj
+
+    def _executable(self, key: tuple, fn, args, donate=(1, 2)) -> Callable | None:
+        """The compiled executable for `key`: from memory, else from the executable store, else compiled
+        ahead of time from `args` (and stored). During a parallel warm-up the lowering is queued
+        instead and None returned."""
         exe = self._executables.get(key)
         if exe is None:
             t0 = time.perf_counter()
-            with warnings.catch_warnings():
-                # CPU backends cannot donate; the GPU path does.
-                warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-                exe = jax.jit(fn, donate_argnums=donate).lower(*args).compile()
+            store = self._store
+            exe = store.load(key, args) if store is not None else None
+            if exe is None:
+                with warnings.catch_warnings():
+                    # CPU backends cannot donate; the GPU path does.
+                    warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+                    lowered = jax.jit(fn, donate_argnums=donate).lower(*args)
+                if self._deferred is not None:
+                    self._deferred.append((key, args, lowered))
+                    self.compile_seconds += time.perf_counter() - t0
+                    return None
+                exe = lowered.compile()
+                if store is not None:
+                    store.save(key, args, exe)
             self.compile_seconds += time.perf_counter() - t0
             self._executables[key] = exe
         return exe
@@ -264,8 +326,8 @@ class Engine:
         return len(self._executables)
 
     # ---- executables (one per phase x bucket; the same keys for dispatch and warm-up) -------------
-    def _prefill_exe(self, b: int, t: int, greedy: bool, args):
-        return self._executable(("prefill", b, t, greedy), functools.partial(self._prefill_impl, greedy=greedy), args)
+    def _prefill_exe(self, b: int, t: int, args):
+        return self._executable(("prefill", b, t), self._prefill_impl, args)
 
     def _decode_exe(self, b: int, kv: int, greedy: bool, args):
         steps = self.cfg.decode_steps
@@ -294,10 +356,10 @@ class Engine:
         return (self.params, self.cache, self.rows, tokens, lengths, row_ids, slots, (temperature, top_k, top_p, seed))
 
     def _dispatch_prefill(self, reqs: list[_Request]):
-        b = pick_bucket(self.batch_buckets, len(reqs))
+        b = pick_bucket(self.prefill_batch_buckets, len(reqs))
         t = pick_bucket(self.prefill_buckets, max(len(r.prompt) for r in reqs))
         args = self._prefill_inputs(reqs, b, t)
-        tok, self.cache, self.rows = self._prefill_exe(b, t, all(r.params.greedy for r in reqs), args)(*args)
+        tok, self.cache, self.rows = self._prefill_exe(b, t, args)(*args)
         tok.copy_to_host_async()
         return tok[:, None]
 
@@ -323,19 +385,19 @@ class Engine:
 
     # ---- ahead-of-time warm-up ---------------------------------------------------------------
     def warmup_plan(self, batch_sizes=None, prefill_lengths=None, kv_lengths=None, greedy=(True, False)):
-        """Every (phase, bucket, mode) executable generate() can dispatch, restricted to the given sizes:
-        prefill (b, t) with b x t <= max_prefill_tokens (any t for the smallest bucket, which holds a lone
-        long prompt), decode / round (b, kv)."""
-        bs = self.batch_buckets if batch_sizes is None else tuple(pick_bucket(self.batch_buckets, b) for b in batch_sizes)
-        ts = self.prefill_buckets if prefill_lengths is None else tuple(pick_bucket(self.prefill_buckets, t)
-                                                                       for t in prefill_lengths)
-        kvs = self.kv_buckets if kv_lengths is None else tuple(pick_bucket(self.kv_buckets, k) for k in kv_lengths)
-        plan = []
+        """Every executable generate() can dispatch, restricted to the given sizes: prefill
+        ("prefill", b, t, None) over the prefill buckets with b x t <= max_prefill_tokens (any t for
+        b = 1, which holds a lone long prompt; greedy and sampled rows share them), then decode / round
+        ("decode", b, kv, greedy) for each mode in `greedy`."""
+        def buckets(table, sizes):
+            return sorted(set(table if sizes is None else (pick_bucket(table, n) for n in sizes)))
+
+        plan = [("prefill", b, t, None) for b in buckets(self.prefill_batch_buckets, batch_sizes)
+                for t in buckets(self.prefill_buckets, prefill_lengths)
+                if b == self.prefill_batch_buckets[0] or b * t <= self.cfg.max_prefill_tokens]
         for g in greedy:
-            for b in sorted(set(bs)):
-                plan += [("prefill", b, t, g) for t in sorted(set(ts))
-                         if b == self.batch_buckets[0] or b * t <= self.cfg.max_prefill_tokens]
-                plan += [("decode", b, kv, g) for kv in sorted(set(kvs))]
+            plan += [("decode", b, kv, g) for b in buckets(self.batch_buckets, batch_sizes)
+                     for kv in buckets(self.kv_buckets, kv_lengths)]
         return plan
 
     def warmup(self, batch_sizes=None, prefill_lengths=None, kv_lengths=None, greedy=(True, False),
@@ -343,18 +405,44 @@ class Engine:
         """Compile ahead of time every executable of `warmup_plan(...)` (default: all of them), with a
         progress bar; afterwards generate() compiles nothing for those shapes (its stats count any
         compilation as `compilations_after_warmup`). Returns the seconds taken (also `warmup_seconds`)."""
+        import os
+        from concurrent.futures import ThreadPoolExecutor, as_completed
+
         from tqdm import tqdm
 
         plan = self.warmup_plan(batch_sizes, prefill_lengths, kv_lengths, greedy)
+        workers = self.cfg.compile_workers or min(8, os.cpu_count() or 1)
         t0 = time.perf_counter()
-        bar = tqdm(plan, desc="warm-up", unit="exe", disable=not progress, file=sys.stderr)
-        for phase, b, size, g in bar:
-            if phase == "prefill":
-                self._prefill_exe(b, size, g, self._prefill_inputs([], b, size))
-            else:
-                self._decode_exe(b, size, g, self._decode_inputs([], b))
-            bar.set_postfix_str(f"{phase} b={b} {'t' if phase == 'prefill' else 'kv'}={size}")
+        bar = tqdm(total=len(plan), desc="warm-up", unit="exe", disable=not progress, file=sys.stderr)
+        # Trace and lower in this thread (Python holds the GIL; executables in the store load here);
+        # XLA compiles outside the GIL, so the lowerings compile on `workers` threads meanwhile.
+        compile0 = self.compile_seconds
+        self._deferred = []
+        try:
+            with ThreadPoolExecutor(max_workers=workers) as pool:
+                futures = {}
+                for phase, b, size, g in plan:
+                    if phase == "prefill":
+                        self._prefill_exe(b, size, self._prefill_inputs([], b, size))
+                    else:
+                        self._decode_exe(b, size, g, self._decode_inputs([], b))
+                    for key, args, lowered in self._deferred:
+                        futures[pool.submit(lowered.compile)] = (key, args)
+                    if not self._deferred:
+                        bar.update(1)
+                    self._deferred.clear()
+                for fut in as_completed(futures):
+                    key, args = futures[fut]
+                    self._executables[key] = exe = fut.result()
+                    if self._store is not None:
+                        self._store.save(key, args, exe)
+                    bar.update(1)
+                    bar.set_postfix_str(" ".join(str(k) for k in key))
+        finally:
+            self._deferred = None
+            bar.close()
         self.warmup_seconds = time.perf_counter() - t0
+        self.compile_seconds = compile0 + self.warmup_seconds  # all of it start-up, none of it serving
         return self.warmup_seconds
 
     # ---- request lifecycle -------------------------------------------------------------------
@@ -462,7 +550,8 @@ class Engine:
             while waiting and len(running) + len(group) < self.max_reqs:
                 nxt = waiting[0]
                 longest = max(group_longest, len(nxt.prompt))
-                padded = pick_bucket(self.batch_buckets, len(group) + 1) * pick_bucket(self.prefill_buckets, longest)
+                padded = (pick_bucket(self.prefill_batch_buckets, len(group) + 1)
+                          * pick_bucket(self.prefill_buckets, longest))
                 if group and padded > self.cfg.max_prefill_tokens:
                     pending.append(("prefill", group, self._dispatch_prefill(group)))
                     running += group

@@ -107,3 +107,44 @@ def test_prefix_bound_covers_what_dispatch_asks_for(target, head):
     on, off = spec_engine(target, head, True, "sync", False), spec_engine(target, head, False, "sync", False)
     assert on._prefix_bound(16, 40) >= 16 + 40 - 1 + 2 * s1 and off._prefix_bound(16, 40) >= 16 + 40 - 1 + s1
     assert on._prefix_bound(90, 40) == on.max_ctx
+
+
+def test_prefill_buckets():
+    from jeagle.engine import prefill_batch_buckets, pow2_buckets
+
+    assert prefill_batch_buckets(batch_buckets(48, EngineConfig()), EngineConfig()) == (1, 4, 16, 48)
+    assert prefill_batch_buckets((1, 2, 4), EngineConfig(batch_buckets=(1, 2, 4))) == (1, 2, 4)  # as given
+    assert pow2_buckets(64, 2048, factor=4) == (64, 256, 1024, 2048)
+
+
+def test_warm_start_loads_every_executable_from_the_store(target, head, workload, tmp_path, caplog):
+    prompts, params = workload
+    lengths = [max(map(len, prompts))]
+
+    def engine():
+        cfg = EngineConfig(max_batch_size=4, max_context=96, batch_buckets=(1, 2, 4), executable_cache_dir=str(tmp_path),
+                           compile_workers=2)
+        return SpecEngine(target, head, cfg, SpecConfig(3, 2, 5))
+
+    cold = engine()
+    plan = cold.warmup_plan(prefill_lengths=lengths, greedy=(True,))
+    cold.warmup(prefill_lengths=lengths, greedy=(True,), progress=False)
+    assert cold._store.saved == len(plan) and cold._store.loaded == 0
+    want = [o.token_ids for o in cold.generate(prompts, params)]
+
+    warm = engine()
+    warm.warmup(prefill_lengths=lengths, greedy=(True,), progress=False)
+    assert warm._store.loaded == len(plan) and warm._store.saved == 0  # nothing traced, lowered or compiled
+    assert [o.token_ids for o in warm.generate(prompts, params)] == want
+    assert warm.last_stats["compilations_after_warmup"] == 0
+
+    # A damaged entry is logged and recompiled; a different tier is a different fingerprint.
+    victim = sorted(warm._store.dir.glob("*.jexe"))[0]
+    victim.write_bytes(b"not an executable")
+    again = engine()
+    again.warmup(prefill_lengths=lengths, greedy=(True,), progress=False)
+    assert again._store.loaded == len(plan) - 1 and again._store.saved == 1
+    assert "could not load the stored executable" in caplog.text
+    other = SpecEngine(target, head, EngineConfig(max_batch_size=4, max_context=96, batch_buckets=(1, 2, 4),
+                                                  executable_cache_dir=str(tmp_path)), SpecConfig(2, 2, 3))
+    assert other._store.dir != warm._store.dir

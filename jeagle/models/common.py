@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jeagle.config import RopeScaling, rope_inv_freq
+from jeagle.kernels.paged_attention import paged_attention
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -48,7 +49,12 @@ class AttnInputs:
     kv_slots     [B, S] int32  slots of positions 0..S-1 of each request (req_to_token row prefix)
     kv_len       [B]    int32  keys j < kv_len[b] exist; query at position p sees keys j <= p
     mask         [B, T, S] bool, optional: which keys each query sees, replacing the causal rule
-                 above (tree verify and tree drafting: the prefix plus the node's ancestors)
+                 above
+    extra_slots  [B, E] int32 and extra_mask [B, T, E] bool, optional: the decode form. Every query
+                 sees the whole prefix j < kv_len plus the extra keys its mask row allows (decode:
+                 the token's own slot; tree verify and drafting: the tree or beam nodes, each seeing
+                 its ancestors). This form goes through `kernels/paged_attention.py`, which reads each
+                 request's own prefix length, so kv_slots may be the whole slot-table row.
     """
 
     positions: jax.Array
@@ -56,6 +62,8 @@ class AttnInputs:
     kv_slots: jax.Array
     kv_len: jax.Array
     mask: jax.Array | None = None
+    extra_slots: jax.Array | None = None
+    extra_mask: jax.Array | None = None
 
 
 def paged_attention_reference(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, attn: AttnInputs) -> jax.Array:
@@ -104,7 +112,10 @@ def attention_sublayer(x, wi: dict, layer, k_pool, v_pool, cos, sin, attn: AttnI
     # Write this step's K/V first so the new tokens attend to themselves through the pool.
     k_pool = k_pool.at[layer, attn.write_slots].set(k)
     v_pool = v_pool.at[layer, attn.write_slots].set(v)
-    o = paged_attention_reference(q, k_pool[layer, attn.kv_slots], v_pool[layer, attn.kv_slots], attn)
+    if attn.extra_slots is not None:
+        o = paged_attention(q, k_pool, v_pool, layer, attn.kv_slots, attn.kv_len, attn.extra_slots, attn.extra_mask)
+    else:
+        o = paged_attention_reference(q, k_pool[layer, attn.kv_slots], v_pool[layer, attn.kv_slots], attn)
     o = o.reshape(b, t, cfg.q_size) @ wi["wo"]
     if wi.get("bo") is not None:
         o = o + wi["bo"]

@@ -19,7 +19,7 @@ import numpy as np
 from flax import nnx
 
 from jeagle.cache import init_pools
-from jeagle.engine import Engine, EngineConfig, _Request, assign_rows, flat_slots, pick_bucket
+from jeagle.engine import Engine, EngineConfig, _Request, assign_rows, flat_slots, kv_buckets, pick_bucket
 from jeagle.models.common import AttnInputs
 from jeagle.models.eagle import EagleHead
 from jeagle.models.llama import Llama
@@ -39,10 +39,14 @@ class SpecEngine(Engine):
         super().__init__(model, config)
         self.draft_graphdef, self.draft_params = nnx.split(draft)
         self.draft_cfg = draft.cfg
+        self.kv_buckets = kv_buckets(self.max_ctx, config, (model.cfg.head_dim, draft.cfg.head_dim))
         self.dk, self.dv = init_pools(draft.cfg, num_slots=self.allocator.num_slots)
         self.srows = init_rows(self.max_reqs + 1, spec, draft.cfg.hidden_size, jnp.dtype(draft.cfg.dtype))
         self.aux_layers = tuple(draft.cfg.aux_layer_ids) if draft.cfg.kind == "eagle3" else ()
         self.accept_lengths: list[int] = []
+
+    def _static_description(self) -> str:
+        return repr((super()._static_description(), self.spec, self.draft_cfg, self.aux_layers, self.fused_round))
 
     # ---- slots -----------------------------------------------------------------------------
     def _positions(self, prompt_len: int, max_new: int) -> int:
@@ -57,7 +61,7 @@ class SpecEngine(Engine):
 
     # ---- compiled functions ----------------------------------------------------------------
     def _spec_prefill_impl(self, params, dparams, cache, dk, dv, srows: SpecRows, tokens, lengths, row_ids, slots,
-                           tree_slots, scratch_slots, samp, *, greedy):
+                           tree_slots, scratch_slots, samp):
         target = nnx.merge(self.graphdef, params)
         head = nnx.merge(self.draft_graphdef, dparams)
         b, t = tokens.shape
@@ -70,7 +74,7 @@ class SpecEngine(Engine):
         out = target(tokens, attn, cache.k, cache.v, logits_index=last, aux_layers=self.aux_layers,
                      unroll=self.cfg.unroll_layers)
         temperature, top_k, top_p, seed, max_new, stop_ids = samp
-        first = sample(out.logits, seed, lengths, temperature, top_k, top_p, all_greedy=greedy)
+        first = sample(out.logits, seed, lengths, temperature, top_k, top_p, all_greedy=False)  # greedy rows: argmax
         # Draft extend: (token t+1, feature t) at position t; the last pair takes the first new token.
         nxt = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), jnp.int32)], 1)
         ext_tok = jnp.where(pos == last[:, None], first[:, None], nxt)
@@ -114,9 +118,8 @@ class SpecEngine(Engine):
         return res
 
     # ---- executables -------------------------------------------------------------------------
-    def _prefill_exe(self, b, t, greedy, args):
-        fn = functools.partial(self._spec_prefill_impl, greedy=greedy)
-        return self._executable(("spec_prefill", b, t, greedy), fn, args, donate=(2, 3, 4, 5))  # cache, pools, rows
+    def _prefill_exe(self, b, t, args):
+        return self._executable(("spec_prefill", b, t), self._spec_prefill_impl, args, donate=(2, 3, 4, 5))
 
     def _decode_exe(self, b, kv, greedy, args):
         """The fused round (the split one is a measurement mode: compiled on first use, not warmed up)."""
@@ -155,10 +158,10 @@ class SpecEngine(Engine):
                 slots, tree_slots, scratch_slots, (temperature, top_k, top_p, seed, max_new, stop_ids))
 
     def _dispatch_prefill(self, reqs: list[_Request]):
-        b = pick_bucket(self.batch_buckets, len(reqs))
+        b = pick_bucket(self.prefill_batch_buckets, len(reqs))
         t = pick_bucket(self.prefill_buckets, max(len(r.prompt) for r in reqs))
         args = self._prefill_inputs(reqs, b, t)
-        return self._run(self._prefill_exe(b, t, all(r.params.greedy for r in reqs), args), args)
+        return self._run(self._prefill_exe(b, t, args), args)
 
     def _decode_inputs(self, reqs, b):
         row_ids = np.full((b,), self.scratch_row, np.int32)

@@ -123,8 +123,9 @@ def spec_round(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, row
                          aux_layers=aux_layers, unroll=unroll)
 
 
-def _prefix(cache, r: SpecRows, row_ids, kv_len: int):
-    return cache.req_to_token[row_ids, :kv_len], jnp.arange(kv_len)[None, :] < r.seq_len[:, None]  # [B, kv_len]
+def _prefix(cache, row_ids, kv_len: int):
+    """The prefix slot-table rows [B, kv_len]: positions j < seq_len hold the request's KV."""
+    return cache.req_to_token[row_ids, :kv_len]
 
 
 def _heads(target):
@@ -138,7 +139,7 @@ def draft_tree(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, row
     r = rows.gather(row_ids)
     b = row_ids.shape[0]
     L = r.seq_len
-    prefix_slots, prefix_vis = _prefix(cache, r, row_ids, kv_len)
+    prefix_slots = _prefix(cache, row_ids, kv_len)
     embed, lm_head_t = _heads(target)
 
     # ---- draft: S steps of top-K expansion ------------------------------------------------
@@ -152,9 +153,8 @@ def draft_tree(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, row
         entry = (i - 1) * K + jnp.arange(K)
         anc = anc.at[:, jnp.arange(K), entry].set(True)
         attn = AttnInputs(positions=jnp.broadcast_to((L + i - 1)[:, None], (b, K)),
-                          write_slots=r.scratch_slots[:, entry],
-                          kv_slots=jnp.concatenate([prefix_slots, r.scratch_slots], 1), kv_len=L,
-                          mask=jnp.concatenate([jnp.broadcast_to(prefix_vis[:, None], (b, K, kv_len)), anc], 2))
+                          write_slots=r.scratch_slots[:, entry], kv_slots=prefix_slots, kv_len=L,
+                          extra_slots=r.scratch_slots, extra_mask=anc)
         out = head(beam_tok, beam_feat, attn, dk, dv, embed=embed, lm_head=lm_head_t)
         dk, dv = out.k, out.v
         p, ids = draft_topk(head, out.logits, K)  # [B, K, K]
@@ -184,14 +184,13 @@ def verify_commit(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, 
     b = row_ids.shape[0]
     ar = jnp.arange(b)
     L = r.seq_len
-    prefix_slots, prefix_vis = _prefix(cache, r, row_ids, kv_len)
+    prefix_slots = _prefix(cache, row_ids, kv_len)
     embed, lm_head_t = _heads(target)
 
     # ---- verify: one target forward over the B·N tree tokens ------------------------------
     node_slots = r.tree_slots
-    tree_attn = AttnInputs(positions=L[:, None] + tree.depth, write_slots=node_slots,
-                           kv_slots=jnp.concatenate([prefix_slots, node_slots], 1), kv_len=L,
-                           mask=jnp.concatenate([jnp.broadcast_to(prefix_vis[:, None], (b, N, kv_len)), tree.mask], 2))
+    tree_attn = AttnInputs(positions=L[:, None] + tree.depth, write_slots=node_slots, kv_slots=prefix_slots,
+                           kv_len=L, extra_slots=node_slots, extra_mask=tree.mask)
     tout = target(tree.tokens, tree_attn, cache.k, cache.v, aux_layers=aux_layers, unroll=unroll)
 
     # ---- accept ----------------------------------------------------------------------------

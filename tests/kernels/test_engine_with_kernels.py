@@ -56,3 +56,51 @@ def test_sampling_kernel_draws_what_the_reference_draws(monkeypatch):
 def test_sampling_kernel_compiled_draws_what_the_reference_draws(monkeypatch):
     want, _ = sampled(monkeypatch, "reference")
     assert sampled(monkeypatch, "pallas")[0] == want
+
+
+def attention_pair():
+    """A random target and head whose attention matters (the bigram targets above zero `wo`), with
+    head_dim 16 so the compiled paged-attention kernel serves them too."""
+    import dataclasses
+
+    from jeagle.models.eagle import random_draft
+    from jeagle.models.llama import random_model
+    from tests.spec_models import draft_config
+
+    cfg = dataclasses.replace(target_config(), head_dim=16)
+    target = random_model(cfg, seed=1)
+    target.lm_head[...] = target.lm_head[...] * 30.0  # clear argmax margins: fp32 rounding never decides a token
+    head = random_draft(dataclasses.replace(draft_config(cfg), head_dim=16), seed=2)
+    return target, head
+
+
+def paged(monkeypatch, mode):
+    monkeypatch.setenv("JEAGLE_KERNELS", mode)
+    target, head = attention_pair()
+    rng = np.random.default_rng(7)
+    prompts = [list(rng.integers(4, 96, n)) for n in (40, 3, 75)]  # prefixes past one 64-slot block
+    sp = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    cfg = EngineConfig(max_batch_size=3, max_context=256)
+    plain = Engine(target, cfg)
+    want = [o.token_ids for o in plain.generate(prompts, sp)]
+    spec = SpecEngine(target, head, cfg, SpecConfig(3, 2, 5))
+    assert [o.token_ids for o in spec.generate(prompts, sp)] == want
+    return want, plain.kv_buckets, spec.kv_buckets
+
+
+def test_paged_attention_kernel_in_the_engines(monkeypatch):
+    """Interpreted paged attention: one prefix bucket (the whole context) for decode and rounds, speculative
+    output equal to target-only, and the same tokens as the reference attention with its prefix buckets."""
+    want, plain_kv, spec_kv = paged(monkeypatch, "reference")
+    assert len(plain_kv) > 1 and len(spec_kv) > 1
+    got, plain_kv, spec_kv = paged(monkeypatch, "interpret")
+    assert plain_kv == spec_kv == (256,)
+    assert got == want
+
+
+@pytest.mark.gpu
+def test_paged_attention_kernel_in_the_engines_compiled(monkeypatch):
+    want, _, _ = paged(monkeypatch, "reference")
+    got, plain_kv, spec_kv = paged(monkeypatch, "pallas")
+    assert plain_kv == spec_kv == (256,)
+    assert got == want

@@ -1,0 +1,183 @@
+"""Attention of a few new tokens per request over the paged KV pool, reading each request's own prefix
+length: the decode step, the tree verify and the draft steps. A Pallas kernel (Triton lowering), one
+program per (request, KV head); flash-decoding style online softmax over blocks of the prefix.
+
+Why a kernel: the pure-jnp reference gathers the prefix slots of a *static* length into a dense
+[B, S, Hkv, D] copy per layer, so every executable is tied to a prefix-length bucket (five buckets for a
+2,048-token context, each a separate compilation per batch bucket). The kernel loops over
+`ceil(kv_len[b] / BLOCK)` blocks of request b's own row of the slot table, a trip count read on the
+device: one executable serves every prefix length, and it reads only the slots that exist.
+
+Semantics (the reference is the specification). For request b, query t (of T) and query head h:
+    keys = prefix positions j < kv_len[b], slots kv_slots[b, j]           (every query sees them)
+         + extra keys e < E, slots extra_slots[b, e], where extra_mask[b, t, e]
+    out[b, t, h] = softmax(q·k / sqrt(D)) · v over those keys, in fp32, cast to q's dtype.
+Grouped-query: query head h reads KV head h // (Hq / Hkv). A query that sees no key gets zeros from
+the kernel (the reference: a uniform average); such queries are padding whose output nobody reads.
+
+`layer` picks the pool layer inside a layer loop: the pools stay [L, num_slots, Hkv, D] buffers that
+the loop updates in place, and the kernel reads layer `layer` through pointer arithmetic (64-bit
+offsets once a pool passes 4 GiB, which the Triton lowering switches to by itself).
+
+Layers, as in JAX's own Pallas ops: `_kernel`, `_pallas` (wrapper: queries regrouped per KV head and
+padded to Triton's power-of-two tiles), `paged_attention` (public: validates, asks the backend
+switch) and `paged_attention_reference`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jeagle.kernels.backend import backend
+
+__all__ = ["paged_attention", "paged_attention_reference", "kernel_serves"]
+
+BLOCK = 64  # prefix positions per loop iteration
+_NEG = -1e30  # finite "minus infinity": exp(_NEG - _NEG) stays defined in the online softmax
+
+
+def kernel_serves(head_dim: int) -> bool:
+    """Whether `paged_attention` runs the kernel (pallas or interpret) for this head size. The compiled
+    kernel needs a power-of-two head_dim >= 16 (Triton tiles; tl.dot's minimum); interpret runs any."""
+    mode = backend()
+    if mode == "reference":
+        return False
+    return mode == "interpret" or (head_dim >= 16 and head_dim & (head_dim - 1) == 0)
+
+
+def paged_attention_reference(q, k_pool, v_pool, layer, kv_slots, kv_len, extra_slots=None, extra_mask=None):
+    """q [B,T,Hq,D]; k_pool/v_pool [L,num_slots,Hkv,D]; layer int32 scalar; kv_slots [B,S] (S >= every
+    kv_len); kv_len [B]; extra_slots [B,E] and extra_mask [B,T,E] bool, or both None. → [B,T,Hq,D]."""
+    b, t, hq, d = q.shape
+    s = kv_slots.shape[1]
+    visible = jnp.broadcast_to((jnp.arange(s)[None, :] < kv_len[:, None])[:, None, :], (b, t, s))
+    slots = kv_slots
+    if extra_slots is not None:
+        slots = jnp.concatenate([kv_slots, extra_slots], 1)
+        visible = jnp.concatenate([visible, extra_mask], 2)
+    k_ctx, v_ctx = k_pool[layer, slots], v_pool[layer, slots]  # [B, S(+E), Hkv, D]
+    hkv = k_ctx.shape[2]
+    g = hq // hkv
+    qg = q.reshape(b, t, hkv, g, d)
+    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k_ctx, preferred_element_type=jnp.float32) * (1.0 / np.sqrt(d))
+    scores = jnp.where(visible[:, None, None], scores, -jnp.inf)
+    # A fully masked row (a padded query) would be NaN after softmax; give it a harmless uniform row.
+    scores = jnp.where(jnp.any(visible, axis=-1)[:, None, None, :, None], scores, 0.0)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v_ctx.dtype), v_ctx, preferred_element_type=jnp.float32)
+    return out.astype(q.dtype).reshape(b, t, hq, d)
+
+
+def _kernel(layer_ref, len_ref, q_ref, tbl_ref, k_ref, v_ref, *rest, s_cols, has_extra, scale):
+    if has_extra:
+        xslot_ref, xmask_ref, o_ref = rest
+    else:
+        (o_ref,) = rest
+    b, h = pl.program_id(0), pl.program_id(1)
+    layer, n = layer_ref[0], len_ref[b]
+    q = q_ref[0, 0, :, :]  # [TG, D]: the queries of KV head h, row = t * G + g
+    tg = q.shape[0]
+    col = jax.lax.broadcasted_iota(jnp.int32, (BLOCK,), 0)
+
+    def scores_of(slots, valid):
+        k = k_ref[layer, slots, h, :]  # [BLOCK, D] gathered rows of this layer's pool
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
+        return jnp.where(valid, s, _NEG)
+
+    def update(carry, s, valid, slots):
+        m, l, acc = carry
+        m_new = jnp.maximum(m, jnp.max(s, axis=1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.where(valid, jnp.exp(s - m_new[:, None]), 0.0)
+        v = v_ref[layer, slots, h, :]
+        pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
+        return m_new, l * alpha + jnp.sum(p, axis=1), acc * alpha[:, None] + pv
+
+    def block(i, carry):
+        j = i * BLOCK + col
+        ok = j < n
+        slots = jnp.where(ok, tbl_ref[b, jnp.minimum(j, s_cols - 1)], 0)  # scratch slot past the prefix
+        valid = jnp.broadcast_to(ok[None, :], (tg, BLOCK))
+        return update(carry, scores_of(slots, valid), valid, slots)
+
+    d = q.shape[1]
+    # Loop carries start as traced values (the Triton lowering needs typed loop-carried values).
+    zero = jnp.zeros((tg,), jnp.float32) + (n * 0).astype(jnp.float32)
+    carry = (zero + _NEG, zero, jnp.zeros((tg, d), jnp.float32) + zero[:, None])
+    carry = jax.lax.fori_loop(0, (n + BLOCK - 1) // BLOCK, block, carry)
+    if has_extra:
+        slots = xslot_ref[0, :]
+        visible = xmask_ref[0, :, :] != 0  # [TG, Ep]
+        k = k_ref[layer, slots, h, :]
+        s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
+        carry = update(carry, jnp.where(visible, s, _NEG), visible, slots)
+    _, l, acc = carry
+    o_ref[0, 0, :, :] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
+
+
+def _pallas(q, k_pool, v_pool, layer, kv_slots, kv_len, extra_slots, extra_mask, *, interpret):
+    b, t, hq, d = q.shape
+    hkv = k_pool.shape[2]
+    g = hq // hkv
+    tg = t * g
+    tgp = max(16, pl.next_power_of_2(tg))
+    # [B, T, Hkv, G, D] → [B, Hkv, T·G, D]: one program's queries are contiguous rows of one tile.
+    qh = q.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, tg, d)
+    qh = jnp.pad(qh, ((0, 0), (0, 0), (0, tgp - tg), (0, 0)))
+    has_extra = extra_slots is not None
+    inputs = [jnp.reshape(layer, (1,)).astype(jnp.int32), kv_len, qh, kv_slots, k_pool, v_pool]
+    specs = [pl.no_block_spec, pl.no_block_spec, pl.BlockSpec((1, 1, tgp, d), lambda i, j: (i, j, 0, 0)),
+             pl.no_block_spec, pl.no_block_spec, pl.no_block_spec]
+    if has_extra:
+        e = extra_slots.shape[1]
+        ep = max(16, pl.next_power_of_2(e))
+        # Padded extra keys point at the scratch slot and are never visible; the mask repeats per group.
+        inputs.append(jnp.pad(extra_slots, ((0, 0), (0, ep - e))))
+        mask = jnp.repeat(extra_mask.astype(jnp.int8), g, axis=1)  # [B, T·G, E], row = t * G + g
+        inputs.append(jnp.pad(mask, ((0, 0), (0, tgp - tg), (0, ep - e))))
+        specs += [pl.BlockSpec((1, ep), lambda i, j: (i, 0)), pl.BlockSpec((1, tgp, ep), lambda i, j: (i, 0, 0))]
+    out = pl.pallas_call(
+        functools.partial(_kernel, s_cols=kv_slots.shape[1], has_extra=has_extra, scale=1.0 / float(np.sqrt(d))),
+        grid=(b, hkv),
+        in_specs=specs,
+        out_specs=pl.BlockSpec((1, 1, tgp, d), lambda i, j: (i, j, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((b, hkv, tgp, d), q.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
+        interpret=interpret,
+        name="paged_attention",
+    )(*inputs)
+    out = out[:, :, :tg].reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4)
+    return out.reshape(b, t, hq, d)
+
+
+def paged_attention(q, k_pool, v_pool, layer, kv_slots, kv_len, extra_slots=None, extra_mask=None):
+    """See paged_attention_reference; the kernel when `kernel_serves(head_dim)`, else the reference."""
+    if q.ndim != 4 or k_pool.ndim != 4 or k_pool.shape != v_pool.shape:
+        raise ValueError(f"q must be [B,T,Hq,D] and the pools equal [L,slots,Hkv,D], got {q.shape}, {k_pool.shape}, "
+                         f"{v_pool.shape}")
+    b, t, hq, d = q.shape
+    if k_pool.shape[3] != d or hq % k_pool.shape[2]:
+        raise ValueError(f"head_dim {d} / heads {hq} do not match the pool's {k_pool.shape[2]} KV heads of "
+                         f"{k_pool.shape[3]}")
+    if kv_slots.ndim != 2 or kv_slots.shape[0] != b or kv_len.shape != (b,):
+        raise ValueError(f"kv_slots must be [B={b}, S] and kv_len [B], got {kv_slots.shape}, {kv_len.shape}")
+    if (extra_slots is None) != (extra_mask is None):
+        raise ValueError("extra_slots and extra_mask come together")
+    if extra_slots is not None and (extra_slots.ndim != 2 or extra_slots.shape[0] != b
+                                    or extra_mask.shape != (b, t, extra_slots.shape[1])):
+        raise ValueError(f"extra_slots must be [B={b}, E] and extra_mask [B, T={t}, E], got {extra_slots.shape}, "
+                         f"{extra_mask.shape}")
+    kv_slots, kv_len = kv_slots.astype(jnp.int32), kv_len.astype(jnp.int32)
+    if extra_slots is not None:
+        extra_slots, extra_mask = extra_slots.astype(jnp.int32), extra_mask.astype(jnp.bool_)
+    layer = jnp.asarray(layer, jnp.int32)
+    if not kernel_serves(d):
+        return paged_attention_reference(q, k_pool, v_pool, layer, kv_slots, kv_len, extra_slots, extra_mask)
+    return _pallas(q, k_pool, v_pool, layer, kv_slots, kv_len, extra_slots, extra_mask,
+                   interpret=backend() == "interpret")

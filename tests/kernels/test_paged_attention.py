@@ -1,0 +1,96 @@
+"""The paged-attention kernel: interpreted on CPU and compiled with -m gpu, against its pure-jnp
+reference on random pools and slot tables. Cases cover prefixes of 0, under one block, exact blocks
+and several blocks; grouped and ungrouped heads; with and without extra (tree) keys; padded queries."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jeagle.kernels.paged_attention import BLOCK, kernel_serves, paged_attention, paged_attention_reference
+from tests.kernels.lowering import lower_for_h100
+
+
+def inputs(b, t, hq, hkv, d, e, seed, dtype=jnp.float32, layers=3, slots=700, cols=300):
+    rng = np.random.default_rng(seed)
+    kp = jnp.asarray(rng.normal(size=(layers, slots, hkv, d)), dtype)
+    vp = jnp.asarray(rng.normal(size=(layers, slots, hkv, d)), dtype)
+    q = jnp.asarray(rng.normal(size=(b, t, hq, d)), dtype)
+    table = jnp.asarray(rng.integers(1, slots, size=(b, cols)), jnp.int32)
+    lengths = [0, 1, BLOCK - 1, BLOCK, BLOCK + 1, 2 * BLOCK, cols]
+    kv_len = jnp.asarray([lengths[(seed + i) % len(lengths)] for i in range(b)], jnp.int32)
+    extra = (None, None)
+    if e:
+        xs = jnp.asarray(rng.integers(1, slots, size=(b, e)), jnp.int32)
+        xm = rng.random((b, t, e)) < 0.4
+        xm[:, :, 0] = True  # every query sees at least its root, as in a tree
+        extra = (xs, jnp.asarray(xm))
+    return q, kp, vp, jnp.int32(seed % layers), table, kv_len, *extra
+
+
+def check(mode, monkeypatch, args, tol):
+    monkeypatch.setenv("JEAGLE_KERNELS", mode)
+    got = np.asarray(paged_attention(*args), np.float32)
+    want = np.asarray(paged_attention_reference(*args), np.float32)
+    sees = np.asarray(args[5]) > 0  # queries with no key at all are padding (kernel: zeros)
+    if args[6] is not None:
+        sees = sees[:, None] | np.asarray(args[7]).any(-1)
+    else:
+        sees = np.broadcast_to(sees[:, None], got.shape[:2])
+    np.testing.assert_allclose(got[sees], want[sees], atol=tol, rtol=tol)
+    assert np.all(got[~sees] == 0)
+
+
+CASES = [  # b, t, hq, hkv, d, e
+    (1, 1, 4, 4, 16, 0),  # decode, no grouping
+    (3, 1, 6, 2, 16, 1),  # decode with its own slot as the extra key
+    (4, 5, 6, 2, 16, 7),  # draft-like: K beams over scratch slots
+    (2, 8, 9, 3, 32, 8),  # SmolLM2's grouping (3 query heads per KV head), a tree of 8
+    (3, 20, 4, 1, 16, 20),  # a 20-node tree, one KV head
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_interpreted_matches_reference(monkeypatch, case):
+    check("interpret", monkeypatch, inputs(*case, seed=sum(case)), tol=2e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES)
+def test_compiled_matches_reference(monkeypatch, case):
+    check("pallas", monkeypatch, inputs(*case, seed=sum(case)), tol=2e-2)  # TF32-free fp32 dots; bf16 below
+
+
+@pytest.mark.gpu
+def test_compiled_bf16_smollm2_shape(monkeypatch):
+    check("pallas", monkeypatch, inputs(16, 8, 9, 3, 64, 8, seed=5, dtype=jnp.bfloat16, slots=5000, cols=2048),
+          tol=3e-2)
+
+
+def test_lowers_for_h100(monkeypatch):
+    monkeypatch.setenv("JEAGLE_KERNELS", "pallas")
+    for e in (0, 8):
+        lower_for_h100(paged_attention, *inputs(2, 8, 9, 3, 64, e, seed=1, dtype=jnp.bfloat16))
+
+
+def test_switch(monkeypatch):
+    monkeypatch.setenv("JEAGLE_KERNELS", "pallas")
+    assert kernel_serves(64) and kernel_serves(128)
+    assert not kernel_serves(8) and not kernel_serves(80)  # Triton tiles: power of two, >= 16
+    monkeypatch.setenv("JEAGLE_KERNELS", "interpret")
+    assert kernel_serves(8)
+    monkeypatch.setenv("JEAGLE_KERNELS", "reference")
+    assert not kernel_serves(64)
+
+
+def test_rejects_bad_shapes():
+    q, kp, vp, layer, table, kv_len, xs, xm = inputs(2, 3, 4, 2, 16, 4, seed=0)
+    with pytest.raises(ValueError, match="come together"):
+        paged_attention(q, kp, vp, layer, table, kv_len, xs, None)
+    with pytest.raises(ValueError, match="extra_mask"):
+        paged_attention(q, kp, vp, layer, table, kv_len, xs, xm[:, :2])
+    with pytest.raises(ValueError, match="KV heads"):
+        paged_attention(q[..., :3, :], kp, vp, layer, table, kv_len)
+    with pytest.raises(ValueError, match="kv_len"):
+        paged_attention(q, kp, vp, layer, table, kv_len[:1])
