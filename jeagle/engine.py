@@ -158,7 +158,7 @@ class EngineConfig:
     verify_done_wait: str | None = None  # "sync" | "dataflow"; None: JEAGLE_VERIFY_DONE_STREAM_WAIT, else sync
     min_kv_bucket: int = 128
     executable_cache_dir: str | None = None  # ExecutableStore root (runtime.py); None: no store
-    compile_workers: int | None = None  # warm-up compile threads; None: min(8, CPUs)
+    compile_workers: int | None = None  # warm-up load/compile threads; None: min(16, CPUs)
     min_prefill_bucket: int = 64
 
 
@@ -286,7 +286,8 @@ class Engine:
         import dataclasses
 
         runtime_only = dict(overlap=True, verify_done_wait=None, executable_cache_dir=None, compile_workers=None)
-        return repr((type(self).__name__, self.model_cfg, dataclasses.replace(self.cfg, **runtime_only)))
+        options = sorted(self._compiler_options(("decode",)).items()) + sorted(self._compiler_options(("prefill",)).items())
+        return repr((type(self).__name__, self.model_cfg, dataclasses.replace(self.cfg, **runtime_only), options))
 
     @property
     def _store(self):
@@ -296,25 +297,30 @@ class Engine:
             self._store_obj = ExecutableStore(self.cfg.executable_cache_dir, code_fingerprint(self._static_description()))
         return self._store_obj
 
+    def _compiler_options(self, key: tuple) -> dict:
+        """XLA options for one executable (per-jit, so nothing leaks into other JAX code)."""
+        return {}
+
+    def _lower(self, key: tuple, fn, args, donate):
+        with warnings.catch_warnings():
+            # CPU backends cannot donate; the GPU path does.
+            warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+            return jax.jit(fn, donate_argnums=donate).lower(*args)
+
     def _executable(self, key: tuple, fn, args, donate=(1, 2)) -> Callable | None:
         """The compiled executable for `key`: from memory, else from the executable store, else compiled
-        ahead of time from `args` (and stored). During a parallel warm-up the lowering is queued
-        instead and None returned."""
+        ahead of time from `args` (and stored). During a warm-up the request is queued instead (the
+        warm-up loads and compiles the queue in parallel) and None returned."""
         exe = self._executables.get(key)
         if exe is None:
+            if self._deferred is not None:
+                self._deferred.append((key, fn, args, donate))
+                return None
             t0 = time.perf_counter()
             store = self._store
             exe = store.load(key, args) if store is not None else None
             if exe is None:
-                with warnings.catch_warnings():
-                    # CPU backends cannot donate; the GPU path does.
-                    warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-                    lowered = jax.jit(fn, donate_argnums=donate).lower(*args)
-                if self._deferred is not None:
-                    self._deferred.append((key, args, lowered))
-                    self.compile_seconds += time.perf_counter() - t0
-                    return None
-                exe = lowered.compile()
+                exe = self._lower(key, fn, args, donate).compile(self._compiler_options(key))
                 if store is not None:
                     store.save(key, args, exe)
             self.compile_seconds += time.perf_counter() - t0
@@ -411,31 +417,37 @@ class Engine:
         from tqdm import tqdm
 
         plan = self.warmup_plan(batch_sizes, prefill_lengths, kv_lengths, greedy)
-        workers = self.cfg.compile_workers or min(8, os.cpu_count() or 1)
+        workers = self.cfg.compile_workers or min(16, os.cpu_count() or 1)
         t0 = time.perf_counter()
         bar = tqdm(total=len(plan), desc="warm-up", unit="exe", disable=not progress, file=sys.stderr)
-        # Trace and lower in this thread (Python holds the GIL; executables in the store load here);
-        # XLA compiles outside the GIL, so the lowerings compile on `workers` threads meanwhile.
         compile0 = self.compile_seconds
         self._deferred = []
         try:
+            for phase, b, size, g in plan:  # queue what is not in memory yet
+                if phase == "prefill":
+                    self._prefill_exe(b, size, self._prefill_inputs([], b, size))
+                else:
+                    self._decode_exe(b, size, g, self._decode_inputs([], b))
+            jobs, self._deferred = self._deferred, None
+            bar.update(len(plan) - len(jobs))
+            store = self._store
             with ThreadPoolExecutor(max_workers=workers) as pool:
+                # Stored executables load on the pool; the rest are traced and lowered on this thread
+                # (Python holds the GIL) and compiled on the pool (XLA releases it) meanwhile.
+                loads = pool.map(lambda job: store.load(job[0], job[2]) if store is not None else None, jobs)
                 futures = {}
-                for phase, b, size, g in plan:
-                    if phase == "prefill":
-                        self._prefill_exe(b, size, self._prefill_inputs([], b, size))
-                    else:
-                        self._decode_exe(b, size, g, self._decode_inputs([], b))
-                    for key, args, lowered in self._deferred:
-                        futures[pool.submit(lowered.compile)] = (key, args)
-                    if not self._deferred:
+                for job, exe in zip(jobs, list(loads)):
+                    if exe is not None:
+                        self._executables[job[0]] = exe
                         bar.update(1)
-                    self._deferred.clear()
+                    else:
+                        lowered = self._lower(*job)
+                        futures[pool.submit(lowered.compile, self._compiler_options(job[0]))] = job
                 for fut in as_completed(futures):
-                    key, args = futures[fut]
+                    key, _, args, _ = futures[fut]
                     self._executables[key] = exe = fut.result()
-                    if self._store is not None:
-                        self._store.save(key, args, exe)
+                    if store is not None:
+                        store.save(key, args, exe)
                     bar.update(1)
                     bar.set_postfix_str(" ".join(str(k) for k in key))
         finally:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -44,6 +45,12 @@ class SpecEngine(Engine):
         self.srows = init_rows(self.max_reqs + 1, spec, draft.cfg.hidden_size, jnp.dtype(draft.cfg.dtype))
         self.aux_layers = tuple(draft.cfg.aux_layer_ids) if draft.cfg.kind == "eagle3" else ()
         self.accept_lengths: list[int] = []
+
+    def _compiler_options(self, key: tuple) -> dict:
+        """Speculative executables compile with XLA's Triton GEMM fusions off (cuBLAS for every matmul):
+        on the H100 that halves their compile time (4-5 s instead of 8-10 s per round executable) and
+        the rounds run as fast or faster (bench/RESULTS.md, "XLA options"). CPU: no options."""
+        return {"xla_gpu_enable_triton_gemm": False} if jax.default_backend() == "gpu" else {}
 
     def _static_description(self) -> str:
         return repr((super()._static_description(), self.spec, self.draft_cfg, self.aux_layers, self.fused_round))
