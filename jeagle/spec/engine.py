@@ -13,6 +13,7 @@ request once a round reports it finished.
 from __future__ import annotations
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -50,7 +51,9 @@ class SpecEngine(Engine):
         """Speculative executables compile with XLA's Triton GEMM fusions off (cuBLAS for every matmul):
         on the H100 that halves their compile time (4-5 s instead of 8-10 s per round executable) and
         the rounds run as fast or faster (bench/RESULTS.md, "XLA options"). CPU: no options."""
-        return {"xla_gpu_enable_triton_gemm": False} if jax.default_backend() == "gpu" else {}
+        if jax.default_backend() != "gpu" or os.environ.get("JEAGLE_TRITON_GEMM") == "1":  # =1: XLA's default
+            return {}
+        return {"xla_gpu_enable_triton_gemm": False}
 
     def _static_description(self) -> str:
         return repr((super()._static_description(), self.spec, self.draft_cfg, self.aux_layers, self.fused_round))
