@@ -614,5 +614,6 @@ class Engine:
             "buckets_used": sorted(buckets_used),
             "overlap": self.cfg.overlap,
             "verify_done_wait": self.verify_done.mode,
+            "executables_from_store": self._store.loaded if self._store is not None else None,  # engine lifetime
         }
         return [r.out for r in reqs]

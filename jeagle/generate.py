@@ -47,6 +47,7 @@ class GenerateArgs:
     warmup: bool = False
     compile_cache_dir: str | None = None
     no_compile_cache: bool = False
+    compile_workers: int | None = None
 
 
 def parse_args(argv: list[str] | None = None) -> GenerateArgs:
@@ -91,8 +92,11 @@ def parse_args(argv: list[str] | None = None) -> GenerateArgs:
     rt.add_argument("--warmup", action="store_true",
                     help="compile every (phase, bucket) executable at start-up (progress on stderr)")
     rt.add_argument("--compile-cache-dir", default=None,
-                    help="persistent compilation cache (default: $JEAGLE_CACHE/xla)")
+                    help="persistent compilation cache and, under executables/, the serialized executables a "
+                         "warm start loads without tracing (default: $JEAGLE_CACHE/xla)")
     rt.add_argument("--no-compile-cache", action="store_true", help="do not persist compilations")
+    rt.add_argument("--compile-workers", type=int, default=None,
+                    help="threads that load and compile executables during --warmup (default: min(16, CPUs))")
     spec = p.add_argument_group("speculative decoding (EAGLE)")
     spec.add_argument("--draft", help="EAGLE head: a converted jeagle draft dir or a PyTorch EAGLE/EAGLE-3 dir "
                                       "(converted on first use and cached)")
@@ -168,11 +172,16 @@ def run(args: GenerateArgs) -> dict:
     ids = [tokenizer.encode_chat([{"role": "user", "content": t}]) if use_chat else tokenizer.encode(t)
            for t in texts]
 
+    exe_store = None
     if not args.no_compile_cache:
+        from pathlib import Path
+
         from jeagle.fetch import cache_dir
         from jeagle.runtime import enable_compile_cache
 
-        enable_compile_cache(args.compile_cache_dir or cache_dir() / "xla")
+        compile_cache = Path(args.compile_cache_dir or cache_dir() / "xla")
+        enable_compile_cache(compile_cache)
+        exe_store = str(compile_cache / "executables")
     t_load = time.perf_counter()
     model = load_model(target_dir, dtype=args.dtype)
     draft = load_speculative_draft(args, target_dir, model)
@@ -182,7 +191,8 @@ def run(args: GenerateArgs) -> dict:
                               decode_steps=args.decode_steps, unroll_layers=args.unroll_layers,
                               batch_buckets=args.buckets, max_bucket=args.max_bucket,
                               disable_padding=args.disable_padding, overlap=args.overlap,
-                              verify_done_wait=args.verify_done_wait)
+                              verify_done_wait=args.verify_done_wait, executable_cache_dir=exe_store,
+                              compile_workers=args.compile_workers)
     if draft is None:
         engine = Engine(model, engine_cfg)
     else:
@@ -251,6 +261,7 @@ def run(args: GenerateArgs) -> dict:
             "warmup_s": stats["warmup_s"],
             "compilations": stats["compilations"],
             "compilations_after_warmup": stats["compilations_after_warmup"],
+            "executables_from_store": stats["executables_from_store"],
             "host_blocked_ms": stats["host_blocked_ms"],
             "buckets_used": stats["buckets_used"],
             "overlap": stats["overlap"],

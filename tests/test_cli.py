@@ -121,14 +121,19 @@ def test_speculative_flag_errors(smollm2_head):
     assert doc["stats"]["rounds"] == 0
 
 
-def test_runtime_flags_keep_the_output(single, smollm2_head):
-    """No overlap, dataflow waits, explicit buckets and a warm-up: same tokens, nothing compiled after."""
-    doc = json.loads(run_cli("--json", "--max-new-tokens", "24", "--draft", str(smollm2_head), *SPEC, "--no-overlap",
-                             "--verify-done-wait", "dataflow", "--buckets", "1,2", "--warmup", "--max-context", "256",
-                             QUESTION).stdout)
+def test_runtime_flags_keep_the_output(single, smollm2_head, tmp_path):
+    """No overlap, dataflow waits, explicit buckets and a warm-up: same tokens, nothing compiled after;
+    a second start with the same cache directory loads every executable from the store."""
+    flags = ("--json", "--max-new-tokens", "24", "--draft", str(smollm2_head), *SPEC, "--no-overlap", "--verify-done-wait",
+             "dataflow", "--buckets", "1,2", "--warmup", "--max-context", "256", "--compile-cache-dir", str(tmp_path),
+             QUESTION)
+    doc = json.loads(run_cli(*flags).stdout)
     assert doc["outputs"][0]["token_ids"] == single["outputs"][0]["token_ids"]
     stats = doc["stats"]
-    assert stats["compilations_after_warmup"] == 0 and stats["warmup_s"] > 0
+    assert stats["compilations_after_warmup"] == 0 and stats["warmup_s"] > 0 and stats["executables_from_store"] == 0
+    again = json.loads(run_cli(*flags).stdout)
+    assert again["outputs"][0]["token_ids"] == single["outputs"][0]["token_ids"]
+    assert again["stats"]["executables_from_store"] == len(list((tmp_path / "executables").rglob("*.jexe"))) > 0
     assert stats["overlap"] is False and stats["verify_done_wait"] == "dataflow" and stats["buckets_used"] == [1]
     assert set(stats["host_blocked_ms"]) == {"mean", "p50", "p99"}
     assert single["stats"]["compilations_after_warmup"] is None  # no warm-up asked for
