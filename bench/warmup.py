@@ -5,7 +5,9 @@ default buckets for `--max-batch` running requests, tier 5,4,8, greedy and sampl
 the whole `Engine.warmup_plan()`, compiled for real (no projection).
 
     cold  a fresh process, empty executable store and no JAX compilation cache: every executable is
-          traced and lowered on the main thread and compiled on `--workers` threads.
+          compiled by warm-up worker processes (`--processes`; the engine's auto: one per CPU up to 16
+          on a GPU) into the store and loaded from it, or with `--processes 0` traced and lowered on
+          the main thread and compiled on `--workers` threads.
     warm  a fresh process with the store the cold run filled: every executable loads from it.
 Each runs in its own process (as a real start-up does); prints a table, then one JSON line.
 
@@ -36,7 +38,8 @@ def child(args):
     t0 = time.perf_counter()
     model, head = random_target_and_head(args.shape)
     engine = SpecEngine(model, head, EngineConfig(max_batch_size=args.max_batch, max_context=args.max_context,
-                                                  executable_cache_dir=args.store, compile_workers=args.workers),
+                                                  executable_cache_dir=args.store, compile_workers=args.workers,
+                                                  compile_processes=args.processes),
                         SpecConfig(5, 4, 8))
     greedy = (True,) if args.greedy_only else (True, False)
     plan = engine.warmup_plan(greedy=greedy)
@@ -44,7 +47,7 @@ def child(args):
     store = engine._store
     print(json.dumps({"seconds": round(seconds, 2), "executables": len(plan),
                       "prefill": sum(p[0] == "prefill" for p in plan), "rounds": sum(p[0] == "decode" for p in plan),
-                      "loaded": store.loaded, "compiled": len(plan) - store.loaded,
+                      "loaded": store.loaded, "compiled": store.saved,
                       "process_s": round(time.perf_counter() - t0, 2),
                       "buckets": {"batch": engine.batch_buckets, "prefill_batch": engine.prefill_batch_buckets,
                                   "prefill_len": engine.prefill_buckets, "kv": engine.kv_buckets}}))
@@ -55,7 +58,8 @@ def main(argv=None):
     p.add_argument("--shape", default="smollm2")
     p.add_argument("--max-batch", type=int, default=48)
     p.add_argument("--max-context", type=int, default=2048)
-    p.add_argument("--workers", type=int, default=8)
+    p.add_argument("--workers", type=int, default=16, help="compile/load threads")
+    p.add_argument("--processes", type=int, default=None, help="warm-up worker processes (default: the engine's auto)")
     p.add_argument("--greedy-only", action="store_true")
     p.add_argument("--store", default=None)
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -66,6 +70,8 @@ def main(argv=None):
     store = args.store or tempfile.mkdtemp(prefix="jeagle-exe-")
     base = [sys.executable, __file__, "--child", "--shape", args.shape, "--max-batch", str(args.max_batch),
             "--max-context", str(args.max_context), "--workers", str(args.workers), "--store", store]
+    if args.processes is not None:
+        base += ["--processes", str(args.processes)]
     if args.greedy_only:
         base.append("--greedy-only")
     env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
@@ -81,13 +87,15 @@ def main(argv=None):
     c, w = runs["cold"], runs["warm"]
     print(f"device {dev}; plan: {c['executables']} executables ({c['prefill']} prefill, {c['rounds']} round); "
           f"buckets {c['buckets']}")
-    print("| start-up | warm-up s | compiled | loaded from the store | process s (incl. model init) |")
+    print("| start-up | warm-up s | compiled in this process | loaded from the store (cold: compiled by workers) | process s |")
     print("| --- | --- | --- | --- | --- |")
     for name, r in runs.items():
-        print(f"| {name} ({args.workers} compile threads) | {r['seconds']} | {r['compiled']} | {r['loaded']} | "
+        print(f"| {name} ({args.workers} threads, processes {args.processes or 'auto'}) | {r['seconds']} | "
+              f"{r['compiled']} | {r['loaded']} | "
               f"{r['process_s']} |")
     print(json.dumps({"bench": "warmup", "device": dev, "shape": args.shape, "max_batch": args.max_batch,
-                      "max_context": args.max_context, "workers": args.workers, "greedy_only": args.greedy_only,
+                      "max_context": args.max_context, "workers": args.workers, "processes": args.processes,
+                      "greedy_only": args.greedy_only,
                       "cold": c, "warm": w}))
 
 

@@ -14,8 +14,10 @@ Pipelining: the host dispatches decode call c+1 (its input tokens live on the de
 reads the tokens of call c, whose device→host copy was started right after dispatch. A request that
 finishes inside call c has already been dispatched into call c+1: that extra work is discarded.
 
-Every (phase, batch bucket, length bucket) executable is compiled ahead of time on first need
-(`jit(...).lower(...).compile()`) and then called directly; compile time is counted separately.
+Every (phase, batch bucket, length bucket) executable is compiled ahead of time on first need or by
+`warmup()` (`jit(...).lower(...).compile()`, in parallel threads) and then called directly; with an
+`executable_cache_dir` compiled executables are stored and a later start loads them
+(`runtime.ExecutableStore`). Compile time is counted separately from serving time.
 """
 
 from __future__ import annotations
@@ -159,6 +161,7 @@ class EngineConfig:
     min_kv_bucket: int = 128
     executable_cache_dir: str | None = None  # ExecutableStore root (runtime.py); None: no store
     compile_workers: int | None = None  # warm-up load/compile threads; None: min(16, CPUs)
+    compile_processes: int | None = None  # warm-up worker processes (need the store); None: auto, 0: none
     min_prefill_bucket: int = 64
 
 
@@ -197,7 +200,10 @@ class _Request:
 
 
 class Engine:
-    def __init__(self, model: Llama, config: EngineConfig = EngineConfig()):
+    def __init__(self, model: Llama, config: EngineConfig = EngineConfig(), *, abstract: bool = False):
+        """abstract: device state as shapes only (jax.ShapeDtypeStruct), for an engine that only compiles
+        (warm-up worker processes; `model` may then be `abstract_model(cfg)`)."""
+        self.abstract = abstract
         self.model_cfg: ModelConfig = model.cfg
         self.cfg = config
         self.graphdef, self.params = nnx.split(model)
@@ -210,11 +216,12 @@ class Engine:
         else:
             num_slots = (config.max_total_tokens or self.max_reqs * self.max_ctx) + 1
         self.allocator = SlotAllocator(num_slots)
-        self.cache = init_cache(mc, num_slots=num_slots, max_reqs=self.max_reqs, max_ctx=self.max_ctx)
+        self.cache = self._alloc(lambda: init_cache(mc, num_slots=num_slots, max_reqs=self.max_reqs,
+                                                    max_ctx=self.max_ctx))
         r = self.max_reqs + 1
-        self.rows = RowState(
+        self.rows = self._alloc(lambda: RowState(
             last_token=jnp.zeros((r,), jnp.int32), temperature=jnp.zeros((r,), jnp.float32),
-            top_k=jnp.zeros((r,), jnp.int32), top_p=jnp.ones((r,), jnp.float32), seed=jnp.zeros((r,), jnp.uint32))
+            top_k=jnp.zeros((r,), jnp.int32), top_p=jnp.ones((r,), jnp.float32), seed=jnp.zeros((r,), jnp.uint32)))
         self.scratch_row = self.max_reqs
         self.batch_buckets = batch_buckets(self.max_reqs, config)
         self.kv_buckets = kv_buckets(self.max_ctx, config, (mc.head_dim,))
@@ -229,6 +236,10 @@ class Engine:
         self.warmup_seconds: float | None = None  # set by warmup()
         self._store_obj = None
         self._deferred: list | None = None  # warm-up collects lowerings here to compile them in parallel
+
+    def _alloc(self, make):
+        """Device state from `make()`, or only its shapes for an abstract engine."""
+        return jax.eval_shape(make) if self.abstract else make()
 
     # ---- compiled step functions -------------------------------------------------------------
     def _prefill_impl(self, params, cache: KVCache, rows: RowState, tokens, lengths, row_ids, slots, samp):
@@ -285,7 +296,8 @@ class Engine:
         """What, besides argument shapes, decides the compiled code (part of the store's fingerprint)."""
         import dataclasses
 
-        runtime_only = dict(overlap=True, verify_done_wait=None, executable_cache_dir=None, compile_workers=None)
+        runtime_only = dict(overlap=True, verify_done_wait=None, executable_cache_dir=None, compile_workers=None,
+                            compile_processes=None)
         options = sorted(self._compiler_options(("decode",)).items()) + sorted(self._compiler_options(("prefill",)).items())
         return repr((type(self).__name__, self.model_cfg, dataclasses.replace(self.cfg, **runtime_only), options))
 
@@ -296,6 +308,17 @@ class Engine:
 
             self._store_obj = ExecutableStore(self.cfg.executable_cache_dir, code_fingerprint(self._static_description()))
         return self._store_obj
+
+    def _compile_processes(self, todo: int) -> int:
+        """Worker processes for a cold warm-up of `todo` executables (0: threads only). They need the
+        store to hand executables back; auto (None) uses them on a GPU for 8 or more, where the
+        serial trace + lower on one thread would otherwise dominate."""
+        import os
+
+        n = self.cfg.compile_processes
+        if n is None:
+            n = min(16, os.cpu_count() or 1) if jax.default_backend() == "gpu" and todo >= 8 else 0
+        return min(n, todo) if self._store is not None and todo else 0
 
     def _compiler_options(self, key: tuple) -> dict:
         """XLA options for one executable (per-jit, so nothing leaks into other JAX code)."""
@@ -423,14 +446,26 @@ class Engine:
         compile0 = self.compile_seconds
         self._deferred = []
         try:
-            for phase, b, size, g in plan:  # queue what is not in memory yet
+            items = []
+            for item in plan:  # queue what is not in memory yet
+                queued = len(self._deferred)
+                phase, b, size, g = item
                 if phase == "prefill":
                     self._prefill_exe(b, size, self._prefill_inputs([], b, size))
                 else:
                     self._decode_exe(b, size, g, self._decode_inputs([], b))
+                items += [item] * (len(self._deferred) - queued)
             jobs, self._deferred = self._deferred, None
             bar.update(len(plan) - len(jobs))
             store = self._store
+            todo = [(item, store._path(job[0], job[2]).name) for item, job in zip(items, jobs)
+                    if store is not None and not store.has(job[0], job[2])]
+            processes = self._compile_processes(len(todo))
+            if processes > 1:
+                from jeagle.warmup_workers import compile_in_processes
+
+                bar.set_postfix_str(f"compiling {len(todo)} in {processes} processes")
+                compile_in_processes(self, todo, processes)
             with ThreadPoolExecutor(max_workers=workers) as pool:
                 # Stored executables load on the pool; the rest are traced and lowered on this thread
                 # (Python holds the GIL) and compiled on the pool (XLA releases it) meanwhile.

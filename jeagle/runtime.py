@@ -155,6 +155,7 @@ class ExecutableStore:
     def __init__(self, root, fingerprint: str):
         from pathlib import Path
 
+        self.root, self.fingerprint = str(root), fingerprint
         self.dir = Path(root) / fingerprint[:24]
         self.loaded = 0
         self.saved = 0
@@ -163,9 +164,14 @@ class ExecutableStore:
         import hashlib
 
         leaves, tree = jax.tree.flatten(args)
-        sig = [(tuple(np.shape(x)), str(getattr(x, "dtype", np.asarray(x).dtype))) for x in leaves]
+        # Arrays and jax.ShapeDtypeStruct (an abstract engine's state) sign alike.
+        sig = [(tuple(getattr(x, "shape", np.shape(x))), str(getattr(x, "dtype", np.asarray(x).dtype)))
+               for x in leaves]
         h = hashlib.sha256(repr((key, str(tree), sig)).encode()).hexdigest()[:32]
         return self.dir / f"{'-'.join(str(k) for k in key)}-{h}.jexe"
+
+    def has(self, key: tuple, args) -> bool:
+        return self._path(key, args).exists()
 
     def load(self, key: tuple, args):
         """The stored executable for (key, argument signature), or None."""

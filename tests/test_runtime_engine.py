@@ -148,3 +148,27 @@ def test_warm_start_loads_every_executable_from_the_store(target, head, workload
     other = SpecEngine(target, head, EngineConfig(max_batch_size=4, max_context=96, batch_buckets=(1, 2, 4),
                                                   executable_cache_dir=str(tmp_path)), SpecConfig(2, 2, 3))
     assert other._store.dir != warm._store.dir
+
+
+def test_cold_warmup_in_worker_processes(tmp_path):
+    """Worker processes rebuild the engine abstractly, compile the plan into the store, and the engine
+    loads all of it: same executables (same store keys), same tokens as an engine that compiled itself."""
+    import dataclasses
+
+    from jeagle.models.eagle import random_draft
+    from jeagle.models.llama import random_model
+    from tests.spec_models import draft_config
+
+    cfg = dataclasses.replace(target_config(), head_dim=16)
+    target, head = random_model(cfg, seed=1), random_draft(dataclasses.replace(draft_config(cfg), head_dim=16), seed=2)
+    prompts = [[5, 6, 7, 8], [9, 10]]
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    want = [o.token_ids for o in SpecEngine(target, head, EngineConfig(max_batch_size=2, max_context=96),
+                                            SpecConfig(3, 2, 5)).generate(prompts, params)]
+    engine = SpecEngine(target, head, EngineConfig(max_batch_size=2, max_context=96, executable_cache_dir=str(tmp_path),
+                                                   compile_processes=2, compile_workers=1), SpecConfig(3, 2, 5))
+    plan = engine.warmup_plan(prefill_lengths=[4], greedy=(True,))
+    engine.warmup(prefill_lengths=[4], greedy=(True,), progress=False)
+    assert engine._store.loaded == len(plan) and engine._store.saved == 0  # all compiled by the workers
+    assert [o.token_ids for o in engine.generate(prompts, params)] == want
+    assert engine.last_stats["compilations_after_warmup"] == 0

@@ -31,19 +31,20 @@ from jeagle.spec.round import MAX_STOP, SpecConfig, SpecRows, draft_topk, draft_
 
 class SpecEngine(Engine):
     def __init__(self, model: Llama, draft: EagleHead, config: EngineConfig = EngineConfig(),
-                 spec: SpecConfig = SpecConfig(), *, fused_round: bool = True):
+                 spec: SpecConfig = SpecConfig(), *, fused_round: bool = True, abstract: bool = False):
         """fused_round: one executable per round (default); False runs the draft + tree and the
         verify + accept + commit + extend as two executables (for measuring the difference)."""
         draft.cfg.check_target(model.cfg)
         self.spec = spec
         self.fused_round = fused_round
         self._context_reserve = spec.num_steps + 1
-        super().__init__(model, config)
+        super().__init__(model, config, abstract=abstract)
         self.draft_graphdef, self.draft_params = nnx.split(draft)
         self.draft_cfg = draft.cfg
         self.kv_buckets = kv_buckets(self.max_ctx, config, (model.cfg.head_dim, draft.cfg.head_dim))
-        self.dk, self.dv = init_pools(draft.cfg, num_slots=self.allocator.num_slots)
-        self.srows = init_rows(self.max_reqs + 1, spec, draft.cfg.hidden_size, jnp.dtype(draft.cfg.dtype))
+        self.dk, self.dv = self._alloc(lambda: init_pools(draft.cfg, num_slots=self.allocator.num_slots))
+        self.srows = self._alloc(lambda: init_rows(self.max_reqs + 1, spec, draft.cfg.hidden_size,
+                                                   jnp.dtype(draft.cfg.dtype)))
         self.aux_layers = tuple(draft.cfg.aux_layer_ids) if draft.cfg.kind == "eagle3" else ()
         self.accept_lengths: list[int] = []
 
