@@ -5,8 +5,8 @@ default buckets for `--max-batch` running requests, tier 5,4,8, greedy and sampl
 the whole `Engine.warmup_plan()`, compiled for real (no projection).
 
     cold  a fresh process, empty executable store and no JAX compilation cache: every executable is
-          compiled by warm-up worker processes (`--processes`; the engine's auto: one per CPU up to 16
-          on a GPU) into the store and loaded from it, or with `--processes 0` traced and lowered on
+          compiled by warm-up worker processes (`--processes`; the engine's auto: one per CPU up to 8
+          on a GPU, up to 8) into the store and loaded from it, or with `--processes 0` traced and lowered on
           the main thread and compiled on `--workers` threads.
     warm  a fresh process with the store the cold run filled: every executable loads from it.
 Each runs in its own process (as a real start-up does); prints a table, then one JSON line.

@@ -161,7 +161,7 @@ class EngineConfig:
     min_kv_bucket: int = 128
     executable_cache_dir: str | None = None  # ExecutableStore root (runtime.py); None: no store
     compile_workers: int | None = None  # warm-up load/compile threads; None: min(16, CPUs)
-    compile_processes: int | None = None  # warm-up worker processes (need the store); None: auto, 0: none
+    compile_processes: int | None = None  # warm-up worker processes (need the store); None: auto (8 on a GPU), 0: none
     min_prefill_bucket: int = 64
 
 
@@ -317,7 +317,7 @@ class Engine:
 
         n = self.cfg.compile_processes
         if n is None:
-            n = min(16, os.cpu_count() or 1) if jax.default_backend() == "gpu" and todo >= 8 else 0
+            n = min(8, os.cpu_count() or 1) if jax.default_backend() == "gpu" and todo >= 8 else 0
         return min(n, todo) if self._store is not None and todo else 0
 
     def _compiler_options(self, key: tuple) -> dict:
