@@ -130,10 +130,10 @@ def test_runtime_flags_keep_the_output(single, smollm2_head, tmp_path):
     doc = json.loads(run_cli(*flags).stdout)
     assert doc["outputs"][0]["token_ids"] == single["outputs"][0]["token_ids"]
     stats = doc["stats"]
-    assert stats["compilations_after_warmup"] == 0 and stats["warmup_s"] > 0 and stats["executables_from_store"] == 0
+    assert stats["compilations_after_warmup"] == 0 and stats["warmup_s"] > 0
+    assert stats["executables_from_store"] is None  # the CLI uses the executable store on GPUs only
     again = json.loads(run_cli(*flags).stdout)
     assert again["outputs"][0]["token_ids"] == single["outputs"][0]["token_ids"]
-    assert again["stats"]["executables_from_store"] == len(list((tmp_path / "executables").rglob("*.jexe"))) > 0
     assert stats["overlap"] is False and stats["verify_done_wait"] == "dataflow" and stats["buckets_used"] == [1]
     assert set(stats["host_blocked_ms"]) == {"mean", "p50", "p99"}
     assert single["stats"]["compilations_after_warmup"] is None  # no warm-up asked for
