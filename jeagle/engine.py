@@ -439,6 +439,8 @@ class Engine:
 
         from tqdm import tqdm
 
+        from jeagle.warmup_workers import compile_in_processes, request
+
         plan = self.warmup_plan(batch_sizes, prefill_lengths, kv_lengths, greedy)
         workers = self.cfg.compile_workers or min(16, os.cpu_count() or 1)
         t0 = time.perf_counter()
@@ -449,11 +451,7 @@ class Engine:
             items = []
             for item in plan:  # queue what is not in memory yet
                 queued = len(self._deferred)
-                phase, b, size, g = item
-                if phase == "prefill":
-                    self._prefill_exe(b, size, self._prefill_inputs([], b, size))
-                else:
-                    self._decode_exe(b, size, g, self._decode_inputs([], b))
+                request(self, item)
                 items += [item] * (len(self._deferred) - queued)
             jobs, self._deferred = self._deferred, None
             bar.update(len(plan) - len(jobs))
@@ -462,8 +460,6 @@ class Engine:
                     if store is not None and not store.has(job[0], job[2])]
             processes = self._compile_processes(len(todo))
             if processes > 1:
-                from jeagle.warmup_workers import compile_in_processes
-
                 bar.set_postfix_str(f"compiling {len(todo)} in {processes} processes")
                 compile_in_processes(self, todo, processes)
             with ThreadPoolExecutor(max_workers=workers) as pool:

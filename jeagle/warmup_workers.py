@@ -93,18 +93,25 @@ def main() -> None:
         enable_compile_cache(os.environ["JAX_COMPILATION_CACHE_DIR"])
     engine = build(p)
     store = engine._store
-    for (phase, b, size, greedy), name in p["items"]:
-        args = engine._prefill_inputs([], b, size) if phase == "prefill" else engine._decode_inputs([], b)
-        key = (("spec_prefill" if p["draft_cfg"] else "prefill", b, size) if phase == "prefill" else
-               ("round", b, size, greedy) if p["draft_cfg"] else ("decode", b, engine.cfg.decode_steps, size, greedy))
+    for item, name in p["items"]:
+        engine._deferred = []  # the engine's own dispatch code names the executable and builds its args
+        request(engine, item)
+        (key, fn, args, donate), = engine._deferred
+        engine._deferred = None
         if store._path(key, args).name != name:  # e.g. weights whose structure the configs do not imply
             sys.exit(f"the abstract engine does not reproduce {name} (got {store._path(key, args).name}); "
                      "leaving it to the engine")
-        if phase == "prefill":
-            engine._prefill_exe(b, size, args)
-        else:
-            engine._decode_exe(b, size, greedy, args)
+        exe = engine._lower(key, fn, args, donate).compile(engine._compiler_options(key))
+        store.save(key, args, exe)
 
+
+def request(engine, item) -> None:
+    """Ask `engine` for the executable of one warm-up plan entry (as `Engine.warmup` does)."""
+    phase, b, size, greedy = item
+    if phase == "prefill":
+        engine._prefill_exe(b, size, engine._prefill_inputs([], b, size))
+    else:
+        engine._decode_exe(b, size, greedy, engine._decode_inputs([], b))
 
 if __name__ == "__main__":
     main()

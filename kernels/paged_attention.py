@@ -36,7 +36,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from jeagle.kernels.backend import backend
 
-__all__ = ["paged_attention", "paged_attention_reference", "kernel_serves"]
+__all__ = ["paged_attention", "paged_attention_reference", "dense_attention", "kernel_serves"]
 
 BLOCK = 64  # prefix positions per loop iteration
 _NEG = -1e30  # finite "minus infinity": exp(_NEG - _NEG) stays defined in the online softmax
@@ -51,17 +51,13 @@ def kernel_serves(head_dim: int) -> bool:
     return mode == "interpret" or (head_dim >= 16 and head_dim & (head_dim - 1) == 0)
 
 
-def paged_attention_reference(q, k_pool, v_pool, layer, kv_slots, kv_len, extra_slots=None, extra_mask=None):
-    """q [B,T,Hq,D]; k_pool/v_pool [L,num_slots,Hkv,D]; layer int32 scalar; kv_slots [B,S] (S >= every
-    kv_len); kv_len [B]; extra_slots [B,E] and extra_mask [B,T,E] bool, or both None. → [B,T,Hq,D]."""
+def dense_attention(q, k_ctx, v_ctx, visible):
+    """q [B,T,Hq,D]; k_ctx/v_ctx [B,S,Hkv,D] already gathered; visible [B,T,S] bool → [B,T,Hq,D].
+
+    Grouped-query attention without repeating K/V (q viewed as [B,T,Hkv,G,D]); scores and softmax in
+    fp32. The math every jnp attention path shares (this reference and the prefill's causal one).
+    """
     b, t, hq, d = q.shape
-    s = kv_slots.shape[1]
-    visible = jnp.broadcast_to((jnp.arange(s)[None, :] < kv_len[:, None])[:, None, :], (b, t, s))
-    slots = kv_slots
-    if extra_slots is not None:
-        slots = jnp.concatenate([kv_slots, extra_slots], 1)
-        visible = jnp.concatenate([visible, extra_mask], 2)
-    k_ctx, v_ctx = k_pool[layer, slots], v_pool[layer, slots]  # [B, S(+E), Hkv, D]
     hkv = k_ctx.shape[2]
     g = hq // hkv
     qg = q.reshape(b, t, hkv, g, d)
@@ -72,6 +68,19 @@ def paged_attention_reference(q, k_pool, v_pool, layer, kv_slots, kv_len, extra_
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v_ctx.dtype), v_ctx, preferred_element_type=jnp.float32)
     return out.astype(q.dtype).reshape(b, t, hq, d)
+
+
+def paged_attention_reference(q, k_pool, v_pool, layer, kv_slots, kv_len, extra_slots=None, extra_mask=None):
+    """q [B,T,Hq,D]; k_pool/v_pool [L,num_slots,Hkv,D]; layer int32 scalar; kv_slots [B,S] (S >= every
+    kv_len); kv_len [B]; extra_slots [B,E] and extra_mask [B,T,E] bool, or both None. → [B,T,Hq,D]."""
+    b, t = q.shape[:2]
+    s = kv_slots.shape[1]
+    visible = jnp.broadcast_to((jnp.arange(s)[None, :] < kv_len[:, None])[:, None, :], (b, t, s))
+    slots = kv_slots
+    if extra_slots is not None:
+        slots = jnp.concatenate([kv_slots, extra_slots], 1)
+        visible = jnp.concatenate([visible, extra_mask], 2)
+    return dense_attention(q, k_pool[layer, slots], v_pool[layer, slots], visible)
 
 
 def _kernel(layer_ref, len_ref, q_ref, tbl_ref, k_ref, v_ref, *rest, s_cols, has_extra, scale):

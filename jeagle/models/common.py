@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jeagle.config import RopeScaling, rope_inv_freq
-from jeagle.kernels.paged_attention import paged_attention
+from jeagle.kernels.paged_attention import dense_attention, paged_attention
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -67,27 +67,14 @@ class AttnInputs:
 
 
 def paged_attention_reference(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, attn: AttnInputs) -> jax.Array:
-    """q [B,T,Hq,D]; k_ctx/v_ctx [B,S,Hkv,D] gathered from the pool; returns [B,T,Hq,D].
-
-    Grouped-query attention without repeating K/V: q is viewed as [B,T,Hkv,G,D].
-    """
-    b, t, hq, d = q.shape
-    hkv = k_ctx.shape[2]
-    g = hq // hkv
-    qg = q.reshape(b, t, hkv, g, d)
-    scores = jnp.einsum("btkgd,bskd->bkgts", qg, k_ctx, preferred_element_type=jnp.float32)
-    scores = scores * (1.0 / np.sqrt(d))
+    """q [B,T,Hq,D]; k_ctx/v_ctx [B,S,Hkv,D] gathered from the pool; returns [B,T,Hq,D]. Keys visible by
+    `attn.mask`, else by the causal rule (j <= position and j < kv_len)."""
     if attn.mask is not None:
         visible = attn.mask
     else:
         j = jnp.arange(k_ctx.shape[1], dtype=jnp.int32)
         visible = (j[None, None, :] <= attn.positions[:, :, None]) & (j[None, None, :] < attn.kv_len[:, None, None])
-    scores = jnp.where(visible[:, None, None, :, :], scores, -jnp.inf)
-    # A fully masked row (a padded query) would be NaN after softmax; give it a harmless uniform row.
-    scores = jnp.where(jnp.any(visible, axis=-1)[:, None, None, :, None], scores, 0.0)
-    probs = jax.nn.softmax(scores, axis=-1)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs.astype(v_ctx.dtype), v_ctx, preferred_element_type=jnp.float32)
-    return out.astype(q.dtype).reshape(b, t, hq, d)
+    return dense_attention(q, k_ctx, v_ctx, visible)
 
 
 def attention_sublayer(x, wi: dict, layer, k_pool, v_pool, cos, sin, attn: AttnInputs, cfg):
