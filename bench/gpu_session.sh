@@ -2,7 +2,7 @@
 # One GPU session's work, run on the device machine from the repo root (see bench/RESULTS.md):
 #   stage 1: carry .stage1 (first part of the SmolLM2 GGUF) and run `bash bench/gpu_session.sh stage`
 #   stage 2: carry .stage2 + .whl and run `bash bench/gpu_session.sh run` at once (machine still warm)
-# Random-weight steps (kerneltests, kernelbench, kernelround, specbench, overhead, warmup, cmdbuf) need no staging: `bash bench/gpu_session.sh run kerneltests kernelbench kernelround`.
+# Random-weight steps (kerneltests, kernelbench, kernelround, specbench, overhead, warmup, cmdbuf, adaptive, autotune) need no staging: `bash bench/gpu_session.sh run kerneltests kernelbench kernelround`.
 set -uo pipefail
 mode="${1:-run}"
 if [ "$mode" = stage ]; then
@@ -60,6 +60,18 @@ if [[ "$steps" == *" overhead "* ]]; then
 fi
 if [[ "$steps" == *" warmup "* ]]; then
   python3 bench/warmup.py 2>&1 | grep -v "^warm-up" | tee "$OUT/warmup.log"
+fi
+if [[ "$steps" == *" adaptive "* ]]; then  # adaptive vs static tiers on the phased workload (chain and tree tiers)
+  python3 bench/adaptive.py --batch "${ADAPTIVE_BATCHES:-1,16}" --tree-tiers "${TREE_TIERS:-1,4,3:3,4,8:6,4,16}" \
+    --mid-noise "${MID_NOISE:-0.02}" --phase-tokens "${PHASE_TOKENS:-384}" 2>&1 | tee "$OUT/adaptive.log"
+fi
+if [[ "$steps" == *" autotune "* ]]; then  # XLA GEMM autotuning off: cold warm-up time and round speed, A/B
+  for opts in '{}' '{"xla_gpu_autotune_level": 0}'; do
+    echo "JEAGLE_XLA_OPTIONS=$opts" | tee -a "$OUT/autotune.log"
+    JEAGLE_XLA_OPTIONS="$opts" python3 bench/warmup.py ${WARMUP_ARGS:-} 2>&1 | grep -v "^warm-up" | tee -a "$OUT/autotune.log"
+    JEAGLE_XLA_OPTIONS="$opts" python3 bench/spec_round.py --shape smollm2 --batch-sizes 1,16,48 --tiers 5,4,8 \
+      --rounds-as fused 2>&1 | tee -a "$OUT/autotune.log"
+  done
 fi
 if [[ "$steps" == *" bench "* ]]; then
   python3 bench/decode.py --batch-sizes 1,16 --decode-steps "${DECODE_STEPS:-1,4}" --unroll "${UNROLL:-0,1}" \

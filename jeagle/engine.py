@@ -321,8 +321,11 @@ class Engine:
         return min(n, todo) if self._store is not None and todo else 0
 
     def _compiler_options(self, key: tuple) -> dict:
-        """XLA options for one executable (per-jit, so nothing leaks into other JAX code)."""
-        return {}
+        """XLA options for one executable (per-jit, so nothing leaks into other JAX code): none of our
+        own here, plus any from JEAGLE_XLA_OPTIONS."""
+        from jeagle.runtime import extra_compiler_options
+
+        return extra_compiler_options()
 
     def _lower(self, key: tuple, fn, args, donate):
         with warnings.catch_warnings():
@@ -358,7 +361,8 @@ class Engine:
     def _prefill_exe(self, b: int, t: int, args):
         return self._executable(("prefill", b, t), self._prefill_impl, args)
 
-    def _decode_exe(self, b: int, kv: int, greedy: bool, args):
+    def _decode_exe(self, b: int, kv: int, greedy: bool, args, tier=None):
+        assert tier is None, "the autoregressive engine has no speculative tiers"
         steps = self.cfg.decode_steps
         fn = functools.partial(self._decode_impl, steps=steps, kv_len=kv, greedy=greedy)
         return self._executable(("decode", b, steps, kv, greedy), fn, args)
@@ -417,7 +421,8 @@ class Engine:
         """Every executable generate() can dispatch, restricted to the given sizes: prefill
         ("prefill", b, t, None) over the prefill buckets with b x t <= max_prefill_tokens (any t for
         b = 1, which holds a lone long prompt; greedy and sampled rows share them), then decode / round
-        ("decode", b, kv, greedy) for each mode in `greedy`."""
+        ("decode", b, kv, greedy) for each mode in `greedy` (speculative engines: once per tier,
+        ("decode", b, kv, greedy, tier))."""
         def buckets(table, sizes):
             return sorted(set(table if sizes is None else (pick_bucket(table, n) for n in sizes)))
 

@@ -142,8 +142,23 @@ def _convert_once(src: Path, out: Path, convert, dtype: str, quiet: bool) -> Pat
         if not is_converted(out):  # else another process converted it while we waited
             if not quiet:
                 _log(f"converting {src} to {out} (once)")
-            convert(src, out, dtype=dtype, progress=not quiet)
+            _atomically(out, lambda tmp: convert(src, tmp, dtype=dtype, progress=not quiet))
     return out
+
+
+def _atomically(out: Path, write) -> None:
+    """`write(tmp)` into a sibling directory, then rename it to `out`: a reader never sees a
+    half-written checkpoint (its config.json is written before its tokenizer files)."""
+    import shutil
+
+    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        write(tmp)
+        shutil.rmtree(out, ignore_errors=True)  # an unfinished earlier attempt
+        os.rename(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def resolve_target(spec: str | None, *, dtype: str = "bfloat16", quiet: bool = False) -> Path:
@@ -193,5 +208,5 @@ def resolve_draft(spec: str, target_dir: Path, *, dtype: str = "bfloat16", quiet
             if not is_converted(out, DRAFT_FORMAT):
                 if not quiet:
                     _log(f"converting EAGLE head {src} to {out} (once)")
-                convert_eagle(src, out, target=target_dir, dtype=dtype)
+                _atomically(out, lambda tmp: convert_eagle(src, tmp, target=target_dir, dtype=dtype))
     return out

@@ -39,6 +39,8 @@ class GenerateArgs:
     speculative_num_draft_tokens: int | None = None
     speculative_accept_threshold_single: float = 1.0
     speculative_accept_threshold_acc: float = 1.0
+    speculative_adaptive: bool = False
+    speculative_adaptive_config: str | None = None
     buckets: tuple[int, ...] | None = None
     max_bucket: int | None = None
     disable_padding: bool = False
@@ -107,6 +109,14 @@ def parse_args(argv: list[str] | None = None) -> GenerateArgs:
     spec.add_argument("--speculative-num-draft-tokens", type=int, default=None, help="N (default 8; S+1 when K=1)")
     spec.add_argument("--speculative-accept-threshold-single", type=float, default=1.0)
     spec.add_argument("--speculative-accept-threshold-acc", type=float, default=1.0)
+    spec.add_argument("--speculative-adaptive", action="store_true",
+                      help="switch between pre-compiled (S, K, N) tiers after each round by the EMA of the accept "
+                           "length (default tiers: steps 1, 3, 7 with the given topk; the given steps snap to the "
+                           "nearest); every tier is compiled, so warm-up compiles a round executable per tier")
+    spec.add_argument("--speculative-adaptive-config", metavar="FILE",
+                      help="JSON: candidate_steps, candidate_tiers ([[S, K, N], ...]), ema_alpha, warmup_batches, "
+                           "update_interval, down_hysteresis, up_hysteresis (omitted keys: defaults); "
+                           "implies --speculative-adaptive")
     a = p.parse_args(argv)
     if not a.prompts and not a.prompts_file:
         p.error("give prompts as arguments or --prompts-file")
@@ -116,6 +126,8 @@ def parse_args(argv: list[str] | None = None) -> GenerateArgs:
                 "--speculative-num-draft-tokens, or none (defaults 5/4/8)")
     if a.speculative_algorithm in ("EAGLE", "EAGLE3") and not a.draft:
         p.error(f"--speculative-algorithm {a.speculative_algorithm} needs --draft")
+    if (a.speculative_adaptive or a.speculative_adaptive_config) and (not a.draft or a.speculative_algorithm == "none"):
+        p.error("--speculative-adaptive needs speculative decoding (--draft, not --speculative-algorithm none)")
     return GenerateArgs(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in vars(a).items()})
 
 
@@ -164,6 +176,12 @@ def run(args: GenerateArgs) -> dict:
     from jeagle.tokenizer import StreamDecoder, Tokenizer
 
     texts = list(args.prompts) + (read_prompts_file(args.prompts_file) if args.prompts_file else [])
+    adaptive = None  # read before anything loads: a bad config fails fast
+    if args.speculative_adaptive or args.speculative_adaptive_config:
+        from jeagle.adaptive import AdaptiveConfig
+
+        adaptive = (AdaptiveConfig.from_json(args.speculative_adaptive_config) if args.speculative_adaptive_config
+                    else AdaptiveConfig())
     target_dir = resolve_target(args.target, dtype=args.dtype, quiet=args.json)
     tokenizer = Tokenizer.from_dir(target_dir)
     use_chat = tokenizer.has_chat_template if args.chat is None else args.chat
@@ -209,7 +227,7 @@ def run(args: GenerateArgs) -> dict:
         spec = SpecConfig(num_steps=s, topk=k, num_draft_tokens=n,
                           threshold_single=args.speculative_accept_threshold_single,
                           threshold_acc=args.speculative_accept_threshold_acc)
-        engine = SpecEngine(model, draft, engine_cfg, spec)
+        engine = SpecEngine(model, draft, engine_cfg, spec, adaptive=adaptive)
     load_s = time.perf_counter() - t_load
     if args.warmup:
         # Only what these prompts can dispatch: batch sizes up to theirs, their prompt-length buckets,
@@ -225,16 +243,16 @@ def run(args: GenerateArgs) -> dict:
                              stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos)
               for i in range(len(ids))]
 
-    on_tokens = None
-    if len(ids) == 1 and not args.json:
-        stream = StreamDecoder(tokenizer)
+    stream = StreamDecoder(tokenizer)
 
-        def on_tokens(_index, new_ids):
-            for t in new_ids:
-                if t in engine.model_cfg.eos_token_ids or t in args.stop_token_ids:
-                    continue
-                sys.stdout.write(stream.push(t))
-            sys.stdout.flush()
+    def print_tokens(_index, new_ids):
+        for t in new_ids:
+            if t in engine.model_cfg.eos_token_ids or t in args.stop_token_ids:
+                continue
+            sys.stdout.write(stream.push(t))
+        sys.stdout.flush()
+
+    on_tokens = print_tokens if len(ids) == 1 and not args.json else None  # stream one prompt's text
 
     outputs = engine.generate(ids, params, on_tokens=on_tokens)
     stats = engine.last_stats
@@ -270,6 +288,11 @@ def run(args: GenerateArgs) -> dict:
             "buckets_used": stats["buckets_used"],
             "overlap": stats["overlap"],
             "verify_done_wait": stats["verify_done_wait"],
+            # Speculative tiers: the round index (from 0) each tier started at; one entry when static.
+            "adaptive": stats.get("adaptive", False),
+            "tiers": stats.get("tiers", []),
+            "tier_history": stats.get("tier_history", {}),
+            "tier_switches": stats.get("tier_switches", 0),
         },
     }
     if args.json:

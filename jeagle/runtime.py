@@ -18,6 +18,7 @@ The pending handle is consumed once: a second wait without a new round does noth
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import time
@@ -97,6 +98,22 @@ def latency_stats(seconds: list[float]) -> dict[str, float] | None:
         return None
     ms = np.asarray(seconds) * 1e3
     return {"mean": float(ms.mean()), "p50": float(np.percentile(ms, 50)), "p99": float(np.percentile(ms, 99))}
+
+
+def extra_compiler_options() -> dict:
+    """XLA options for every jeagle executable from `JEAGLE_XLA_OPTIONS` (a JSON object, e.g.
+    '{"xla_gpu_autotune_level": 0}'): for measuring an option without editing code. They are part of
+    the executable store's fingerprint, like every compiler option."""
+    text = os.environ.get("JEAGLE_XLA_OPTIONS", "").strip()
+    if not text:
+        return {}
+    try:
+        opts = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"JEAGLE_XLA_OPTIONS is not JSON: {e}") from e
+    if not isinstance(opts, dict):
+        raise ValueError("JEAGLE_XLA_OPTIONS must be a JSON object of XLA option names to values")
+    return opts
 
 
 def enable_compile_cache(path) -> None:

@@ -31,8 +31,9 @@ def payload(engine, items) -> dict:
     # The worker must see the same slot count even where the engine sized its pool from free memory.
     cfg = dataclasses.replace(engine.cfg, mem_fraction_static=None, max_total_tokens=engine.allocator.num_slots - 1,
                               executable_cache_dir=engine._store.root)
-    spec = getattr(engine, "spec", None)
+    spec = getattr(engine, "base_spec", None)
     return {"model_cfg": engine.model_cfg, "cfg": cfg, "draft_cfg": getattr(engine, "draft_cfg", None), "spec": spec,
+            "adaptive": getattr(engine, "adaptive", None),
             "fused_round": getattr(engine, "fused_round", True), "items": list(items),
             "root": engine._store.root, "fingerprint": engine._store.fingerprint}
 
@@ -80,7 +81,7 @@ def build(p: dict):
         from jeagle.spec.engine import SpecEngine
 
         engine = SpecEngine(model, abstract_module(EagleHead, p["draft_cfg"]), p["cfg"], p["spec"],
-                            fused_round=p["fused_round"], abstract=True)
+                            adaptive=p["adaptive"], fused_round=p["fused_round"], abstract=True)
     engine._store_obj = ExecutableStore(p["root"], p["fingerprint"])
     return engine
 
@@ -107,11 +108,11 @@ def main() -> None:
 
 def request(engine, item) -> None:
     """Ask `engine` for the executable of one warm-up plan entry (as `Engine.warmup` does)."""
-    phase, b, size, greedy = item
+    phase, b, size, greedy, *tier = item
     if phase == "prefill":
         engine._prefill_exe(b, size, engine._prefill_inputs([], b, size))
     else:
-        engine._decode_exe(b, size, greedy, engine._decode_inputs([], b))
+        engine._decode_exe(b, size, greedy, engine._decode_inputs([], b), *tier)
 
 if __name__ == "__main__":
     main()

@@ -9,6 +9,11 @@ so rounds chain on the device with no host round trip:
     feature       [R, H]   the draft hidden recycled as the first draft step's feature
     tree_slots    [R, N]   slots the verify writes the N tree tokens' KV into (target and draft pools)
     scratch_slots [R, SK]  slots for the draft's KV of the round's beam tokens, SK = (S-1)·K
+
+Tiers. The rows are laid out for the largest tier an engine runs (`RowLayout`: the largest K, N and
+SK of its tiers); a round of a smaller tier uses the first K / N / SK columns and leaves the rest
+untouched. Top-K is sorted, so the first K of the stored top-K_max are the top-K: the next round may
+run any tier (the adaptive controller switches between rounds, `jeagle/adaptive.py`).
     n_generated, max_new, stop_ids [R, MAX_STOP] (-1 padded), finished, sampling parameters
 
 Slot ownership. A request owns its position slots, its N tree slots and its scratch slots for its
@@ -89,7 +94,21 @@ class SpecRows:
         return jax.tree.map(lambda x, y: x.at[rows].set(y), self, new)
 
 
-def init_rows(num_rows: int, cfg: SpecConfig, hidden: int, dtype) -> SpecRows:
+@dataclass(frozen=True)
+class RowLayout:
+    """Row-state widths covering every tier an engine runs."""
+    num_steps: int  # the deepest tier's S (positions reserved past the last token: S + 1)
+    topk: int
+    num_draft_tokens: int
+    scratch: int
+
+    @classmethod
+    def covering(cls, tiers) -> "RowLayout":
+        return cls(max(t.num_steps for t in tiers), max(t.topk for t in tiers), max(t.num_draft_tokens for t in tiers),
+                   max(t.scratch for t in tiers))
+
+
+def init_rows(num_rows: int, cfg: "SpecConfig | RowLayout", hidden: int, dtype) -> SpecRows:
     r, k = num_rows, cfg.topk
     z = lambda *s, dt=jnp.int32: jnp.zeros(s, dt)  # noqa: E731
     return SpecRows(root=z(r), seq_len=z(r), topk_p=z(r, k, dt=jnp.float32), topk_id=z(r, k), feature=z(r, hidden, dt=dtype),
@@ -143,8 +162,10 @@ def draft_tree(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, row
     embed, lm_head_t = _heads(target)
 
     # ---- draft: S steps of top-K expansion ------------------------------------------------
-    scores, tokens, parents = [r.topk_p], [r.topk_id], [jnp.full((b, K), -1, jnp.int32)]
-    beam_tok, beam_scores = r.topk_id, r.topk_p
+    root_p, root_id = r.topk_p[:, :K], r.topk_id[:, :K]  # the rows may hold a larger tier's top-K
+    scratch_slots = r.scratch_slots[:, : cfg.scratch]
+    scores, tokens, parents = [root_p], [root_id], [jnp.full((b, K), -1, jnp.int32)]
+    beam_tok, beam_scores = root_id, root_p
     beam_feat = jnp.broadcast_to(r.feature[:, None, :], (b, K, r.feature.shape[-1]))
     beam_flat = jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), (b, K))
     sk = cfg.scratch
@@ -153,8 +174,8 @@ def draft_tree(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, row
         entry = (i - 1) * K + jnp.arange(K)
         anc = anc.at[:, jnp.arange(K), entry].set(True)
         attn = AttnInputs(positions=jnp.broadcast_to((L + i - 1)[:, None], (b, K)),
-                          write_slots=r.scratch_slots[:, entry], kv_slots=prefix_slots, kv_len=L,
-                          extra_slots=r.scratch_slots, extra_mask=anc)
+                          write_slots=scratch_slots[:, entry], kv_slots=prefix_slots, kv_len=L,
+                          extra_slots=scratch_slots, extra_mask=anc)
         out = head(beam_tok, beam_feat, attn, dk, dv, embed=embed, lm_head=lm_head_t)
         dk, dv = out.k, out.v
         p, ids = draft_topk(head, out.logits, K)  # [B, K, K]
@@ -179,7 +200,7 @@ def draft_tree(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, row
 def verify_commit(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, row_ids, tree, *, kv_len: int,
                   greedy: bool, aux_layers: tuple[int, ...], unroll: bool = False):
     """Verify the tree with the target, accept, check finishes, extend the draft, commit."""
-    S, K, N = cfg.num_steps, cfg.topk, cfg.num_draft_tokens
+    S, N = cfg.num_steps, cfg.num_draft_tokens
     r = rows.gather(row_ids)
     b = row_ids.shape[0]
     ar = jnp.arange(b)
@@ -188,7 +209,7 @@ def verify_commit(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, 
     embed, lm_head_t = _heads(target)
 
     # ---- verify: one target forward over the B·N tree tokens ------------------------------
-    node_slots = r.tree_slots
+    node_slots = r.tree_slots[:, :N]  # the rows may own more (a larger tier's N)
     tree_attn = AttnInputs(positions=L[:, None] + tree.depth, write_slots=node_slots, kv_slots=prefix_slots,
                            kv_len=L, extra_slots=node_slots, extra_mask=tree.mask)
     tout = target(tree.tokens, tree_attn, cache.k, cache.v, aux_layers=aux_layers, unroll=unroll)
@@ -229,11 +250,12 @@ def verify_commit(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, 
     feature = tout.hidden if head.cfg.kind == "eagle1" else tout.aux_hidden
     dout = head(ext_tok, feature, tree_attn, dk, dv, embed=embed, lm_head=lm_head_t, logits_index=last)
     dk, dv = dout.k, dout.v
-    topk_p, topk_id = draft_topk(head, dout.logits, K)
+    topk_p, topk_id = draft_topk(head, dout.logits, r.topk_p.shape[1])  # as wide as the rows: any tier next
     new_feature = dout.hidden[ar, last]
 
     # ---- commit: swap position slots and accepted tree slots ---------------------------------
     req_to_token, tree_slots = commit_slots(cache.req_to_token, node_slots, row_ids, L, path, acc, commit)
+    tree_slots = jnp.concatenate([tree_slots, r.tree_slots[:, N:]], 1)
 
     keep = lambda new, old: jnp.where(commit.reshape((b,) + (1,) * (old.ndim - 1)), new, old)  # noqa: E731
     new_rows = SpecRows(root=keep(bonus, r.root), seq_len=keep(L + acc + 1, L), topk_p=keep(topk_p, r.topk_p),

@@ -1,0 +1,169 @@
+"""Adaptive tiers vs every static tier on a phased workload: tokens/s per phase and overall.
+
+The workload alternates acceptance phases. No trained EAGLE head exists here yet (issue 8), so the
+acceptance is made, not found: the target has SmolLM2's shapes (so every step costs what SmolLM2's
+does) with its attention and MLP outputs zeroed and its lm_head a row permutation of its embedding,
+which makes its next token a fixed permutation of the current one; a one-layer EAGLE-1 head whose fc maps the token embedding through (identity + noise)
+then proposes that function with a chosen error rate. Between phases every engine gets the head
+weights of the next phase (same graph, new values), in the same order:
+
+    high   the noiseless head: the target's own next token at every depth (accepts everything)
+    mid    fc noise --mid-noise: partial acceptance
+    low    the sign-flipped head: never the target's token (accepts nothing)
+
+Engines: one per static tier and one adaptive engine over the same tiers (one set of chain tiers
+(K = 1, SGLang's restriction) and, with --tree-tiers, one set of tree tiers). All warm (every
+executable compiled before timing), greedy, `--batch` requests of `--phase-tokens` new tokens per
+phase. Prints a table, then one JSON line.
+
+    python bench/adaptive.py --phases high,low,mid,high,low --batch 1,16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def tiers_arg(text: str):
+    return tuple(tuple(int(x) for x in t.split(",")) for t in text.split(":"))
+
+
+def phased_models(shape: str, mid_noise: float, seed: int = 0):
+    """(target, {phase: head params}, head graph) as the module docstring describes."""
+    import jax.numpy as jnp
+    import numpy as np
+    from flax import nnx
+
+    from jeagle.config import DraftConfig, ModelConfig
+    from jeagle.models.eagle import random_draft
+    from jeagle.models.llama import random_model
+    from profile_decode import SHAPES
+
+    # Untied: lm_head = the embedding rows permuted, so the next token is perm⁻¹(token) (a tied head
+    # would make every token its own successor). The step reads the same bytes as a tied head.
+    cfg = ModelConfig(**{**SHAPES[shape], "tie_word_embeddings": False})
+    target = random_model(cfg, seed)
+    e = np.asarray(target.embed[...], np.float32)
+    e /= np.sqrt((e * e).mean(-1, keepdims=True))
+    target.embed[...] = jnp.asarray(e, target.embed[...].dtype)
+    target.lm_head[...] = jnp.asarray(e[np.random.default_rng(seed).permutation(len(e))], target.lm_head[...].dtype)
+    target.wo[...] = jnp.zeros_like(target.wo[...])
+    target.w_down[...] = jnp.zeros_like(target.w_down[...])
+
+    dcfg = DraftConfig(kind="eagle1", hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                       num_layers=1, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                       vocab_size=cfg.vocab_size, fc_bias=False, dtype=cfg.dtype)
+    h = cfg.hidden_size
+    params = {}
+    graph = None
+    for phase, (sign, noise) in {"high": (1.0, 0.0), "mid": (1.0, mid_noise), "low": (-1.0, 0.0)}.items():
+        head = random_draft(dcfg, seed + 1)
+        fc = np.zeros((2 * h, h), np.float32)
+        fc[:h] = sign * np.eye(h)
+        fc += noise * np.random.default_rng(seed + 2).standard_normal(fc.shape).astype(np.float32)
+        head.fc_w[...] = jnp.asarray(fc, head.fc_w[...].dtype)
+        head.wo[...] = jnp.zeros_like(head.wo[...])
+        head.w_down[...] = jnp.zeros_like(head.w_down[...])
+        graph, params[phase] = nnx.split(head)
+    return target, params, nnx.merge(graph, params["high"])
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="smollm2")
+    p.add_argument("--phases", default="high,low,mid,high,low,mid")
+    p.add_argument("--batch", default="1", help="batch sizes, comma-separated (each a separate workload)")
+    p.add_argument("--phase-tokens", type=int, default=384, help="new tokens per request per phase")
+    p.add_argument("--chain-tiers", type=tiers_arg, default=tiers_arg("1,1,2:3,1,4:7,1,8"))
+    p.add_argument("--tree-tiers", type=tiers_arg, default=None, help="e.g. 1,4,3:3,4,8:6,4,16")
+    p.add_argument("--mid-noise", type=float, default=0.02)
+    p.add_argument("--adaptive-config", default=None, help="JSON file (default: the policy's defaults)")
+    p.add_argument("--context", type=int, default=128, help="prompt tokens")
+    args = p.parse_args(argv)
+
+    import jax
+    import numpy as np
+
+    from jeagle.adaptive import AdaptiveConfig
+    from jeagle.engine import EngineConfig
+    from jeagle.sampling import SamplingParams
+    from jeagle.spec.engine import SpecEngine
+    from jeagle.spec.round import SpecConfig
+
+    phases = args.phases.split(",")
+    target, head_params, head = phased_models(args.shape, args.mid_noise)
+    adaptive_cfg = AdaptiveConfig.from_json(args.adaptive_config) if args.adaptive_config else AdaptiveConfig()
+    rng = np.random.default_rng(0)
+    vocab = target.cfg.vocab_size
+    tier_sets = {"chain": args.chain_tiers} | ({"tree": args.tree_tiers} if args.tree_tiers else {})
+    rows, switches = [], {}
+    for batch in [int(b) for b in args.batch.split(",")]:
+        prompts = [list(rng.integers(10, vocab, args.context)) for _ in range(batch)]
+        sp = SamplingParams(max_new_tokens=args.phase_tokens, ignore_eos=True)
+        max_ctx = args.context + args.phase_tokens + 64
+        ecfg = EngineConfig(max_batch_size=batch, max_context=max_ctx, batch_buckets=(batch,))
+        for set_name, tiers in tier_sets.items():
+            engines = {f"static {s},{k},{n}": SpecEngine(target, head, ecfg, SpecConfig(s, k, n)) for s, k, n in tiers}
+            ad = AdaptiveConfig(**{**adaptive_cfg.__dict__, "candidate_tiers": tiers})
+            mid = tiers[len(tiers) // 2]
+            engines["adaptive"] = SpecEngine(target, head, ecfg, SpecConfig(*mid), adaptive=ad)
+            for name, eng in engines.items():
+                t0 = time.perf_counter()
+                eng.warmup(batch_sizes=[batch], prefill_lengths=[args.context], greedy=(True,), progress=False)
+                # One untimed pass per phase kind, so every code path has run once (then reset the policy).
+                for ph in sorted(set(phases)):
+                    eng.draft_params = head_params[ph]
+                    eng.generate(prompts, SamplingParams(max_new_tokens=16, ignore_eos=True))
+                eng.reset_tier()
+                print(f"[{set_name} B={batch}] {name}: warm in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+            for i, ph in enumerate(phases):
+                for name, eng in engines.items():
+                    eng.draft_params = head_params[ph]
+                    t0 = time.perf_counter()
+                    eng.generate(prompts, sp)
+                    wall = time.perf_counter() - t0
+                    st = eng.last_stats
+                    assert st["compilations"] == 0, (name, st["compilations"])
+                    rows.append({"batch": batch, "tiers": set_name, "engine": name, "phase_index": i, "phase": ph,
+                                 "tokens": st["new_tokens"], "wall_s": round(wall, 4),
+                                 "tokens_per_s": round(st["new_tokens"] / wall, 1),
+                                 "accept_length": round(st["accept_length"], 3),
+                                 "tier_history": st["tier_history"] if eng.controller is not None else None})
+            switches[f"{set_name} B={batch}"] = engines["adaptive"].controller.switches
+
+    # ---- summary: per phase and overall, adaptive against every static tier -----------------------------
+    summary = []
+    for key in sorted({(r["batch"], r["tiers"]) for r in rows}):
+        sel = [r for r in rows if (r["batch"], r["tiers"]) == key]
+        names = list(dict.fromkeys(r["engine"] for r in sel))
+        print(f"\nbatch {key[0]}, {key[1]} tiers: tokens/s (accept length)")
+        print(f"{'phase':>10} " + " ".join(f"{n:>18}" for n in names) + f" {'adaptive/best':>13}")
+        for i, ph in enumerate(phases):
+            by = {r["engine"]: r for r in sel if r["phase_index"] == i}
+            best = max(by[n]["tokens_per_s"] for n in names if n != "adaptive")
+            ratio = by["adaptive"]["tokens_per_s"] / best
+            print(f"{i}:{ph:>8} " + " ".join(f"{by[n]['tokens_per_s']:>11.1f} ({by[n]['accept_length']:>4.2f})"
+                                            for n in names) + f" {ratio:>13.3f}")
+            summary.append({"batch": key[0], "tiers": key[1], "phase_index": i, "phase": ph, "adaptive_over_best": ratio})
+        overall = {n: sum(r["tokens"] for r in sel if r["engine"] == n) / sum(r["wall_s"] for r in sel if r["engine"] == n)
+                   for n in names}
+        print(f"{'overall':>10} " + " ".join(f"{overall[n]:>18.1f}" for n in names)
+              + f" {overall['adaptive'] / max(v for n, v in overall.items() if n != 'adaptive'):>13.3f}")
+        summary.append({"batch": key[0], "tiers": key[1], "phase": "overall", "tokens_per_s": overall})
+    print(json.dumps({"bench": "adaptive", "shape": args.shape, "device": jax.devices()[0].device_kind,
+                      "commit": os.environ.get("JEAGLE_COMMIT", "unknown"), "phases": phases,
+                      "phase_tokens": args.phase_tokens, "mid_noise": args.mid_noise,
+                      "adaptive_config": adaptive_cfg.__dict__, "switches": switches, "summary": summary,
+                      "rows": rows}, default=list))
+
+
+if __name__ == "__main__":
+    main()

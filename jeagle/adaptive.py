@@ -1,0 +1,201 @@
+"""Adaptive speculative decoding: an EMA policy that switches between pre-compiled step tiers.
+
+Host-only (no JAX here). SGLang's design (docs "Adaptive Speculative Decoding", `../shared/DESIGN.md`
+"Adaptive steps"), with one extension: a tier is a full (S, K, N) triple, so tree tiers adapt too.
+
+    AdaptiveConfig       the knobs, from JSON (omitted keys take defaults; unknown keys, bad values: errors)
+    AdaptivePolicy       the EMA of accepted drafts per request and the tier decision
+    TierState            one tier's runtime state: its (S, K, N) and its executables, one per bucket
+    AdaptiveController   feeds the policy after each verify and swaps the active TierState (a reference
+                         swap: every tier is compiled at warm-up, a switch never compiles)
+
+The policy. After each verify, batch_avg = mean accepted draft tokens per request (bonus excluded),
+ema = (1-α)·ema + α·batch_avg, ema starting at steps-1 of the initial tier. The first
+`warmup_batches` verifies only feed the EMA; after them, every `update_interval`-th verify re-decides:
+move down while ema ≤ steps[i-1] - 0.5 + down_hysteresis, else up while ema > steps[i] - 0.5 +
+up_hysteresis. That is "steps ≈ round(ema) + 1", probing one step past what is accepted now, with a
+margin against oscillation. The initial steps snap to the nearest candidate (the smaller on a tie).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+
+class AdaptiveConfigError(ValueError):
+    """An adaptive config that cannot be used; the message names the key."""
+
+
+def _int(key: str, v: Any, lo: int) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+        raise AdaptiveConfigError(f"adaptive config: {key} must be an integer >= {lo}, got {v!r}")
+    return v
+
+
+def _float(key: str, v: Any, lo: float | None = None, hi: float | None = None, lo_open: bool = False) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise AdaptiveConfigError(f"adaptive config: {key} must be a finite number, got {v!r}")
+    if (lo is not None and (v <= lo if lo_open else v < lo)) or (hi is not None and v > hi):
+        rng = f"{'(' if lo_open else '['}{lo}, {hi}]"
+        raise AdaptiveConfigError(f"adaptive config: {key} must be in {rng}, got {v!r}")
+    return float(v)
+
+
+@dataclass(frozen=True)
+class AdaptiveConfig:
+    candidate_steps: tuple[int, ...] = (1, 3, 7)
+    # Explicit tiers, each [S, K, N], in increasing S; when given they replace candidate_steps.
+    candidate_tiers: tuple[tuple[int, int, int], ...] | None = None
+    ema_alpha: float = 0.2
+    warmup_batches: int = 10
+    update_interval: int = 5
+    down_hysteresis: float = -0.25
+    up_hysteresis: float = 0.0
+
+    def __post_init__(self):
+        steps = self.candidate_steps
+        if not isinstance(steps, (list, tuple)) or not steps:
+            raise AdaptiveConfigError(f"adaptive config: candidate_steps must be a non-empty list, got {steps!r}")
+        steps = tuple(_int("candidate_steps", s, 1) for s in steps)
+        if len(set(steps)) != len(steps):
+            raise AdaptiveConfigError(f"adaptive config: candidate_steps has duplicates: {list(steps)}")
+        object.__setattr__(self, "candidate_steps", tuple(sorted(steps)))
+        if self.candidate_tiers is not None:
+            tiers = self.candidate_tiers
+            if not isinstance(tiers, (list, tuple)) or not tiers:
+                raise AdaptiveConfigError(f"adaptive config: candidate_tiers must be a non-empty list, got {tiers!r}")
+            out = []
+            for t in tiers:
+                if not isinstance(t, (list, tuple)) or len(t) != 3:
+                    raise AdaptiveConfigError(f"adaptive config: candidate_tiers entries are [S, K, N], got {t!r}")
+                out.append(tuple(_int("candidate_tiers", x, 1) for x in t))
+            if any(a[0] >= b[0] for a, b in zip(out, out[1:])):
+                raise AdaptiveConfigError("adaptive config: candidate_tiers must have strictly increasing S "
+                                          f"(num_steps), got {[list(t) for t in out]}")
+            object.__setattr__(self, "candidate_tiers", tuple(out))
+        object.__setattr__(self, "ema_alpha", _float("ema_alpha", self.ema_alpha, 0.0, 1.0, lo_open=True))
+        _int("warmup_batches", self.warmup_batches, 0)
+        _int("update_interval", self.update_interval, 1)
+        object.__setattr__(self, "down_hysteresis", _float("down_hysteresis", self.down_hysteresis))
+        object.__setattr__(self, "up_hysteresis", _float("up_hysteresis", self.up_hysteresis))
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "AdaptiveConfig":
+        if not isinstance(d, dict):
+            raise AdaptiveConfigError(f"adaptive config must be a JSON object, got {type(d).__name__}")
+        known = {f for f in cls.__dataclass_fields__}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise AdaptiveConfigError(f"adaptive config: unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})")
+        return cls(**d)
+
+    @classmethod
+    def from_json(cls, path: str | Path) -> "AdaptiveConfig":
+        try:
+            text = Path(path).read_text()
+        except OSError as e:
+            raise AdaptiveConfigError(f"adaptive config {path}: {e.strerror or e}") from e
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise AdaptiveConfigError(f"adaptive config {path}: not valid JSON ({e})") from e
+        return cls.from_dict(d)
+
+    def tiers(self, steps: int, topk: int, draft_tokens: int) -> tuple[tuple[int, int, int], ...]:
+        """The (S, K, N) tiers for a base tier (steps, topk, draft_tokens): candidate_tiers as given, else
+        one per candidate step count with the base topk; N = S + 1 for a chain (K = 1), else the base
+        N scaled by (S + 1) / (steps + 1), at least S + 1 and at most what S steps of top-K produce (so
+        the base tier comes back unchanged when its S is a candidate)."""
+        if self.candidate_tiers is not None:
+            return self.candidate_tiers
+        out = []
+        for s in self.candidate_steps:
+            if topk == 1:
+                n = s + 1
+            else:
+                n = max(s + 1, round(draft_tokens * (s + 1) / (steps + 1)))
+                n = min(n, topk + (s - 1) * topk * topk + 1)
+            out.append((s, topk, n))
+        return tuple(out)
+
+
+def nearest(candidates: Sequence[int], steps: int) -> int:
+    """Index of the candidate nearest `steps` (the smaller on a tie)."""
+    return min(range(len(candidates)), key=lambda i: (abs(candidates[i] - steps), candidates[i]))
+
+
+class AdaptivePolicy:
+    """The EMA policy over candidate step counts (ascending)."""
+
+    def __init__(self, config: AdaptiveConfig, steps: Sequence[int], initial_steps: int):
+        self.cfg = config
+        self.steps = tuple(steps)
+        if list(self.steps) != sorted(set(self.steps)):
+            raise AdaptiveConfigError(f"tier steps must be strictly increasing, got {list(self.steps)}")
+        self.index = nearest(self.steps, initial_steps)
+        self.ema = float(self.steps[self.index] - 1)
+        self.batches = 0
+
+    @property
+    def current(self) -> int:
+        return self.steps[self.index]
+
+    def update(self, accepted: Sequence[float]) -> bool:
+        """Feed one verify's accepted draft tokens per request (bonus excluded). True if the tier changed."""
+        if len(accepted) == 0:
+            return False
+        a = self.cfg.ema_alpha
+        self.ema = (1 - a) * self.ema + a * (sum(accepted) / len(accepted))
+        self.batches += 1
+        past = self.batches - self.cfg.warmup_batches
+        if past <= 0 or past % self.cfg.update_interval:
+            return False
+        return self._decide()
+
+    def _decide(self) -> bool:
+        s, i = self.steps, self.index
+        while i > 0 and self.ema <= s[i - 1] - 0.5 + self.cfg.down_hysteresis:
+            i -= 1
+        if i == self.index:
+            while i < len(s) - 1 and self.ema > s[i] - 0.5 + self.cfg.up_hysteresis:
+                i += 1
+        changed, self.index = i != self.index, i
+        return changed
+
+
+@dataclass
+class TierState:
+    """One tier's runtime state: its (S, K, N) (or any tier object) and its executables by key."""
+    tier: Any
+    steps: int
+    executables: dict = field(default_factory=dict)
+
+
+class AdaptiveController:
+    """Chooses the active tier after each verify; switching swaps which TierState is active."""
+
+    def __init__(self, config: AdaptiveConfig, states: Sequence[TierState], initial_steps: int):
+        self.cfg, self.states, self.initial_steps = config, list(states), initial_steps
+        self.reset()
+
+    def reset(self) -> None:
+        """Back to the initial tier with a fresh EMA (the executables stay)."""
+        self.policy = AdaptivePolicy(self.cfg, [st.steps for st in self.states], self.initial_steps)
+        self.verifies = 0
+        self.switches = 0
+
+    @property
+    def active(self) -> TierState:
+        return self.states[self.policy.index]
+
+    def on_verify_complete(self, accept_lengths: Sequence[float]) -> bool:
+        """Accepted draft tokens per request of one verify (bonus excluded). True if the tier switched;
+        the next dispatch uses `active`."""
+        self.verifies += 1
+        changed = self.policy.update(accept_lengths)
+        self.switches += changed
+        return changed

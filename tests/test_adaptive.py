@@ -1,0 +1,188 @@
+"""Adaptive speculative decoding (issue 7): the EMA policy on synthetic acceptance sequences, config
+validation, and tier switches in the middle of a generation staying lossless with nothing compiled."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from flax import nnx
+
+from jeagle.adaptive import AdaptiveConfig, AdaptiveConfigError, AdaptiveController, AdaptivePolicy, TierState
+from jeagle.engine import Engine, EngineConfig
+from jeagle.sampling import SamplingParams
+from jeagle.spec.engine import SpecEngine
+from jeagle.spec.round import SpecConfig
+from tests.spec_models import bigram_target, signed_identity_head, target_config
+
+
+def policy(initial=3, steps=(1, 3, 7), **kw):
+    return AdaptivePolicy(AdaptiveConfig(candidate_steps=steps, **kw), steps, initial)
+
+
+# ---- the policy ------------------------------------------------------------------------------------
+def test_initial_steps_snap_to_the_nearest_candidate_and_the_ema_starts_at_steps_minus_one():
+    for initial, want in [(1, 1), (2, 1), (3, 3), (4, 3), (5, 3), (6, 7), (7, 7), (12, 7)]:  # 2 and 5: ties → smaller
+        p = policy(initial)
+        assert p.current == want, initial
+        assert p.ema == want - 1
+
+
+def test_warmup_batches_only_feed_the_ema():
+    p = policy(3, ema_alpha=0.5, warmup_batches=4, update_interval=1)
+    for i in range(4):
+        assert not p.update([7, 7])  # far above every up threshold, still in warm-up
+        assert p.current == 3
+    assert p.ema == pytest.approx(2 * 0.5**4 + 7 * (1 - 0.5**4))
+    assert p.update([7]) and p.current == 7  # the first verify after warm-up decides
+
+
+def test_decisions_only_every_update_interval_after_warmup():
+    p = policy(3, ema_alpha=1.0, warmup_batches=2, update_interval=3)
+    decided = []
+    for i in range(1, 12):
+        before = p.current
+        target = 0 if before > 1 else 6  # always asks to move (down from 3 or 7, up from 1)
+        p.update([target])
+        decided.append(p.current != before)
+    # batches 5 (3 → 1), 8 (1 → 7), 11 (7 → 1) = warm-up 2 + k·3 switch; no other batch does.
+    assert [i for i, d in enumerate(decided, 1) if d] == [5, 8, 11]
+
+
+@pytest.mark.parametrize("ema,want", [(0.25, 1), (0.3125, 3), (2.5, 3), (2.5078125, 7)])
+def test_hysteresis_boundaries_exactly(ema, want):
+    """At steps 3 of [1, 3, 7]: down to 1 iff ema <= 1 - 0.5 - 0.25 = 0.25; up to 7 iff ema > 3 - 0.5 + 0 = 2.5."""
+    p = policy(3, ema_alpha=1.0, warmup_batches=0, update_interval=1)
+    p.update([ema])
+    assert p.ema == ema and p.current == want
+
+
+def test_hysteresis_values_move_the_boundaries():
+    p = policy(3, ema_alpha=1.0, warmup_batches=0, update_interval=1, down_hysteresis=0.5, up_hysteresis=1.0)
+    p.update([1.0])  # <= 1 - 0.5 + 0.5: down
+    assert p.current == 1
+    p = policy(3, ema_alpha=1.0, warmup_batches=0, update_interval=1, down_hysteresis=0.5, up_hysteresis=1.0)
+    p.update([3.0])  # not > 3 - 0.5 + 1.0: stays
+    assert p.current == 3
+    p.update([3.5 + 2**-7])
+    assert p.current == 7
+
+
+def test_multi_tier_moves_up_and_down_in_one_decision():
+    steps = (1, 2, 4, 6, 8)
+    p = policy(1, steps=steps, ema_alpha=1.0, warmup_batches=0, update_interval=1)
+    p.update([5.0])  # > 0.5, > 1.5, > 3.5, not > 5.5
+    assert p.current == 6
+    p.update([0.5])  # <= 3.25, <= 1.25, not <= 0.25
+    assert p.current == 2
+    p.update([0.0])
+    assert p.current == 1
+    p.update([8.0])
+    assert p.current == 8  # top: no further up
+
+
+def test_ema_follows_batch_means():
+    p = policy(7, ema_alpha=0.2, warmup_batches=100)
+    p.update([1, 2, 3])  # batch mean 2
+    assert p.ema == pytest.approx(0.8 * 6 + 0.2 * 2)
+    assert not p.update([])  # an empty verify changes nothing
+    assert p.ema == pytest.approx(0.8 * 6 + 0.2 * 2) and p.batches == 1
+
+
+def test_controller_swaps_the_state_reference():
+    states = [TierState((s, 1, s + 1), s, {"exe": object()}) for s in (1, 3, 7)]
+    c = AdaptiveController(AdaptiveConfig(ema_alpha=1.0, warmup_batches=0, update_interval=1), states, 3)
+    assert c.active is states[1]
+    assert c.on_verify_complete([3, 3]) and c.active is states[2]
+    assert not c.on_verify_complete([3])
+    assert c.on_verify_complete([0]) and c.active is states[0]
+    assert c.switches == 2 and c.verifies == 3
+
+
+# ---- config ------------------------------------------------------------------------------------------
+def test_config_defaults_and_json(tmp_path):
+    cfg = AdaptiveConfig()
+    assert (cfg.candidate_steps, cfg.ema_alpha, cfg.warmup_batches, cfg.update_interval, cfg.down_hysteresis,
+            cfg.up_hysteresis) == ((1, 3, 7), 0.2, 10, 5, -0.25, 0.0)
+    f = tmp_path / "a.json"
+    f.write_text(json.dumps({"candidate_steps": [7, 2], "ema_alpha": 0.5}))
+    cfg = AdaptiveConfig.from_json(f)
+    assert cfg.candidate_steps == (2, 7) and cfg.ema_alpha == 0.5 and cfg.update_interval == 5  # omitted: default
+    f.write_text(json.dumps({"candidate_tiers": [[3, 1, 4], [5, 4, 8]]}))
+    assert AdaptiveConfig.from_json(f).candidate_tiers == ((3, 1, 4), (5, 4, 8))
+
+
+@pytest.mark.parametrize("doc,key", [
+    ({"ema_alpa": 0.2}, "ema_alpa"),
+    ({"ema_alpha": 0}, "ema_alpha"), ({"ema_alpha": 1.5}, "ema_alpha"), ({"ema_alpha": "0.2"}, "ema_alpha"),
+    ({"warmup_batches": -1}, "warmup_batches"), ({"warmup_batches": 2.5}, "warmup_batches"),
+    ({"warmup_batches": True}, "warmup_batches"),
+    ({"update_interval": 0}, "update_interval"),
+    ({"candidate_steps": []}, "candidate_steps"), ({"candidate_steps": [0, 3]}, "candidate_steps"),
+    ({"candidate_steps": [3, 3]}, "candidate_steps"), ({"candidate_steps": 3}, "candidate_steps"),
+    ({"candidate_tiers": [[3, 1]]}, "candidate_tiers"), ({"candidate_tiers": [[5, 4, 8], [3, 1, 4]]}, "candidate_tiers"),
+    ({"down_hysteresis": float("nan")}, "down_hysteresis"), ({"up_hysteresis": None}, "up_hysteresis"),
+])
+def test_config_errors_name_the_key(doc, key):
+    with pytest.raises(AdaptiveConfigError, match=key):
+        AdaptiveConfig.from_dict(doc)
+
+
+def test_config_file_errors(tmp_path):
+    with pytest.raises(AdaptiveConfigError, match="not valid JSON"):
+        (tmp_path / "bad.json").write_text("{candidate_steps: [1]}")
+        AdaptiveConfig.from_json(tmp_path / "bad.json")
+    with pytest.raises(AdaptiveConfigError, match="No such file"):
+        AdaptiveConfig.from_json(tmp_path / "missing.json")
+    with pytest.raises(AdaptiveConfigError, match="JSON object"):
+        (tmp_path / "list.json").write_text("[1, 3, 7]")
+        AdaptiveConfig.from_json(tmp_path / "list.json")
+
+
+def test_tiers_from_candidate_steps():
+    assert AdaptiveConfig().tiers(3, 1, 4) == ((1, 1, 2), (3, 1, 4), (7, 1, 8))
+    tiers = AdaptiveConfig(candidate_steps=(1, 3, 5, 7)).tiers(5, 4, 8)
+    assert (5, 4, 8) in tiers  # the base tier comes back unchanged
+    assert tiers[0] == (1, 4, 3)  # N <= K + 1 at one step
+    assert all(n >= s + 1 for s, _, n in tiers)
+
+
+def test_invalid_tier_is_a_config_error():
+    target = bigram_target(target_config())
+    head = signed_identity_head(target, +1.0)
+    with pytest.raises(AdaptiveConfigError, match=r"candidate_tiers \[3, 1, 5\]"):
+        SpecEngine(target, head, EngineConfig(max_batch_size=2, max_context=64), SpecConfig(3, 1, 4),
+                   adaptive=AdaptiveConfig(candidate_tiers=((1, 1, 2), (3, 1, 5))))
+
+
+# ---- in the engine -------------------------------------------------------------------------------------
+def test_switching_tiers_mid_generation_is_lossless_and_compiles_nothing():
+    """Chain and tree tiers with different K and N. The oracle head's params drive the controller up,
+    then the adversary's (same graph, swapped in between calls) drive it down; every output equals
+    target-only decoding and nothing compiles after the warm-up."""
+    target = bigram_target(target_config())
+    oracle, adversary = signed_identity_head(target, +1.0), signed_identity_head(target, -1.0)
+    rng = np.random.default_rng(3)
+    prompts = [list(rng.integers(4, 96, n)) for n in (5, 2, 9, 3, 7)]
+    params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in (20, 26, 15, 18, 22)]
+    cfg = EngineConfig(max_batch_size=4, max_context=128, batch_buckets=(1, 2, 4))
+    want = [o.token_ids for o in Engine(target, cfg).generate(prompts, params)]
+
+    adaptive = AdaptiveConfig(candidate_tiers=((1, 2, 3), (2, 1, 3), (4, 2, 6)), ema_alpha=0.5, warmup_batches=2,
+                              update_interval=1)
+    engine = SpecEngine(target, oracle, cfg, SpecConfig(2, 1, 3), adaptive=adaptive)
+    engine.warmup(prefill_lengths=[9], greedy=(True,), progress=False)
+    assert sum(p[0] == "decode" for p in engine.warmup_plan(prefill_lengths=[9], greedy=(True,))) == 3 * 3
+    assert [o.token_ids for o in engine.generate(prompts, params)] == want
+    up = engine.last_stats
+    assert up["tier_history"]["0"] == [2, 1, 3] and list(up["tier_history"].values())[-1] == [4, 2, 6]
+    assert up["compilations_after_warmup"] == 0
+
+    engine.draft_params = nnx.split(adversary)[1]
+    assert [o.token_ids for o in engine.generate(prompts, params)] == want
+    down = engine.last_stats
+    assert down["tier_history"]["0"] == [4, 2, 6] and list(down["tier_history"].values())[-1] == [1, 2, 3]
+    assert down["compilations_after_warmup"] == 0 and down["accept_length"] == 1.0
+    assert up["tier_switches"] >= 1 and down["tier_switches"] >= 1 and up["adaptive"]
+    assert engine.controller.switches == up["tier_switches"] + down["tier_switches"]
