@@ -128,12 +128,17 @@ def main(argv=None):
                 for name, eng in engines.items():
                     eng.draft_params = head_params[ph]
                     t0 = time.perf_counter()
-                    eng.generate(prompts, sp)
+                    eng.last_outputs = eng.generate(prompts, sp)
                     wall = time.perf_counter() - t0
                     st = eng.last_stats
                     assert st["compilations"] == 0, (name, st["compilations"])
+                    outs = eng.last_outputs
+                    first = max(o.time_to_first_token_s for o in outs)
                     rows.append({"batch": batch, "tiers": set_name, "engine": name, "phase_index": i, "phase": ph,
                                  "tokens": st["new_tokens"], "wall_s": round(wall, 4),
+                                 "last_first_token_s": round(first, 4), "round_dispatches": st["round_dispatches"],
+                                 "ms_per_round_after_first_token": round(1e3 * (wall - first) / st["round_dispatches"], 3),
+                                 "host_blocked_ms": st["host_blocked_ms"],
                                  "tokens_per_s": round(st["new_tokens"] / wall, 1),
                                  "accept_length": round(st["accept_length"], 3),
                                  "tier_history": st["tier_history"] if eng.controller is not None else None})
