@@ -1,0 +1,78 @@
+"""Where the host's time per speculative round goes: `cProfile` over a warm generate().
+
+Random SmolLM2-shaped target and EAGLE-1 head, `--batch` requests of `--context`-token prompts, tier
+5,4,8, greedy, overlap on (dataflow wait unless --sync). Prints the wall ms per round and the top
+functions by own time and by cumulative time, per round; then one JSON line.
+
+    python bench/host_profile.py --batch 1 --tokens 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="smollm2")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--context", type=int, default=128)
+    p.add_argument("--tokens", type=int, default=256, help="new tokens per request (random head: one per round)")
+    p.add_argument("--sync", action="store_true")
+    p.add_argument("--top", type=int, default=25)
+    args = p.parse_args(argv)
+
+    import jax
+    import numpy as np
+
+    from jeagle.engine import EngineConfig
+    from jeagle.sampling import SamplingParams
+    from jeagle.spec.engine import SpecEngine
+    from jeagle.spec.round import SpecConfig
+    from profile_decode import random_target_and_head
+
+    model, head = random_target_and_head(args.shape)
+    rng = np.random.default_rng(0)
+    prompts = [list(rng.integers(10, model.cfg.vocab_size, args.context)) for _ in range(args.batch)]
+    cfg = EngineConfig(max_batch_size=args.batch, max_context=args.context + args.tokens + 64,
+                       batch_buckets=(args.batch,), verify_done_wait="sync" if args.sync else "dataflow")
+    eng = SpecEngine(model, head, cfg, SpecConfig(5, 4, 8))
+    sp = SamplingParams(max_new_tokens=args.tokens, ignore_eos=True)
+    eng.generate(prompts, sp)
+    t0 = time.perf_counter()
+    eng.generate(prompts, sp)
+    wall = time.perf_counter() - t0
+    rounds = eng.last_stats["round_dispatches"]
+    prof = cProfile.Profile()
+    prof.enable()
+    eng.generate(prompts, sp)
+    prof.disable()
+    stats = pstats.Stats(prof)
+    rows = []
+    for (file, line, fn), (cc, nc, tt, ct, _) in stats.stats.items():
+        rows.append({"function": f"{Path(file).name}:{line}({fn})", "calls_per_round": nc / rounds,
+                     "own_us_per_round": 1e6 * tt / rounds, "cum_us_per_round": 1e6 * ct / rounds})
+    print(f"batch {args.batch}: {1e3 * wall / rounds:.3f} ms per round unprofiled ({rounds} rounds)")
+    for key in ("own_us_per_round", "cum_us_per_round"):
+        print(f"\n{'function':<70} {'calls':>6} {'own us':>8} {'cum us':>8}   (per round, by {key.split('_')[0]})")
+        for r in sorted(rows, key=lambda r: -r[key])[: args.top]:
+            print(f"{r['function'][:70]:<70} {r['calls_per_round']:>6.1f} {r['own_us_per_round']:>8.1f} "
+                  f"{r['cum_us_per_round']:>8.1f}")
+    print(json.dumps({"bench": "host_profile", "shape": args.shape, "device": jax.devices()[0].device_kind,
+                      "commit": os.environ.get("JEAGLE_COMMIT", "unknown"), "batch": args.batch,
+                      "ms_per_round": 1e3 * wall / rounds,
+                      "top_own": sorted(rows, key=lambda r: -r["own_us_per_round"])[: args.top]}))
+
+
+if __name__ == "__main__":
+    main()
