@@ -14,7 +14,9 @@ weights of the next phase (same graph, new values), in the same order:
 Engines: one per static tier and one adaptive engine over the same tiers (one set of chain tiers
 (K = 1, SGLang's restriction) and, with --tree-tiers, one set of tree tiers). All warm (every
 executable compiled before timing), greedy, `--batch` requests of `--phase-tokens` new tokens per
-phase. Prints a table, then one JSON line.
+phase, the whole phase sequence `--repeats` times (policy reset, engine order rotated each time):
+per-phase figures are medians over the repeats, overall ones total tokens / total time. Prints a
+table, then one JSON line.
 
     python bench/adaptive.py --phases high,low,mid,high,low --batch 1,16
 """
@@ -87,6 +89,7 @@ def main(argv=None):
     p.add_argument("--mid-noise", type=float, default=0.02)
     p.add_argument("--adaptive-config", default=None, help="JSON file (default: the policy's defaults)")
     p.add_argument("--context", type=int, default=128, help="prompt tokens")
+    p.add_argument("--repeats", type=int, default=3, help="whole-workload repeats (per-phase figures: medians)")
     args = p.parse_args(argv)
 
     import jax
@@ -124,24 +127,30 @@ def main(argv=None):
                     eng.generate(prompts, SamplingParams(max_new_tokens=16, ignore_eos=True))
                 eng.reset_tier()
                 print(f"[{set_name} B={batch}] {name}: warm in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-            for i, ph in enumerate(phases):
-                for name, eng in engines.items():
-                    eng.draft_params = head_params[ph]
-                    t0 = time.perf_counter()
-                    eng.last_outputs = eng.generate(prompts, sp)
-                    wall = time.perf_counter() - t0
-                    st = eng.last_stats
-                    assert st["compilations"] == 0, (name, st["compilations"])
-                    outs = eng.last_outputs
-                    first = max(o.time_to_first_token_s for o in outs)
-                    rows.append({"batch": batch, "tiers": set_name, "engine": name, "phase_index": i, "phase": ph,
-                                 "tokens": st["new_tokens"], "wall_s": round(wall, 4),
-                                 "last_first_token_s": round(first, 4), "round_dispatches": st["round_dispatches"],
-                                 "ms_per_round_after_first_token": round(1e3 * (wall - first) / st["round_dispatches"], 3),
-                                 "host_blocked_ms": st["host_blocked_ms"],
-                                 "tokens_per_s": round(st["new_tokens"] / wall, 1),
-                                 "accept_length": round(st["accept_length"], 3),
-                                 "tier_history": st["tier_history"] if eng.controller is not None else None})
+            for rep in range(args.repeats):
+                for eng in engines.values():
+                    eng.reset_tier()  # each repeat is the whole workload from the start
+                order = list(engines.items())
+                order = order[rep % len(order):] + order[: rep % len(order)]  # rotate: no engine always first
+                for i, ph in enumerate(phases):
+                    for name, eng in order:
+                        eng.draft_params = head_params[ph]
+                        t0 = time.perf_counter()
+                        eng.last_outputs = eng.generate(prompts, sp)
+                        wall = time.perf_counter() - t0
+                        st = eng.last_stats
+                        assert st["compilations"] == 0, (name, st["compilations"])
+                        outs = eng.last_outputs
+                        first = max(o.time_to_first_token_s for o in outs)
+                        rows.append({"batch": batch, "tiers": set_name, "engine": name, "repeat": rep, "phase_index": i,
+                                     "phase": ph,
+                                     "tokens": st["new_tokens"], "wall_s": round(wall, 4),
+                                     "last_first_token_s": round(first, 4), "round_dispatches": st["round_dispatches"],
+                                     "ms_per_round_after_first_token": round(1e3 * (wall - first) / st["round_dispatches"], 3),
+                                     "host_blocked_ms": st["host_blocked_ms"],
+                                     "tokens_per_s": round(st["new_tokens"] / wall, 1),
+                                     "accept_length": round(st["accept_length"], 3),
+                                     "tier_history": st["tier_history"] if eng.controller is not None else None})
             switches[f"{set_name} B={batch}"] = engines["adaptive"].controller.switches
 
     # ---- summary: per phase and overall, adaptive against every static tier -----------------------------
@@ -152,12 +161,17 @@ def main(argv=None):
         print(f"\nbatch {key[0]}, {key[1]} tiers: tokens/s (accept length)")
         print(f"{'phase':>10} " + " ".join(f"{n:>18}" for n in names) + f" {'adaptive/best':>13}")
         for i, ph in enumerate(phases):
-            by = {r["engine"]: r for r in sel if r["phase_index"] == i}
+            # Median over repeats of each engine's tokens/s in this phase.
+            by = {n: {"tokens_per_s": float(np.median([r["tokens_per_s"] for r in sel if r["phase_index"] == i
+                                                         and r["engine"] == n])),
+                      "accept_length": float(np.median([r["accept_length"] for r in sel if r["phase_index"] == i
+                                                          and r["engine"] == n]))} for n in names}
             best = max(by[n]["tokens_per_s"] for n in names if n != "adaptive")
             ratio = by["adaptive"]["tokens_per_s"] / best
             print(f"{i}:{ph:>8} " + " ".join(f"{by[n]['tokens_per_s']:>11.1f} ({by[n]['accept_length']:>4.2f})"
                                             for n in names) + f" {ratio:>13.3f}")
-            summary.append({"batch": key[0], "tiers": key[1], "phase_index": i, "phase": ph, "adaptive_over_best": ratio})
+            summary.append({"batch": key[0], "tiers": key[1], "phase_index": i, "phase": ph, "adaptive_over_best": ratio,
+                            "median_tokens_per_s": {n: by[n]["tokens_per_s"] for n in names}})
         overall = {n: sum(r["tokens"] for r in sel if r["engine"] == n) / sum(r["wall_s"] for r in sel if r["engine"] == n)
                    for n in names}
         print(f"{'overall':>10} " + " ".join(f"{overall[n]:>18.1f}" for n in names)
@@ -166,7 +180,7 @@ def main(argv=None):
     print(json.dumps({"bench": "adaptive", "shape": args.shape, "device": jax.devices()[0].device_kind,
                       "commit": os.environ.get("JEAGLE_COMMIT", "unknown"), "phases": phases,
                       "phase_tokens": args.phase_tokens, "mid_noise": args.mid_noise,
-                      "adaptive_config": adaptive_cfg.__dict__, "switches": switches, "summary": summary,
+                      "adaptive_config": adaptive_cfg.__dict__, "switches_last_repeat": switches, "summary": summary,
                       "rows": rows}, default=list))
 
 
