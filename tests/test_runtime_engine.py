@@ -151,8 +151,9 @@ def test_warm_start_loads_every_executable_from_the_store(target, head, workload
 
 
 def test_cold_warmup_in_worker_processes(tmp_path):
-    """Worker processes rebuild the engine abstractly, compile the plan into the store, and the engine
-    loads all of it: same executables (same store keys), same tokens as an engine that compiled itself."""
+    """Worker processes rebuild the engine abstractly (tiers included), compile the plan into the store,
+    and the engine loads all of it: same executables (same store keys), same tokens as an engine that
+    compiled itself."""
     import dataclasses
 
     from jeagle.models.eagle import random_draft
@@ -165,9 +166,14 @@ def test_cold_warmup_in_worker_processes(tmp_path):
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     want = [o.token_ids for o in SpecEngine(target, head, EngineConfig(max_batch_size=2, max_context=96),
                                             SpecConfig(3, 2, 5)).generate(prompts, params)]
+    # Adaptive with two tiers: the workers rebuild the tiers too (round keys carry the tier).
+    from jeagle.adaptive import AdaptiveConfig
+
     engine = SpecEngine(target, head, EngineConfig(max_batch_size=2, max_context=96, executable_cache_dir=str(tmp_path),
-                                                   compile_processes=2, compile_workers=1), SpecConfig(3, 2, 5))
+                                                   compile_processes=2, compile_workers=1), SpecConfig(3, 2, 5),
+                        adaptive=AdaptiveConfig(candidate_tiers=((1, 1, 2), (3, 2, 5)), warmup_batches=100))
     plan = engine.warmup_plan(prefill_lengths=[4], greedy=(True,))
+    assert {p[4] for p in plan if p[0] == "decode"} == set(engine.tiers) and len(engine.tiers) == 2
     engine.warmup(prefill_lengths=[4], greedy=(True,), progress=False)
     assert engine._store.loaded == len(plan) and engine._store.saved == 0  # all compiled by the workers
     assert [o.token_ids for o in engine.generate(prompts, params)] == want
