@@ -6,8 +6,8 @@ Random SmolLM2-shaped target and EAGLE-1 head, tier 5,4,8, warm. Per batch size:
   chained ms    per round, `--reps` rounds dispatched back to back and one wait at the end: the
                 larger of the device time and the dispatch time
   trace ms      device-busy time per round from a jax.profiler trace of the chained rounds
-Run it under different XLA_FLAGS / JEAGLE_XLA_OPTIONS, or with --unroll (layers unrolled: no while
-loop in the executable), to see what the launch path costs. Prints a table, then one JSON line.
+Run it under different XLA_FLAGS / JEAGLE_XLA_OPTIONS, or with --unroll all (layers unrolled: no while
+loop in the executable) or --unroll k (k layers per loop iteration), to see what the launch path costs. Prints a table, then one JSON line.
 
     python bench/dispatch.py --batch-sizes 1,16
 """
@@ -31,7 +31,7 @@ def main(argv=None):
     p.add_argument("--shape", default="smollm2")
     p.add_argument("--batch-sizes", default="1,16")
     p.add_argument("--reps", type=int, default=50)
-    p.add_argument("--unroll", action="store_true")
+    p.add_argument("--unroll", default="0", help="layer loop: 0 (a loop), k (k layers per iteration) or all")
     args = p.parse_args(argv)
 
     import jax
@@ -46,8 +46,9 @@ def main(argv=None):
     model, head = random_target_and_head(args.shape)
     rows = []
     for b in [int(x) for x in args.batch_sizes.split(",")]:
+        unroll = True if args.unroll == "all" else int(args.unroll)
         eng = SpecEngine(model, head, EngineConfig(max_batch_size=b, max_context=1024, batch_buckets=(b,),
-                                                   unroll_layers=args.unroll), SpecConfig(5, 4, 8))
+                                                   unroll_layers=unroll), SpecConfig(5, 4, 8))
         t0 = time.perf_counter()
         eng.generate([list(range(100, 356))] * b, SamplingParams(max_new_tokens=32, ignore_eos=True))
         compile_s = time.perf_counter() - t0
@@ -86,7 +87,7 @@ def main(argv=None):
                "device_ops_per_round": len(ev) / 10, "warm_compile_s": round(compile_s, 1)}
         rows.append(row)
     flags = os.environ.get("XLA_FLAGS", "") + " " + os.environ.get("JEAGLE_XLA_OPTIONS", "")
-    print(f"flags: {flags.strip() or 'default'}{' unrolled' if args.unroll else ''}")
+    print(f"flags: {flags.strip() or 'default'}, layer unroll {args.unroll}")
     print(f"{'batch':>5} {'dispatch ms':>11} {'chained ms':>10} {'trace busy ms':>13} {'ops/round':>9} {'compile s':>9}")
     for r in rows:
         print(f"{r['batch']:>5} {r['dispatch_ms']:>11.3f} {r['chained_ms']:>10.3f} {r['trace_busy_ms']:>13.3f} "

@@ -152,7 +152,7 @@ class EngineConfig:
     mem_fraction_static: float | None = None  # ... or this fraction of GPU memory
     max_prefill_tokens: int = 8192  # padded tokens per prefill call (a longer single prompt still runs)
     decode_steps: int = 1  # tokens per decode dispatch (lax.fori_loop inside one executable)
-    unroll_layers: bool = False
+    unroll_layers: bool | int = False  # True: unrolled; k >= 2: k layers per iteration of the layer loop
     batch_buckets: tuple[int, ...] | None = None  # default: SGLang's list capped at max_batch_size
     max_bucket: int | None = None  # cap the default list (the largest bucket is then max_batch_size)
     disable_padding: bool = False  # one executable per exact batch size

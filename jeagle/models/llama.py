@@ -95,7 +95,7 @@ class Llama(nnx.Module):
         *,
         logits_index: jax.Array | None = None,  # [B] index into T; None = logits for every token
         aux_layers: tuple[int, ...] = (),
-        unroll: bool = False,
+        unroll: bool | int = False,  # True: every layer inline; k >= 2: k layers per loop iteration
     ) -> ForwardOut:
         cfg = self.cfg
         w = {name: (getattr(self, name)[...] if getattr(self, name) is not None else None) for name in LAYER_PARAMS}
@@ -104,7 +104,7 @@ class Llama(nnx.Module):
         cos, sin = rope_cos_sin(attn.positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
 
         def run_layers(start, stop, h, kp, vp):
-            if unroll:
+            if unroll is True:
                 for i in range(start, stop):
                     h, kp, vp = self._layer(i, h, kp, vp, w, cos, sin, attn)
                 return h, kp, vp
@@ -114,7 +114,10 @@ class Llama(nnx.Module):
             def body(i, carry):
                 return self._layer(i, *carry, w, cos, sin, attn)
 
-            return jax.lax.fori_loop(start, stop, body, (h, kp, vp))
+            # A partial unroll (k layers per iteration) cuts the loop's iterations, each of which the
+            # GPU runtime steps from the host (bench/RESULTS.md, "dispatch").
+            k = max(1, min(int(unroll), stop - start))
+            return jax.lax.fori_loop(start, stop, body, (h, kp, vp), unroll=k)
 
         # The aux states are the residual stream *entering* each chosen layer: run the loop in
         # segments cut at those layers so no per-layer select is needed.

@@ -134,7 +134,7 @@ def round_keys(seed, seq_len, n):
 
 
 def spec_round(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, row_ids, *, kv_len: int, greedy: bool,
-               aux_layers: tuple[int, ...], unroll: bool = False):
+               aux_layers: tuple[int, ...], unroll: bool | int = False):
     """One round for the rows `row_ids` [B]. Returns (out [B, S+3] int32: emitted tokens (-1 padded),
     accept length (bonus excluded), finished flag; cache, dk, dv, rows)."""
     tree, dk, dv = draft_tree(target, head, cfg, cache, dk, dv, rows, row_ids, kv_len=kv_len)
@@ -198,7 +198,7 @@ def draft_tree(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, row
 
 
 def verify_commit(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, row_ids, tree, *, kv_len: int,
-                  greedy: bool, aux_layers: tuple[int, ...], unroll: bool = False):
+                  greedy: bool, aux_layers: tuple[int, ...], unroll: bool | int = False):
     """Verify the tree with the target, accept, check finishes, extend the draft, commit."""
     S, N = cfg.num_steps, cfg.num_draft_tokens
     r = rows.gather(row_ids)
