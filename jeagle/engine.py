@@ -152,7 +152,10 @@ class EngineConfig:
     mem_fraction_static: float | None = None  # ... or this fraction of GPU memory
     max_prefill_tokens: int = 8192  # padded tokens per prefill call (a longer single prompt still runs)
     decode_steps: int = 1  # tokens per decode dispatch (lax.fori_loop inside one executable)
-    unroll_layers: bool | int = False  # True: unrolled; k >= 2: k layers per iteration of the layer loop
+    # Layer loop: False (a loop), True (unrolled), k >= 2 (k layers per iteration); None: 3 for the
+    # decode/round executables (halves the host's dispatch time per step for +10-30% compile time,
+    # bench/RESULTS.md "dispatch"), a loop for prefill.
+    unroll_layers: bool | int | None = None
     batch_buckets: tuple[int, ...] | None = None  # default: SGLang's list capped at max_batch_size
     max_bucket: int | None = None  # cap the default list (the largest bucket is then max_batch_size)
     disable_padding: bool = False  # one executable per exact batch size
@@ -237,6 +240,12 @@ class Engine:
         self._store_obj = None
         self._deferred: list | None = None  # warm-up collects lowerings here to compile them in parallel
 
+    def _unroll(self, phase: str) -> bool | int:
+        """The layer-loop unroll of the "prefill" or "step" (decode / round) executables."""
+        if self.cfg.unroll_layers is None:
+            return 3 if phase == "step" else False
+        return self.cfg.unroll_layers
+
     def _alloc(self, make):
         """Device state from `make()`, or only its shapes for an abstract engine."""
         return jax.eval_shape(make) if self.abstract else make()
@@ -252,7 +261,7 @@ class Engine:
         attn = AttnInputs(positions=pos, write_slots=jnp.where(valid, table[:, :t], 0),
                           kv_slots=table[:, :t], kv_len=lengths)
         out = model(tokens, attn, cache.k, cache.v, logits_index=jnp.maximum(lengths - 1, 0),
-                    unroll=self.cfg.unroll_layers)
+                    unroll=self._unroll("prefill"))
         temperature, top_k, top_p, seed = samp
         # One executable for greedy and sampled rows: the sampler's sort runs once per prefill, not per step.
         tok = sample(out.logits, seed, lengths, temperature, top_k, top_p, all_greedy=False)
@@ -279,7 +288,7 @@ class Engine:
             attn = AttnInputs(positions=pos[:, None], write_slots=write, kv_slots=kv_slots, kv_len=pos,
                               extra_slots=write, extra_mask=jnp.ones((b, 1, 1), bool))
             out = model(tok[:, None], attn, k, v, logits_index=jnp.zeros((b,), jnp.int32),
-                        unroll=self.cfg.unroll_layers)
+                        unroll=self._unroll("step"))
             nxt = sample(out.logits, seed, pos + 1, temperature, top_k, top_p, all_greedy=greedy)
             return nxt, out.k, out.v, toks.at[:, s].set(nxt)
 

@@ -32,6 +32,7 @@ class GenerateArgs:
     mem_fraction_static: float | None = None
     decode_steps: int = 1
     unroll_layers: bool = False
+    layer_unroll: int | None = None
     draft: str | None = None
     speculative_algorithm: str | None = None
     speculative_num_steps: int | None = None
@@ -81,6 +82,9 @@ def parse_args(argv: list[str] | None = None) -> GenerateArgs:
                    help="size the KV cache to this fraction of GPU memory instead")
     p.add_argument("--decode-steps", type=int, default=1, help="tokens per decode dispatch")
     p.add_argument("--unroll-layers", action="store_true", help="unroll the layer loop (slower compile)")
+    p.add_argument("--layer-unroll", type=int, default=None, metavar="K",
+                   help="K layers per iteration of the layer loop (default: 3 for decode steps and rounds, "
+                        "a plain loop for prefill; 1 = a plain loop everywhere)")
     rt = p.add_argument_group("runtime")
     rt.add_argument("--buckets", type=lambda s: tuple(int(x) for x in s.split(",") if x), default=None,
                     help="batch buckets, e.g. 1,2,4,8 (default: SGLang's list up to the batch size)")
@@ -124,6 +128,8 @@ def parse_args(argv: list[str] | None = None) -> GenerateArgs:
     if any(given) and not all(given):
         p.error("give all three of --speculative-num-steps, --speculative-eagle-topk, "
                 "--speculative-num-draft-tokens, or none (defaults 5/4/8)")
+    if a.layer_unroll is not None and a.layer_unroll < 1:
+        p.error(f"--layer-unroll must be >= 1, got {a.layer_unroll}")
     if a.speculative_algorithm in ("EAGLE", "EAGLE3") and not a.draft:
         p.error(f"--speculative-algorithm {a.speculative_algorithm} needs --draft")
     if (a.speculative_adaptive or a.speculative_adaptive_config) and (not a.draft or a.speculative_algorithm == "none"):
@@ -210,7 +216,7 @@ def run(args: GenerateArgs) -> dict:
     batch = args.batch_size or min(len(ids), 48 if draft is not None else 16)
     engine_cfg = EngineConfig(max_batch_size=batch, max_context=args.max_context,
                               max_total_tokens=args.max_total_tokens, mem_fraction_static=args.mem_fraction_static,
-                              decode_steps=args.decode_steps, unroll_layers=args.unroll_layers,
+                              decode_steps=args.decode_steps, unroll_layers=True if args.unroll_layers else args.layer_unroll,
                               batch_buckets=args.buckets, max_bucket=args.max_bucket,
                               disable_padding=args.disable_padding, overlap=args.overlap,
                               verify_done_wait=args.verify_done_wait, executable_cache_dir=exe_store,

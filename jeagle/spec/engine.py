@@ -119,7 +119,7 @@ class SpecEngine(Engine):
                           kv_len=lengths)
         last = jnp.maximum(lengths - 1, 0)
         out = target(tokens, attn, cache.k, cache.v, logits_index=last, aux_layers=self.aux_layers,
-                     unroll=self.cfg.unroll_layers)
+                     unroll=self._unroll("prefill"))
         temperature, top_k, top_p, seed, max_new, stop_ids = samp
         first = sample(out.logits, seed, lengths, temperature, top_k, top_p, all_greedy=False)  # greedy rows: argmax
         # Draft extend: (token t+1, feature t) at position t; the last pair takes the first new token.
@@ -145,7 +145,7 @@ class SpecEngine(Engine):
         target = nnx.merge(self.graphdef, params)
         head = nnx.merge(self.draft_graphdef, dparams)
         return spec_round(target, head, tier, cache, dk, dv, srows, row_ids, kv_len=kv_len, greedy=greedy,
-                          aux_layers=self.aux_layers, unroll=self.cfg.unroll_layers)
+                          aux_layers=self.aux_layers, unroll=self._unroll("step"))
 
     def _draft_impl(self, params, dparams, cache, dk, dv, srows, row_ids, *, tier, kv_len):
         target = nnx.merge(self.graphdef, params)
@@ -156,7 +156,7 @@ class SpecEngine(Engine):
         target = nnx.merge(self.graphdef, params)
         head = nnx.merge(self.draft_graphdef, dparams)
         return verify_commit(target, head, tier, cache, dk, dv, srows, row_ids, tree, kv_len=kv_len,
-                             greedy=greedy, aux_layers=self.aux_layers, unroll=self.cfg.unroll_layers)
+                             greedy=greedy, aux_layers=self.aux_layers, unroll=self._unroll("step"))
 
     def _run(self, exe, args):
         res, self.cache, self.dk, self.dv, self.srows = exe(*args)
