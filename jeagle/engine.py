@@ -200,6 +200,9 @@ class _Request:
     processed: int = 0  # dispatched calls whose results the host has read
     out: Output | None = None
     done: bool = False
+    on_tokens: Callable[[int, list[int]], None] | None = None  # streaming callback (index, new ids)
+    t_submit: float = 0.0  # perf_counter at submit
+    compile_mark: float = 0.0  # the engine's compile_seconds at submit (compiling is not serving latency)
 
 
 class Engine:
@@ -231,14 +234,19 @@ class Engine:
         self.prefill_buckets = pow2_buckets(min(config.min_prefill_bucket, self.max_ctx), self.max_ctx, factor=4)
         self.prefill_batch_buckets = prefill_batch_buckets(self.batch_buckets, config)
         self._free_rows = list(range(self.max_reqs - 1, -1, -1))
+        # The scheduler's queues (step()): waiting to be admitted, admitted, dispatched but unread.
+        self._waiting: deque[_Request] = deque()
+        self._running: list[_Request] = []
+        self._pending: deque = deque()  # (kind, requests, device result) in dispatch order
+        self._next_index = 0
         self._executables: dict[tuple, Callable] = {}
         self.compile_seconds = 0.0
-        self._compile_mark = 0.0
         self._rng = np.random.default_rng()
         self.verify_done = VerifyDone(verify_done_mode(config.verify_done_wait))
         self.warmup_seconds: float | None = None  # set by warmup()
         self._store_obj = None
         self._deferred: list | None = None  # warm-up collects lowerings here to compile them in parallel
+        self.reset_stats()
 
     def _unroll(self, phase: str) -> bool | int:
         """The layer-loop unroll of the "prefill" or "step" (decode / round) executables."""
@@ -548,7 +556,7 @@ class Engine:
         self._free_rows.append(r.row)
         r.slots = None
 
-    def _accept_tokens(self, r: _Request, toks: np.ndarray, t0: float, on_tokens) -> None:
+    def _accept_tokens(self, r: _Request, toks: np.ndarray) -> None:
         new = []
         for tok in toks:
             if r.done:
@@ -558,13 +566,13 @@ class Engine:
             new.append(tok)
             if r.out.time_to_first_token_s is None:
                 # Compilation (first use of a shape) is not part of serving latency.
-                r.out.time_to_first_token_s = time.perf_counter() - t0 - (self.compile_seconds - self._compile_mark)
+                r.out.time_to_first_token_s = time.perf_counter() - r.t_submit - (self.compile_seconds - r.compile_mark)
             if tok in r.eos:
                 r.done, r.out.finish_reason = True, "stop"
             elif len(r.out.token_ids) >= r.max_new:
                 r.done, r.out.finish_reason = True, "length"
-        if new and on_tokens is not None:
-            on_tokens(r.index, new)
+        if new and r.on_tokens is not None:
+            r.on_tokens(r.index, new)
         if r.done:
             self._release(r)
 
@@ -575,90 +583,153 @@ class Engine:
     def _record_verify_done(self, res) -> None:
         """Speculative engines hand each round's verify results to the verify_done wait."""
 
-    def _process(self, kind: str, batch: list[_Request], host: np.ndarray, t0: float, on_tokens) -> None:
+    def _process(self, kind: str, batch: list[_Request], host: np.ndarray) -> None:
         for i, r in enumerate(batch):
             if not r.done:
-                self._accept_tokens(r, host[i], t0, on_tokens)
+                self._accept_tokens(r, host[i])
 
-    # ---- public ------------------------------------------------------------------------------
-    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] = SamplingParams(),
-                 on_tokens: Callable[[int, list[int]], None] | None = None) -> list[Output]:
-        """Run every prompt to completion; outputs in prompt order. `on_tokens(index, ids)` streams."""
-        if isinstance(params, SamplingParams):
-            params = [params] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError("one SamplingParams per prompt")
-        reqs = [self._make_request(i, p, sp) for i, (p, sp) in enumerate(zip(prompts, params))]
-        waiting = deque(reqs)
-        running: list[_Request] = []
-        pending: deque = deque()  # (requests, device tokens) in dispatch order
-        t0 = time.perf_counter()
-        compile0 = self._compile_mark = self.compile_seconds
-        compiled0 = self.num_compiled
-        blocked_per_step: list[float] = []
-        buckets_used: set[int] = set()
+    # ---- public: step-wise (a server's loop) ----------------------------------------------------
+    def submit(self, prompt: list[int], params: SamplingParams = SamplingParams(),
+               on_tokens: Callable[[int, list[int]], None] | None = None, index: int | None = None) -> _Request:
+        """Queue one request (checked now: a bad one raises and queues nothing). `step()` admits it
+        when a row and its slots are free; its `out` fills as tokens arrive, `done` says when it
+        finished; `on_tokens(index, ids)` streams."""
+        if index is None:
+            index = self._next_index
+        self._next_index = max(self._next_index, index + 1)
+        r = self._make_request(index, prompt, params)
+        r.on_tokens, r.t_submit, r.compile_mark = on_tokens, time.perf_counter(), self.compile_seconds
+        self._waiting.append(r)
+        return r
 
-        while waiting or running or pending:
-            # The next host step starts with the wait on the last round's verify results (sync: hard).
-            blocked = self.verify_done.wait()
-            # Admit what fits, in arrival order, and prefill it in groups of bounded padded size.
-            group: list[_Request] = []
-            group_longest = 0
-            while waiting and len(running) + len(group) < self.max_reqs:
-                nxt = waiting[0]
-                longest = max(group_longest, len(nxt.prompt))
-                padded = (pick_bucket(self.prefill_batch_buckets, len(group) + 1)
-                          * pick_bucket(self.prefill_buckets, longest))
-                if group and padded > self.cfg.max_prefill_tokens:
-                    pending.append(("prefill", group, self._dispatch_prefill(group)))
-                    running += group
-                    group, group_longest = [], 0
-                    continue
-                if not self._admit(nxt):
-                    break
-                group.append(waiting.popleft())
-                group_longest = longest
-            if group:
+    def abort(self, r: _Request) -> None:
+        """Stop a request now: it leaves the queue or the batch, its row and slots are free at once
+        (rounds already in flight still write them, but anything that reuses them is dispatched
+        after), tokens still in flight for it are dropped. finish_reason "abort"."""
+        if r.done:
+            return
+        r.done, r.out.finish_reason = True, "abort"
+        if r in self._waiting:
+            self._waiting.remove(r)
+        elif r.slots is not None:
+            self._release(r)
+        self._running = [x for x in self._running if x is not r]
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._running or self._pending)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def step(self) -> None:
+        """One scheduler step: the verify_done wait, admission and prefill of what fits, one decode
+        step or round over the live batch (dispatched before the previous one is processed, with
+        overlap), and processing of the results that are due."""
+        waiting, running, pending, acct = self._waiting, self._running, self._pending, self._acct
+        # The next host step starts with the wait on the last round's verify results (sync: hard).
+        blocked = self.verify_done.wait()
+        # Admit what fits, in arrival order, and prefill it in groups of bounded padded size.
+        group: list[_Request] = []
+        group_longest = 0
+        while waiting and len(running) + len(group) < self.max_reqs:
+            nxt = waiting[0]
+            longest = max(group_longest, len(nxt.prompt))
+            padded = (pick_bucket(self.prefill_batch_buckets, len(group) + 1)
+                      * pick_bucket(self.prefill_buckets, longest))
+            if group and padded > self.cfg.max_prefill_tokens:
                 pending.append(("prefill", group, self._dispatch_prefill(group)))
                 running += group
-            if waiting and not running and not pending:
-                raise OutOfSlots("cannot admit the next request although nothing is running")
+                group, group_longest = [], 0
+                continue
+            if not self._admit(nxt):
+                break
+            group.append(waiting.popleft())
+            group_longest = longest
+        if group:
+            pending.append(("prefill", group, self._dispatch_prefill(group)))
+            running += group
+        if waiting and not running and not pending:
+            r = waiting.popleft()
+            r.done, r.out.finish_reason = True, "abort"
+            raise OutOfSlots(f"cannot admit request {r.index} although nothing is running (it was dropped)")
 
-            live = [r for r in running if self._wants_step(r)]
-            if live:
-                buckets_used.add(pick_bucket(self.batch_buckets, len(live)))
-                res = self._dispatch_decode(live)
-                pending.append(("step", live, res))
-                self._record_verify_done(res)
-            # Overlap: keep this step in flight while the host processes the previous one; without
-            # overlap (or with nothing more to dispatch) process everything now.
-            keep = 1 if live and self.cfg.overlap else 0
-            while len(pending) > keep:
-                kind, batch, toks = pending.popleft()
-                t1 = time.perf_counter()
-                host = np.asarray(toks)  # its copy started at dispatch: this waits only if it is not done
-                blocked += time.perf_counter() - t1
-                self._process(kind, batch, host, t0, on_tokens)
-            if live:
-                blocked_per_step.append(blocked)
-            running = [r for r in running if not r.done]
-        self.verify_done.wait()  # nothing may stay pending past the call
+        live = [r for r in running if self._wants_step(r)]
+        if live:
+            acct["buckets_used"].add(pick_bucket(self.batch_buckets, len(live)))
+            res = self._dispatch_decode(live)
+            pending.append(("step", live, res))
+            self._record_verify_done(res)
+        # Overlap: keep this step in flight while the host processes the previous one; without
+        # overlap (or with nothing more to dispatch) process everything now.
+        keep = 1 if live and self.cfg.overlap else 0
+        while len(pending) > keep:
+            kind, batch, toks = pending.popleft()
+            t1 = time.perf_counter()
+            host = np.asarray(toks)  # its copy started at dispatch: this waits only if it is not done
+            blocked += time.perf_counter() - t1
+            self._process(kind, batch, host)
+        if live:
+            acct["blocked_per_step"].append(blocked)
+        self._running = [r for r in running if not r.done]
+        if not self.has_work:
+            self.verify_done.wait()  # nothing may stay pending once idle
 
-        wall = time.perf_counter() - t0 - (self.compile_seconds - compile0)
-        compiled = self.num_compiled - compiled0
-        self.last_stats = {
+    def reset_stats(self) -> None:
+        """Start a new accounting window for `stats()`."""
+        self._acct = {"t0": time.perf_counter(), "compile0": self.compile_seconds, "compiled0": self.num_compiled,
+                      "blocked_per_step": [], "buckets_used": set()}
+
+    def stats(self, reqs: list[_Request]) -> dict:
+        """Stats of the window since `reset_stats()` for the requests `reqs`."""
+        acct = self._acct
+        wall = time.perf_counter() - acct["t0"] - (self.compile_seconds - acct["compile0"])
+        compiled = self.num_compiled - acct["compiled0"]
+        return {
             "prompt_tokens": sum(len(r.prompt) for r in reqs),
             "new_tokens": sum(len(r.out.token_ids) for r in reqs),
             "wall_s": wall,
-            "compile_s": self.compile_seconds - compile0,
+            "compile_s": self.compile_seconds - acct["compile0"],
             "compilations": compiled,
             "compilations_after_warmup": compiled if self.warmup_seconds is not None else None,
             "warmup_s": self.warmup_seconds,
-            "steps": len(blocked_per_step),
-            "host_blocked_ms": latency_stats(blocked_per_step),
-            "buckets_used": sorted(buckets_used),
+            "steps": len(acct["blocked_per_step"]),
+            "host_blocked_ms": latency_stats(acct["blocked_per_step"]),
+            "buckets_used": sorted(acct["buckets_used"]),
             "overlap": self.cfg.overlap,
             "verify_done_wait": self.verify_done.mode,
             "executables_from_store": self._store.loaded if self._store is not None else None,  # engine lifetime
         }
+
+    # ---- public: all at once -----------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] = SamplingParams(),
+                 on_tokens: Callable[[int, list[int]], None] | None = None) -> list[Output]:
+        """Run every prompt to completion; outputs in prompt order. `on_tokens(index, ids)` streams
+        (index: the prompt's position). Built on submit() / step(); the stats land in `last_stats`."""
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError("one SamplingParams per prompt")
+        if self.has_work:
+            raise RuntimeError("generate() on an engine with requests in flight; finish them with step() first")
+        # Check every prompt before queueing any: a bad one fails the call and loses nothing.
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            self._make_request(i, p, sp)
+        self.reset_stats()
+        reqs = [self.submit(p, sp, on_tokens, index=i) for i, (p, sp) in enumerate(zip(prompts, params))]
+        try:
+            while self.has_work:
+                self.step()
+        except BaseException:
+            for r in reqs:  # leave the engine idle and its slots free
+                self.abort(r)
+            self._pending.clear()
+            self.verify_done.wait()
+            raise
+        self.last_stats = self.stats(reqs)
         return [r.out for r in reqs]

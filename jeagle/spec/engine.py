@@ -260,7 +260,7 @@ class SpecEngine(Engine):
     def _record_verify_done(self, res) -> None:
         self.verify_done.record(res)
 
-    def _process(self, kind, batch, host, t0, on_tokens) -> None:
+    def _process(self, kind, batch, host) -> None:
         # A row: the emitted tokens (S+1 of the round's tier, -1 padded), the accepted drafts, finished.
         accepted = []
         for i, r in enumerate(batch):
@@ -272,7 +272,7 @@ class SpecEngine(Engine):
                 accepted.append(int(row[-2]))
                 self.accept_lengths.append(int(row[-2]) + 1)
             toks = row[:-2]
-            self._accept_tokens(r, toks[toks >= 0], t0, on_tokens)
+            self._accept_tokens(r, toks[toks >= 0])
             if row[-1] and not r.done:
                 raise AssertionError(f"request {r.index}: the device finished it, the host did not")
         if kind == "step" and self.controller is not None and accepted:

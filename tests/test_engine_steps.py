@@ -1,0 +1,92 @@
+"""The step-wise engine API a server drives: submit() / step() / abort(), requests joining and leaving
+between steps, slots freed on abort, bad input refused before anything is queued."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jeagle.engine import Engine, EngineConfig, PromptTooLong
+from jeagle.sampling import SamplingParams
+from jeagle.spec.engine import SpecEngine
+from jeagle.spec.round import SpecConfig
+from tests.spec_models import bigram_target, signed_identity_head, target_config
+
+CFG = EngineConfig(max_batch_size=3, max_context=96, batch_buckets=(1, 2, 3))
+
+
+@pytest.fixture(scope="module")
+def target():
+    return bigram_target(target_config())
+
+
+@pytest.fixture(scope="module")
+def engines(target):
+    head = signed_identity_head(target, +1.0, noise=0.08)
+    return {"target-only": Engine(target, CFG), "eagle": SpecEngine(target, head, CFG, SpecConfig(3, 2, 5))}
+
+
+PROMPTS = [list(np.random.default_rng(4).integers(4, 96, n)) for n in (5, 3, 8, 2, 6)]
+PARAMS = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in (9, 14, 6, 11, 8)]
+
+
+@pytest.fixture(scope="module")
+def alone(target):
+    """Each request run by itself (greedy): what it must produce in any company."""
+    eng = Engine(target, CFG)
+    return [eng.generate([p], sp)[0].token_ids for p, sp in zip(PROMPTS, PARAMS)]
+
+
+def idle_state(eng):
+    return eng.allocator.free_count, sorted(eng._free_rows)
+
+
+@pytest.mark.parametrize("name", ["target-only", "eagle"])
+def test_requests_join_between_steps(engines, alone, name):
+    eng = engines[name]
+    idle = idle_state(eng)
+    reqs = [eng.submit(p, sp) for p, sp in zip(PROMPTS[:2], PARAMS[:2])]
+    for _ in range(3):
+        eng.step()
+    reqs += [eng.submit(p, sp) for p, sp in zip(PROMPTS[2:], PARAMS[2:])]  # more than the free rows
+    assert eng.num_waiting + eng.num_running <= 5
+    while eng.has_work:
+        eng.step()
+    assert [r.out.token_ids for r in reqs] == alone
+    assert all(r.done and r.out.finish_reason == "length" for r in reqs)
+    assert idle_state(eng) == idle
+
+
+@pytest.mark.parametrize("name", ["target-only", "eagle"])
+def test_abort_frees_slots_and_leaves_the_others_alone(engines, alone, name):
+    eng = engines[name]
+    idle = idle_state(eng)
+    streamed = {}
+    reqs = [eng.submit(p, sp, on_tokens=lambda i, ids: streamed.setdefault(i, []).extend(ids))
+            for p, sp in zip(PROMPTS, PARAMS)]
+    while not reqs[1].out.token_ids:  # request 1 is running and has streamed tokens
+        eng.step()
+    eng.abort(reqs[1])  # mid-stream, rounds for it possibly still in flight
+    eng.abort(reqs[4])  # still waiting for a row
+    eng.abort(reqs[4])  # twice is a no-op
+    got_at_abort = list(reqs[1].out.token_ids)
+    while eng.has_work:
+        eng.step()
+    assert reqs[1].out.finish_reason == "abort" and reqs[1].out.token_ids == got_at_abort
+    assert reqs[4].out.finish_reason == "abort" and reqs[4].out.token_ids == []
+    assert got_at_abort == alone[1][: len(got_at_abort)]
+    for i in (0, 2, 3):
+        assert reqs[i].out.token_ids == alone[i] and streamed[reqs[i].index] == alone[i]
+    assert idle_state(eng) == idle
+
+
+def test_bad_submit_queues_nothing(engines):
+    eng = engines["target-only"]
+    with pytest.raises(PromptTooLong):
+        eng.submit(list(range(4, 100)), SamplingParams())
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        eng.submit([5, 6, 10_000], SamplingParams())
+    assert not eng.has_work
+    with pytest.raises(PromptTooLong):  # generate checks every prompt before queueing any
+        eng.generate([[5, 6], list(range(4, 100))], SamplingParams(max_new_tokens=4))
+    assert not eng.has_work
