@@ -53,11 +53,14 @@ class GenerateArgs:
     compile_workers: int | None = None
 
 
-def parse_args(argv: list[str] | None = None) -> GenerateArgs:
-    p = argparse.ArgumentParser(prog="python -m jeagle.generate",
-                                description="Generate text with a Llama-family model (default: SmolLM2-135M-Instruct).")
-    p.add_argument("prompts", nargs="*", help="prompts (each one request)")
-    p.add_argument("--prompts-file", help="a .txt file (one prompt per line) or .jsonl (a 'prompt' field per line)")
+def build_parser(prog: str = "python -m jeagle.generate", prompts: bool = True,
+                 description: str = "Generate text with a Llama-family model (default: SmolLM2-135M-Instruct).",
+                 ) -> argparse.ArgumentParser:
+    """Every engine option (shared by `jeagle.generate` and `jeagle.serve`), plus prompts if asked."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    if prompts:
+        p.add_argument("prompts", nargs="*", help="prompts (each one request)")
+        p.add_argument("--prompts-file", help="a .txt file (one prompt per line) or .jsonl (a 'prompt' field per line)")
     p.add_argument("--target", help="converted jeagle dir, Hugging Face model dir or .gguf file "
                                     "(default: SmolLM2-135M-Instruct, fetched and converted once)")
     p.add_argument("--max-new-tokens", type=int, default=256)
@@ -121,9 +124,11 @@ def parse_args(argv: list[str] | None = None) -> GenerateArgs:
                       help="JSON: candidate_steps, candidate_tiers ([[S, K, N], ...]), ema_alpha, warmup_batches, "
                            "update_interval, down_hysteresis, up_hysteresis (omitted keys: defaults); "
                            "implies --speculative-adaptive")
-    a = p.parse_args(argv)
-    if not a.prompts and not a.prompts_file:
-        p.error("give prompts as arguments or --prompts-file")
+    return p
+
+
+def check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """Errors in option combinations (argparse's usage error, exit 2)."""
     given = [x is not None for x in (a.speculative_num_steps, a.speculative_eagle_topk, a.speculative_num_draft_tokens)]
     if any(given) and not all(given):
         p.error("give all three of --speculative-num-steps, --speculative-eagle-topk, "
@@ -134,6 +139,14 @@ def parse_args(argv: list[str] | None = None) -> GenerateArgs:
         p.error(f"--speculative-algorithm {a.speculative_algorithm} needs --draft")
     if (a.speculative_adaptive or a.speculative_adaptive_config) and (not a.draft or a.speculative_algorithm == "none"):
         p.error("--speculative-adaptive needs speculative decoding (--draft, not --speculative-algorithm none)")
+
+
+def parse_args(argv: list[str] | None = None) -> GenerateArgs:
+    p = build_parser()
+    a = p.parse_args(argv)
+    if not a.prompts and not a.prompts_file:
+        p.error("give prompts as arguments or --prompts-file")
+    check_args(p, a)
     return GenerateArgs(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in vars(a).items()})
 
 
@@ -172,34 +185,27 @@ def load_speculative_draft(args: GenerateArgs, target_dir, model):
     return head
 
 
-def run(args: GenerateArgs) -> dict:
+def adaptive_config(args):
+    """The adaptive policy the options ask for, or None (read before anything loads: fails fast)."""
+    if not (args.speculative_adaptive or args.speculative_adaptive_config):
+        return None
+    from jeagle.adaptive import AdaptiveConfig
+
+    return (AdaptiveConfig.from_json(args.speculative_adaptive_config) if args.speculative_adaptive_config
+            else AdaptiveConfig())
+
+
+def build_engine(args, target_dir, n_requests: int | None = None, adaptive=None):
+    """The engine the options describe: the target (and draft) loaded, the compilation cache set up.
+    `n_requests`: the number of prompts, which bounds the default batch (None: a server's default,
+    48 running requests with a draft, 16 without). Returns (engine, load seconds)."""
     import time
 
     from jeagle.checkpoint import load_model
     from jeagle.engine import Engine, EngineConfig
-    from jeagle.fetch import resolve_target
-    from jeagle.sampling import SamplingParams
-    from jeagle.tokenizer import StreamDecoder, Tokenizer
-
-    texts = list(args.prompts) + (read_prompts_file(args.prompts_file) if args.prompts_file else [])
-    adaptive = None  # read before anything loads: a bad config fails fast
-    if args.speculative_adaptive or args.speculative_adaptive_config:
-        from jeagle.adaptive import AdaptiveConfig
-
-        adaptive = (AdaptiveConfig.from_json(args.speculative_adaptive_config) if args.speculative_adaptive_config
-                    else AdaptiveConfig())
-    target_dir = resolve_target(args.target, dtype=args.dtype, quiet=args.json)
-    tokenizer = Tokenizer.from_dir(target_dir)
-    use_chat = tokenizer.has_chat_template if args.chat is None else args.chat
-    if use_chat and not tokenizer.has_chat_template:
-        raise ValueError("--chat: this tokenizer has no chat template; use --raw")
-    ids = [tokenizer.encode_chat([{"role": "user", "content": t}]) if use_chat else tokenizer.encode(t)
-           for t in texts]
 
     exe_store = None
     if not args.no_compile_cache:
-        from pathlib import Path
-
         from jeagle.fetch import cache_dir
         from jeagle.runtime import enable_compile_cache
 
@@ -213,7 +219,8 @@ def run(args: GenerateArgs) -> dict:
     t_load = time.perf_counter()
     model = load_model(target_dir, dtype=args.dtype)
     draft = load_speculative_draft(args, target_dir, model)
-    batch = args.batch_size or min(len(ids), 48 if draft is not None else 16)
+    default_batch = 48 if draft is not None else 16
+    batch = args.batch_size or (default_batch if n_requests is None else min(n_requests, default_batch))
     engine_cfg = EngineConfig(max_batch_size=batch, max_context=args.max_context,
                               max_total_tokens=args.max_total_tokens, mem_fraction_static=args.mem_fraction_static,
                               decode_steps=args.decode_steps, unroll_layers=True if args.unroll_layers else args.layer_unroll,
@@ -234,7 +241,25 @@ def run(args: GenerateArgs) -> dict:
                           threshold_single=args.speculative_accept_threshold_single,
                           threshold_acc=args.speculative_accept_threshold_acc)
         engine = SpecEngine(model, draft, engine_cfg, spec, adaptive=adaptive)
-    load_s = time.perf_counter() - t_load
+    return engine, time.perf_counter() - t_load
+
+
+def run(args: GenerateArgs) -> dict:
+    from jeagle.fetch import resolve_target
+    from jeagle.sampling import SamplingParams
+    from jeagle.tokenizer import StreamDecoder, Tokenizer
+
+    texts = list(args.prompts) + (read_prompts_file(args.prompts_file) if args.prompts_file else [])
+    adaptive = adaptive_config(args)
+    target_dir = resolve_target(args.target, dtype=args.dtype, quiet=args.json)
+    tokenizer = Tokenizer.from_dir(target_dir)
+    use_chat = tokenizer.has_chat_template if args.chat is None else args.chat
+    if use_chat and not tokenizer.has_chat_template:
+        raise ValueError("--chat: this tokenizer has no chat template; use --raw")
+    ids = [tokenizer.encode_chat([{"role": "user", "content": t}]) if use_chat else tokenizer.encode(t)
+           for t in texts]
+    engine, load_s = build_engine(args, target_dir, len(ids), adaptive)
+    batch = engine.max_reqs
     if args.warmup:
         # Only what these prompts can dispatch: batch sizes up to theirs, their prompt-length buckets,
         # prefix buckets up to the longest possible context, the greedy and/or sampled variants.

@@ -1,0 +1,227 @@
+"""`jeagle.serve` over real HTTP on loopback: a tiny fp32 target with an EAGLE head (greedy output must
+equal target-only decoding), a character-level tokenizer, the `openai` client and raw `httpx`."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from jeagle.engine import Engine, EngineConfig
+from jeagle.sampling import SamplingParams
+from jeagle.spec.engine import SpecEngine
+from jeagle.spec.round import SpecConfig
+from jeagle.tokenizer import Tokenizer
+from tests.spec_models import bigram_target, signed_identity_head, target_config
+
+MODEL = "tiny-bigram"
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def char_tokenizer() -> Tokenizer:
+    """ids 0-3 special (</s> = 3, the tiny target's EOS), 4-95 one character each."""
+    from tokenizers import Regex, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer as Fast
+
+    chars = [chr(c) for c in range(32, 32 + 91)] + ["\n"]
+    vocab = {"<unk>": 0, "<|im_start|>": 1, "<|im_end|>": 2, "</s>": 3} | {c: 4 + i for i, c in enumerate(chars)}
+    fast = Fast(models.WordLevel(vocab, unk_token="<unk>"))
+    fast.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    fast.decoder = decoders.Fuse()
+    fast.add_special_tokens(["<|im_start|>", "<|im_end|>", "</s>", "<unk>"])
+    return Tokenizer(fast, {"eos_token": "</s>", "unk_token": "<unk>", "chat_template": TEMPLATE})
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(app):
+    import uvicorn
+
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(), log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 30
+    while not server.started:
+        assert time.time() < deadline, "server did not start"
+        time.sleep(0.05)
+    return server, thread, f"http://127.0.0.1:{server.config.port}"
+
+
+@pytest.fixture(scope="module")
+def parts():
+    target = bigram_target(target_config())
+    head = signed_identity_head(target, +1.0, noise=0.08)
+    return target, head, char_tokenizer()
+
+
+def make_app(parts, api_key=None, batch=8):
+    from jeagle.serve import create_app
+
+    target, head, tok = parts
+    engine = SpecEngine(target, head, EngineConfig(max_batch_size=batch, max_context=128), SpecConfig(3, 2, 5))
+    return create_app(engine, tok, MODEL, api_key), engine
+
+
+@pytest.fixture(scope="module")
+def server(parts):
+    app, engine = make_app(parts)
+    srv, thread, url = start_server(app)
+    yield url, engine
+    srv.should_exit = True
+    thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def reference(parts):
+    """Greedy target-only decoding of a prompt (token ids) → (text, finish_reason)."""
+    target, _, tok = parts
+    eng = Engine(target, EngineConfig(max_batch_size=1, max_context=128))
+
+    def run(ids, max_tokens):
+        out = eng.generate([ids], SamplingParams(max_new_tokens=max_tokens))[0]
+        body = out.token_ids[:-1] if out.finish_reason == "stop" else out.token_ids
+        return tok.decode(body), out.finish_reason
+    return run
+
+
+PROMPTS = ["hello world", "abc", "The quick brown fox", "zz", "jeagle serves text", "0123456789"]
+
+
+def test_openai_client_completions_and_chat(server, parts, reference):
+    from openai import OpenAI
+
+    url, _ = server
+    tok = parts[2]
+    client = OpenAI(base_url=f"{url}/v1", api_key="unused")
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    want, finish = reference(tok.encode(PROMPTS[0]), 20)
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=20, temperature=0)
+    assert r.choices[0].text == want and r.choices[0].finish_reason == finish
+    assert r.usage.prompt_tokens == len(tok.encode(PROMPTS[0])) and r.usage.completion_tokens >= 1
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=PROMPTS[0], max_tokens=20, temperature=0, stream=True))
+    assert streamed == want
+
+    messages = [{"role": "user", "content": PROMPTS[2]}]
+    want, finish = reference(tok.encode_chat(messages), 24)
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0)
+    assert r.choices[0].message.content == want and r.choices[0].message.role == "assistant"
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0,
+                                                 stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].choices[0].finish_reason == finish
+
+
+def test_httpx_raw_stream_and_stop_strings(server, parts, reference):
+    url, _ = server
+    tok = parts[2]
+    want, _ = reference(tok.encode(PROMPTS[4]), 30)
+    with httpx.Client(base_url=url, timeout=60) as c:
+        r = c.post("/v1/completions", json={"prompt": PROMPTS[4], "max_tokens": 30, "temperature": 0})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want
+        lines = []
+        with c.stream("POST", "/v1/completions", json={"prompt": PROMPTS[4], "max_tokens": 30, "temperature": 0,
+                                                        "stream": True}) as resp:
+            assert resp.headers["content-type"].startswith("text/event-stream")
+            lines = [ln for ln in resp.iter_lines() if ln.startswith("data: ")]
+        assert lines[-1] == "data: [DONE]"
+        assert "".join(json.loads(ln[6:])["choices"][0]["text"] for ln in lines[:-1]) == want
+        if len(want) >= 6:  # a stop string from the middle of the greedy text cuts it there
+            stop = want[3:5]
+            r = c.post("/v1/completions", json={"prompt": PROMPTS[4], "max_tokens": 30, "temperature": 0,
+                                                "stop": [stop]})
+            choice = r.json()["choices"][0]
+            assert choice["text"] == want[: want.index(stop)] and choice["finish_reason"] == "stop"
+
+
+def test_32_concurrent_requests_equal_each_alone(server, parts, reference):
+    url, _ = server
+    tok = parts[2]
+    rng = np.random.default_rng(0)
+    jobs = [(PROMPTS[i % len(PROMPTS)] * int(rng.integers(1, 4)), int(rng.integers(4, 40))) for i in range(32)]
+
+    async def go():
+        async with httpx.AsyncClient(base_url=url, timeout=300) as c:
+            rs = await asyncio.gather(*[c.post("/v1/completions", json={"prompt": p, "max_tokens": m, "temperature": 0})
+                                        for p, m in jobs])
+        return [r.json()["choices"][0]["text"] for r in rs]
+
+    got = asyncio.run(go())
+    assert got == [reference(tok.encode(p), m)[0] for p, m in jobs]
+
+
+def test_api_key(parts):
+    app, engine = make_app(parts, api_key="s3cret", batch=2)
+    srv, thread, url = start_server(app)
+    try:
+        with httpx.Client(base_url=url, timeout=60) as c:
+            body = {"prompt": "abc", "max_tokens": 4, "temperature": 0}
+            assert c.post("/v1/completions", json=body).status_code == 401
+            r = c.post("/v1/completions", json=body, headers={"Authorization": "Bearer wrong"})
+            assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+            assert c.get("/v1/models").status_code == 401 and c.get("/server_info").status_code == 401
+            assert c.get("/health").status_code == 200
+            assert engine._next_index == 0  # nothing was generated
+            r = c.post("/v1/completions", json=body, headers={"Authorization": "Bearer s3cret"})
+            assert r.status_code == 200 and engine._next_index == 1
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=30)
+
+
+def test_aborted_stream_frees_its_slots(server):
+    url, engine = server
+    idle = httpx.get(f"{url}/server_info").json()["kv_slots_free"]
+    with httpx.Client(base_url=url, timeout=60) as c:
+        with c.stream("POST", "/v1/completions", json={"prompt": "abc", "max_tokens": 100, "temperature": 0,
+                                                       "ignore_eos": True, "stream": True}) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    break  # the first chunk, then hang up
+        deadline = time.time() + 30
+        while True:
+            info = c.get("/server_info").json()
+            if info["kv_slots_free"] == idle and info["running_requests"] == 0:
+                break
+            assert time.time() < deadline, info
+            time.sleep(0.1)
+        assert info["speculative_tier"] == [3, 2, 5] and info["queued_requests"] == 0
+
+
+@pytest.mark.parametrize("body,param", [
+    ("{not json", None),
+    ({"prompt": "abc", "max_tokens": 4, "frequency_penality": 1}, "frequency_penality"),
+    ({"prompt": "abc", "temperature": 3.0}, "temperature"),
+    ({"prompt": "abc", "top_p": 0}, "top_p"),
+    ({"prompt": "abc", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "abc", "max_tokens": "8"}, "max_tokens"),
+    ({"prompt": "abc", "n": 2}, "n"),
+    ({"prompt": "abc", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"prompt": "x" * 200}, "prompt"),  # longer than the context (128)
+    ({"prompt": "abc", "max_tokens": 500}, "max_tokens"),  # beyond the context
+    ({"prompt": [5, 6, 1000]}, "prompt"),  # a token id outside the vocabulary
+    ({"prompt": 5}, "prompt"),
+    ({"prompt": "abc", "model": "gpt-4"}, "model"),
+])
+def test_bad_input_is_400_and_the_server_keeps_serving(server, body, param):
+    url, _ = server
+    with httpx.Client(base_url=url, timeout=60) as c:
+        r = c.post("/v1/completions", content=body if isinstance(body, str) else json.dumps(body),
+                   headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and err["message"] and err["param"] == param
+        r = c.post("/v1/chat/completions", json={"messages": "hi"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+        assert c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 3, "temperature": 0}).status_code == 200
