@@ -178,3 +178,39 @@ def test_adaptive_flag_errors(smollm2_head, tmp_path):
     assert proc.returncode == 2 and "candidate_tiers [3, 1, 5]" in proc.stderr
     proc = run_cli("--speculative-adaptive", QUESTION, check=False)
     assert proc.returncode == 2 and "needs speculative decoding" in proc.stderr
+
+
+def test_serve_cli_end_to_end(smollm2_dir):
+    """`python -m jeagle.serve` on the default model: starts, answers a chat completion, stops."""
+    import socket
+    import time
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "jeagle.serve", "--dtype", "float32", "--port", str(port),
+                             "--max-context", "256", "--batch-size", "2", "--api-key", "k"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 300
+        while True:
+            assert proc.poll() is None, proc.communicate()[1][-2000:]
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.time() < deadline, "server did not come up"
+            time.sleep(0.5)
+        r = httpx.post(f"{url}/v1/chat/completions", headers={"Authorization": "Bearer k"}, timeout=300,
+                       json={"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 8, "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert "Paris" in r.json()["choices"][0]["message"]["content"]
+        info = httpx.get(f"{url}/server_info", headers={"Authorization": "Bearer k"}, timeout=30).json()
+        assert info["model"] == "SmolLM2-135M-Instruct-float32" and info["max_running_requests"] == 2
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
