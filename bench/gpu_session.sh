@@ -7,6 +7,7 @@ set -uo pipefail
 mode="${1:-run}"
 if [ "$mode" = stage ]; then
   mkdir -p "$HOME/stage" && cp .stage1/* "$HOME/stage/" && ls -la "$HOME/stage"
+  [ -d .data0 ] && cp .data0/* "$HOME/" && ls -la "$HOME"/*.npz  # an earlier run's dataset (carried with stage 1)
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   exit 0
 fi
@@ -72,6 +73,27 @@ if [[ "$steps" == *" autotune "* ]]; then  # XLA GEMM autotuning off: cold warm-
     JEAGLE_XLA_OPTIONS="$opts" python3 bench/spec_round.py --shape smollm2 --batch-sizes 1,16,48 --tiers 5,4,8 \
       --rounds-as fused 2>&1 | tee -a "$OUT/autotune.log"
   done
+fi
+if [[ "$steps" == *" trainhead "* ]]; then  # issue 8: regenerate data, train the SmolLM2 EAGLE-3 head (resumable)
+  RUN="${RUN:-$HOME/run}"; mkdir -p "$RUN"
+  [ -f .data/data.npz ] && [ ! -f "$RUN/data.npz" ] && cp .data/data.npz .data/data.json "$RUN/"  # carried back after a cold start
+  python3 -m jeagle.train_draft --out "$RUN" --prompts .data/sharegpt.jsonl --exclude .data/mtbench.jsonl \
+    --exclude .data/gsm8k.jsonl --num-prompts "${NUM_PROMPTS:-12000}" --max-new-tokens "${MAX_NEW:-384}" \
+    --gen-batch "${GEN_BATCH:-256}" --steps "${TRAIN_STEPS:-3000}" --batch-size "${TRAIN_BATCH:-32}" \
+    --seq-len "${SEQ_LEN:-640}" --lr "${LR:-5e-4}" --time-limit "${TIME_LIMIT:-300}" --eval-prompts "${EVAL_PROMPTS:-32}" \
+    --save-every 250 --log-every 25 --name smollm2-135m-instruct-eagle3 --no-progress ${TRAIN_ARGS:-} ${RESUME:+--resume} \
+    --regenerate-time-limit "${REGEN_LIMIT:-240}" 2>&1 | grep -v "^ *$" | tee -a "$OUT/train.log"
+  cp "$RUN"/train_log.jsonl "$RUN"/data.json "$OUT/" 2>/dev/null
+  [ -n "${COPY_DATA:-}" ] && cp "$RUN/data.npz" "$OUT/"
+  if [ -d "$RUN/head" ]; then  # model.safetensors is over one returned file's size limit: two halves
+    mkdir -p "$OUT/head" && cp "$RUN"/head/*.json "$RUN"/head/*.md "$OUT/head/"
+    split -n 2 -d "$RUN/head/model.safetensors" "$OUT/head/model.safetensors.part"
+  fi
+fi
+if [[ "$steps" == *" acceptlen "* ]]; then  # issue 8: accept length of the head on MT-bench and GSM8K, lossless check
+  python3 bench/accept_length.py --head "${HEAD:-$HOME/run/head}" --dataset mtbench=.data/mtbench.jsonl:80 \
+    --dataset gsm8k=.data/gsm8k.jsonl:200 --tiers "${ACC_TIERS:-3,1,4:5,4,8:6,10,60}" --json-out "$OUT/accept_length.json" ${ACC_ARGS:-} \
+    2>&1 | tee "$OUT/accept_length.log"
 fi
 if [[ "$steps" == *" bench "* ]]; then
   python3 bench/decode.py --batch-sizes 1,16 --decode-steps "${DECODE_STEPS:-1,4}" --unroll "${UNROLL:-0,1}" \

@@ -5,6 +5,9 @@
     OUT_DIR/tokenizer.json          fast tokenizer
     OUT_DIR/tokenizer_config.json   special tokens and chat template
 
+A draft head may instead hold its tensors in one `model.safetensors` (jeagle's parameter names), the
+form a trained head ships in (`save_safetensors`, jeagle/heads/).
+
 Every converter ends in `save_checkpoint`, which checks each tensor's shape against the model the
 config describes, so a converter bug or a config/weight mismatch fails at conversion, not at run time.
 """
@@ -27,6 +30,7 @@ from jeagle.models.llama import Llama, abstract_model
 
 FORMAT = "jeagle-target-v1"
 DRAFT_FORMAT = "jeagle-draft-v1"
+SAFETENSORS = "model.safetensors"
 
 
 class CheckpointError(ValueError):
@@ -36,7 +40,7 @@ class CheckpointError(ValueError):
 def is_converted(path, fmt: str = FORMAT) -> bool:
     path = Path(path)
     cfg = path / "config.json"
-    if not (cfg.is_file() and (path / "params").is_dir()):
+    if not (cfg.is_file() and ((path / "params").is_dir() or (path / SAFETENSORS).is_file())):
         return False
     try:
         return json.loads(cfg.read_text()).get("format") == fmt
@@ -81,6 +85,24 @@ def save_checkpoint(out_dir, cfg, params: dict[str, np.ndarray], *, source: str 
     return out_dir
 
 
+def save_safetensors(out_dir, cfg, params: dict[str, np.ndarray], *, source: str = "", metadata=None) -> Path:
+    """Write config + model.safetensors (floating point tensors in cfg.dtype, integer buffers int32): the
+    compact, framework-neutral form of a checkpoint (a shipped draft head)."""
+    import ml_dtypes
+    from safetensors.numpy import save_file
+
+    out_dir = Path(out_dir).absolute()
+    check_params(cfg, params, source or str(out_dir))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    want = expected_shapes(cfg)
+    np_dtype = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float16": np.float16}
+    tensors = {k: np.ascontiguousarray(np.asarray(v).astype(np_dtype.get(want[k][1], want[k][1])))
+               for k, v in params.items()}
+    save_file(tensors, str(out_dir / SAFETENSORS), metadata={"format": cfg.FORMAT, **(metadata or {})})
+    cfg.save(out_dir / "config.json")
+    return out_dir
+
+
 def load_config(path) -> ModelConfig:
     path = Path(path)
     cfg_file = path / "config.json"
@@ -115,15 +137,26 @@ def load_draft(path, *, target: ModelConfig | None = None, dtype: str | None = N
 
 
 def _restore(path: Path, cfg):
-    if not (path / "params").is_dir():
-        raise CheckpointError(f"{path} is not a jeagle checkpoint: {path / 'params'} is missing")
     graphdef, state = nnx.split(_abstract(cfg))
     target = nnx.to_pure_dict(state)
-    try:
-        restored = ocp.StandardCheckpointer().restore(path / "params")
-    except Exception as e:  # orbax raises many types for a damaged directory
-        raise CheckpointError(f"cannot read the parameters in {path / 'params'}: {e}") from e
-    check_params(cfg, restored, str(path / "params"))
+    if (path / "params").is_dir():
+        try:
+            restored = ocp.StandardCheckpointer().restore(path / "params")
+        except Exception as e:  # orbax raises many types for a damaged directory
+            raise CheckpointError(f"cannot read the parameters in {path / 'params'}: {e}") from e
+        source = path / "params"
+    elif (path / SAFETENSORS).is_file():
+        from safetensors import SafetensorError
+        from safetensors.numpy import load_file
+
+        source = path / SAFETENSORS
+        try:
+            restored = load_file(str(source))
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"cannot read the parameters in {source}: {e}") from e
+    else:
+        raise CheckpointError(f"{path} is not a jeagle checkpoint: neither {path / 'params'} nor {path / SAFETENSORS}")
+    check_params(cfg, restored, str(source))
     restored = jax.tree.map(lambda x, t: jnp.asarray(x, dtype=t.dtype), restored, target)
     nnx.replace_by_pure_dict(state, restored)
     return nnx.merge(graphdef, state)

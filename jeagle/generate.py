@@ -107,8 +107,9 @@ def build_parser(prog: str = "python -m jeagle.generate", prompts: bool = True,
     rt.add_argument("--compile-workers", type=int, default=None,
                     help="threads that load and compile executables during --warmup (default: min(16, CPUs))")
     spec = p.add_argument_group("speculative decoding (EAGLE)")
-    spec.add_argument("--draft", help="EAGLE head: a converted jeagle draft dir or a PyTorch EAGLE/EAGLE-3 dir "
-                                      "(converted on first use and cached)")
+    spec.add_argument("--draft", help="EAGLE head: a jeagle draft dir or a PyTorch EAGLE/EAGLE-3 dir (converted on "
+                                      "first use and cached); default with no --target: jeagle's trained head for "
+                                      "SmolLM2-135M-Instruct (jeagle/heads/)")
     spec.add_argument("--speculative-algorithm", choices=["EAGLE", "EAGLE3", "none"], default=None,
                       help="default: detected from the head; 'none' decodes with the target only")
     spec.add_argument("--speculative-num-steps", type=int, default=None, help="S (default 5)")
@@ -128,7 +129,12 @@ def build_parser(prog: str = "python -m jeagle.generate", prompts: bool = True,
 
 
 def check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
-    """Errors in option combinations (argparse's usage error, exit 2)."""
+    """Errors in option combinations (argparse's usage error, exit 2), and the default draft."""
+    if a.draft is None and a.target is None and a.speculative_algorithm != "none":
+        from jeagle.heads import default_head_dir
+
+        if (default_head_dir() / "config.json").is_file():
+            a.draft = str(default_head_dir())  # the default target's shipped EAGLE-3 head
     given = [x is not None for x in (a.speculative_num_steps, a.speculative_eagle_topk, a.speculative_num_draft_tokens)]
     if any(given) and not all(given):
         p.error("give all three of --speculative-num-steps, --speculative-eagle-topk, "
@@ -306,6 +312,7 @@ def run(args: GenerateArgs) -> dict:
             "compile_s": stats["compile_s"],
             "load_s": load_s,
             "target": str(target_dir),
+            "draft": args.draft if args.speculative_algorithm != "none" else None,
             "batch_size": batch,
             # Tokens emitted per round per request, bonus included (1.0 without a draft).
             "accept_length": stats.get("accept_length", 1.0),

@@ -29,7 +29,8 @@ def run_cli(*args, env=None, check=True):
 
 @pytest.fixture(scope="module")
 def single(smollm2_dir):  # smollm2_dir: the default model converted into the cache once
-    return json.loads(run_cli("--json", "--max-new-tokens", "24", QUESTION).stdout)
+    """The target-only reference (the default would decode with the shipped EAGLE head)."""
+    return json.loads(run_cli("--json", "--speculative-algorithm", "none", "--max-new-tokens", "24", QUESTION).stdout)
 
 
 def test_default_dtype_bf16_end_to_end(smollm2_dir):
@@ -176,7 +177,7 @@ def test_adaptive_flag_errors(smollm2_head, tmp_path):
     bad.write_text(json.dumps({"candidate_tiers": [[3, 1, 5]]}))
     proc = run_cli("--draft", str(smollm2_head), "--speculative-adaptive-config", str(bad), QUESTION, check=False)
     assert proc.returncode == 2 and "candidate_tiers [3, 1, 5]" in proc.stderr
-    proc = run_cli("--speculative-adaptive", QUESTION, check=False)
+    proc = run_cli("--speculative-adaptive", "--speculative-algorithm", "none", QUESTION, check=False)
     assert proc.returncode == 2 and "needs speculative decoding" in proc.stderr
 
 

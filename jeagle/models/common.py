@@ -89,13 +89,9 @@ def write_kv(pool, layer, slots, x):
     return pool.at[layer, idx].set(x.astype(pool.dtype), mode="drop", unique_indices=True)
 
 
-def attention_sublayer(x, wi: dict, layer, k_pool, v_pool, cos, sin, attn: AttnInputs, cfg):
-    """Self-attention on an already-normalised input x [B,T,Din] → (output [B,T,H], k_pool, v_pool).
-
-    `wi` holds this layer's wqkv [Din,(Hq+2Hkv)D] and optional bqkv, q_norm, k_norm, wo, bo; `layer`
-    indexes the pools (a Python int or a traced index). `cfg` provides num_heads, num_kv_heads,
-    head_dim, q_size, kv_size, rms_norm_eps and qk_norm (the target's or a draft's config).
-    """
+def qkv_rope(x, wi: dict, cos, sin, cfg):
+    """The attention inputs of a normalised x [B,T,Din]: q [B,T,Hq,D], k and v [B,T,Hkv,D], q and k
+    rotated (and RMS-normed first when cfg.qk_norm)."""
     b, t, _ = x.shape
     qkv = x @ wi["wqkv"]
     if wi.get("bqkv") is not None:
@@ -106,8 +102,37 @@ def attention_sublayer(x, wi: dict, layer, k_pool, v_pool, cos, sin, attn: AttnI
     if cfg.qk_norm:
         q = rms_norm(q, wi["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, wi["k_norm"], cfg.rms_norm_eps)
-    q = apply_rope(q, cos, sin)
-    k = apply_rope(k, cos, sin)
+    return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
+
+
+def attention_output(o, wi: dict, cfg):
+    """The output projection of attention values o [B,T,Hq,D] → [B,T,H]."""
+    b, t = o.shape[:2]
+    o = o.reshape(b, t, cfg.q_size) @ wi["wo"]
+    if wi.get("bo") is not None:
+        o = o + wi["bo"]
+    return o
+
+
+def attention_sublayer(x, wi: dict, layer, k_pool, v_pool, cos, sin, attn: AttnInputs, cfg):
+    """Self-attention on an already-normalised input x [B,T,Din] → (output [B,T,H], k_pool, v_pool).
+
+    `wi` holds this layer's wqkv [Din,(Hq+2Hkv)D] and optional bqkv, q_norm, k_norm, wo, bo; `layer`
+    indexes the pools (a Python int or a traced index). `cfg` provides num_heads, num_kv_heads,
+    head_dim, q_size, kv_size, rms_norm_eps and qk_norm (the target's or a draft's config).
+
+    With no pools (k_pool is None) the call attends over its own tokens only, causally by index and
+    up to kv_len (or by attn.mask): the dense form training and scoring use. The pools stay None.
+    """
+    q, k, v = qkv_rope(x, wi, cos, sin, cfg)
+    if k_pool is None:
+        if attn.mask is not None:
+            visible = attn.mask
+        else:
+            t = x.shape[1]
+            j = jnp.arange(t, dtype=jnp.int32)
+            visible = (j[None, None, :] <= j[None, :, None]) & (j[None, None, :] < attn.kv_len[:, None, None])
+        return attention_output(dense_attention(q, k, v, visible), wi, cfg), None, None
     # Write this step's K/V first so the new tokens attend to themselves through the pool.
     k_pool = write_kv(k_pool, layer, attn.write_slots, k)
     v_pool = write_kv(v_pool, layer, attn.write_slots, v)
@@ -115,10 +140,7 @@ def attention_sublayer(x, wi: dict, layer, k_pool, v_pool, cos, sin, attn: AttnI
         o = paged_attention(q, k_pool, v_pool, layer, attn.kv_slots, attn.kv_len, attn.extra_slots, attn.extra_mask)
     else:
         o = paged_attention_reference(q, k_pool[layer, attn.kv_slots], v_pool[layer, attn.kv_slots], attn)
-    o = o.reshape(b, t, cfg.q_size) @ wi["wo"]
-    if wi.get("bo") is not None:
-        o = o + wi["bo"]
-    return o, k_pool, v_pool
+    return attention_output(o, wi, cfg), k_pool, v_pool
 
 
 def mlp_sublayer(x, wi: dict):

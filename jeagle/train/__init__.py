@@ -1,0 +1,1 @@
+"""Training EAGLE draft heads in JAX (`python -m jeagle.train_draft`)."""

@@ -1,0 +1,212 @@
+"""The training loop: optax AdamW (warm-up, cosine decay, clipping), fp32 master weights with bf16
+compute, orbax checkpoints with resume, a progress bar with the loss and per-step top-1 agreement,
+and an evaluation that runs the real engine to measure accept length."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from jeagle.config import DraftConfig, ModelConfig, default_aux_layer_ids
+from jeagle.train.data import DraftData, batches
+from jeagle.train.model import draft_loss, init_params, target_outputs
+
+
+@dataclass
+class TrainConfig:
+    kind: str = "eagle3"
+    num_layers: int = 1
+    draft_vocab_size: int = 8192  # EAGLE-3
+    ttt_steps: int = 7  # training-time-test steps (EAGLE-1 default: 1)
+    step_decay: float = 0.8
+    ce_weight: float = 0.1  # EAGLE-1: weight of the cross-entropy next to the feature regression
+    steps: int = 2000
+    batch_size: int = 16
+    seq_len: int = 640
+    lr: float = 5e-4
+    warmup_steps: int = 100
+    min_lr_ratio: float = 0.05
+    weight_decay: float = 0.0
+    clip_norm: float = 0.5
+    b2: float = 0.95
+    compute_dtype: str = "bfloat16"
+    seed: int = 0
+    log_every: int = 10
+    save_every: int = 500
+    extra: dict = field(default_factory=dict)
+
+
+def draft_config_for(target: ModelConfig, tc: TrainConfig, *, name: str = "") -> DraftConfig:
+    """A head shaped like one layer of the target (its width, heads and MLP). EAGLE-3 features: EAGLE-3's
+    default layers (2, L/2, L-3), clamped into the target for very shallow (test) targets."""
+    aux = tuple(sorted(min(max(i, 0), target.num_layers - 1) for i in default_aux_layer_ids(target.num_layers)))
+    return DraftConfig(kind=tc.kind, hidden_size=target.hidden_size, intermediate_size=target.intermediate_size,
+                       num_layers=tc.num_layers, num_heads=target.num_heads, num_kv_heads=target.num_kv_heads,
+                       head_dim=target.head_dim, vocab_size=target.vocab_size, rms_norm_eps=target.rms_norm_eps,
+                       rope_theta=target.rope_theta,
+                       fc_bias=tc.kind == "eagle1", draft_vocab_size=tc.draft_vocab_size if tc.kind == "eagle3" else 0,
+                       target_hidden_size=target.hidden_size if tc.kind == "eagle3" else 0,
+                       aux_layer_ids=aux if tc.kind == "eagle3" else (),
+                       dtype=tc.compute_dtype, name=name)
+
+
+def make_optimizer(tc: TrainConfig):
+    schedule = optax.warmup_cosine_decay_schedule(0.0, tc.lr, max(1, tc.warmup_steps), max(tc.steps, tc.warmup_steps + 1),
+                                                  end_value=tc.lr * tc.min_lr_ratio)
+    return optax.chain(optax.clip_by_global_norm(tc.clip_norm),
+                       optax.adamw(schedule, b1=0.9, b2=tc.b2, weight_decay=tc.weight_decay)), schedule
+
+
+class Trainer:
+    """Holds the target (frozen), the head's fp32 parameters and optimizer state, and one jitted step."""
+
+    def __init__(self, target, cfg: DraftConfig, tc: TrainConfig, *, used_ids=None, params=None, d2t=None):
+        self.target_graphdef, target_state = nnx.split(target)
+        self.target_params = nnx.to_pure_dict(target_state)
+        self.target_state = target_state
+        self.cfg, self.tc = cfg, tc
+        self.used_ids = None if used_ids is None else jnp.asarray(used_ids, jnp.int32)
+        if params is None:
+            params, d2t = init_params(cfg, self.target_params, seed=tc.seed, used_ids=used_ids)
+        self.optimizer, self.schedule = make_optimizer(tc)
+        # Both are donated to each step: give every leaf its own buffer (optax may share constants).
+        self.params, self.d2t = _own_buffers(params), d2t
+        self.opt_state = _own_buffers(self.optimizer.init(self.params))
+        self.step = 0
+        self._train_step = jax.jit(self._step_fn, donate_argnums=(0, 1))
+
+    def _step_fn(self, params, opt_state, target_state, batch):
+        tc, cfg = self.tc, self.cfg
+        target = nnx.merge(self.target_graphdef, target_state)
+        tparams = nnx.to_pure_dict(target_state)
+        aux = cfg.aux_layer_ids if cfg.kind == "eagle3" else ()
+        tout = jax.lax.stop_gradient(target_outputs(target, batch["tokens"], batch["lengths"], aux_layers=aux))
+        dt = jnp.dtype(tc.compute_dtype)
+
+        def loss_fn(p):
+            pc = jax.tree.map(lambda x: x.astype(dt), p)
+            return draft_loss(pc, cfg, tparams, tout, batch, steps=tc.ttt_steps, decay=tc.step_decay,
+                              used_ids=self.used_ids, ce_weight=tc.ce_weight)
+
+        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+        metrics["grad_norm"] = optax.global_norm(grads)
+        updates, opt_state = self.optimizer.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, metrics
+
+    def train_step(self, batch: dict) -> dict:
+        batch = {k: jnp.asarray(v) for k, v in batch.items()}
+        self.params, self.opt_state, metrics = self._train_step(self.params, self.opt_state, self.target_state, batch)
+        self.step += 1
+        return metrics
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def manager(self, directory):
+        import orbax.checkpoint as ocp
+
+        return ocp.CheckpointManager(Path(directory).absolute(),
+                                     options=ocp.CheckpointManagerOptions(max_to_keep=2, create=True))
+
+    def save(self, mngr) -> None:
+        import orbax.checkpoint as ocp
+
+        state = {"params": self.params, "opt_state": self.opt_state}
+        mngr.save(self.step, args=ocp.args.StandardSave(state))
+        mngr.wait_until_finished()
+
+    def restore(self, mngr) -> bool:
+        """Resume from the latest checkpoint in `mngr`; False when there is none."""
+        import orbax.checkpoint as ocp
+
+        latest = mngr.latest_step()
+        if latest is None:
+            return False
+        abstract = {"params": self.params, "opt_state": self.opt_state}
+        state = mngr.restore(latest, args=ocp.args.StandardRestore(abstract))
+        self.params, self.opt_state = _own_buffers(state["params"]), _own_buffers(state["opt_state"])
+        self.step = int(latest)
+        return True
+
+
+def _own_buffers(tree):
+    return jax.tree.map(lambda x: jnp.array(x, copy=True), tree)
+
+
+def fmt_metrics(m: dict, steps: int) -> dict:
+    acc = "/".join(f"{float(m[f'acc{s}']):.2f}" for s in range(steps))
+    return {"loss": f"{float(m['loss']):.3f}", "acc": acc}
+
+
+def train(trainer: Trainer, data: DraftData, *, ckpt_dir=None, resume: bool = False, progress: bool = True,
+          log=None, time_limit: float | None = None) -> list[dict]:
+    """Run trainer.tc.steps steps over `data` (resuming from ckpt_dir if asked); returns the logged
+    metrics (one dict per log interval, means over the interval). With `time_limit` (seconds), stop
+    early once it is spent, after saving a checkpoint: a later --resume run finishes the schedule."""
+    from tqdm import tqdm
+
+    tc = trainer.tc
+    mngr = trainer.manager(ckpt_dir) if ckpt_dir else None
+    if mngr is not None and resume and trainer.restore(mngr):
+        print(f"resumed from step {trainer.step}", flush=True)
+    history: list[dict] = []
+    it = batches(data, tc.batch_size, tc.seq_len, seed=tc.seed, start_step=trainer.step)
+    bar = tqdm(total=tc.steps, initial=trainer.step, desc="train", unit="step", disable=not progress, dynamic_ncols=True)
+    window: list[dict] = []
+    t0 = time.perf_counter()
+    tokens = 0
+    while trainer.step < tc.steps:
+        batch = next(it)
+        tokens += int(batch["loss_mask"].sum())
+        window.append(trainer.train_step(batch))
+        bar.update(1)
+        if trainer.step % tc.log_every == 0 or trainer.step == tc.steps:
+            mean = {k: float(np.mean([float(w[k]) for w in window])) for k in window[0]}
+            mean.update(step=trainer.step, lr=float(trainer.schedule(trainer.step)),
+                        tokens_per_s=tokens / max(time.perf_counter() - t0, 1e-9))
+            history.append(mean)
+            bar.set_postfix(fmt_metrics(mean, tc.ttt_steps))
+            if log is not None:
+                log.write(json.dumps(mean) + "\n")
+                log.flush()
+            window = []
+        out_of_time = time_limit is not None and time.perf_counter() - t0 > time_limit
+        if mngr is not None and (trainer.step % tc.save_every == 0 or trainer.step == tc.steps or out_of_time):
+            trainer.save(mngr)
+        if out_of_time and trainer.step < tc.steps:
+            print(f"time limit reached at step {trainer.step} of {tc.steps}; checkpoint saved (--resume continues)",
+                  flush=True)
+            break
+    bar.close()
+    if mngr is not None:
+        mngr.close()
+    return history
+
+
+def evaluate_accept_length(model, head, prompt_ids: list[list[int]], *, spec=(5, 4, 8), max_new_tokens: int = 128,
+                           batch_size: int = 16) -> dict:
+    """Greedy generation with the real engine (SpecEngine) and this head: average accept length (tokens
+    per round, bonus included) and tokens/s. The engine's speed on CPU means little; its acceptance does."""
+    from jeagle.engine import EngineConfig
+    from jeagle.sampling import SamplingParams
+    from jeagle.spec.engine import SpecEngine
+    from jeagle.spec.round import SpecConfig
+
+    s, k, n = spec
+    ctx = max(len(p) for p in prompt_ids) + max_new_tokens + 2 * max(s * k, n) + 16  # + the over-allocation
+    engine = SpecEngine(model, head, EngineConfig(max_batch_size=min(batch_size, len(prompt_ids)), max_context=ctx),
+                        SpecConfig(num_steps=s, topk=k, num_draft_tokens=n))
+    outs = engine.generate(prompt_ids, SamplingParams(max_new_tokens=max_new_tokens))
+    stats = engine.last_stats
+    return {"spec": list(spec), "accept_length": stats["accept_length"], "prompts": len(prompt_ids),
+            "tokens": sum(len(o.token_ids) for o in outs), "outputs": [o.token_ids for o in outs]}
+
+
+def summary(tc: TrainConfig) -> dict:
+    return asdict(tc)

@@ -1,0 +1,40 @@
+"""EAGLE-3's reduced draft vocabulary, chosen by token frequency in the training data.
+
+The draft predicts over `draft_vocab_size` target tokens only: the most frequent response tokens (the
+loss covers responses), the target's end-of-sequence tokens always among them. Draft id i stands for
+target id `d2t[i] + i` (the offset convention of EAGLE-3 checkpoints); `t2d` marks the target ids
+that have a draft id. Draft ids are assigned in increasing target-id order.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def draft_vocab(data, vocab_size: int, draft_vocab_size: int, *, always=()) -> tuple[np.ndarray, np.ndarray]:
+    """(d2t [Vd] int32 offsets, t2d [V] bool) from the response-token counts of `data` (a DraftData)."""
+    if not 0 < draft_vocab_size <= vocab_size:
+        raise ValueError(f"draft vocabulary size {draft_vocab_size} must be in 1..{vocab_size}")
+    counts = np.zeros(vocab_size, np.int64)
+    for i in range(len(data)):
+        ids = data.sample(i)[int(data.prompt_lens[i]):]
+        counts += np.bincount(ids.astype(np.int64), minlength=vocab_size)[:vocab_size]
+    forced = [t for t in always if 0 <= t < vocab_size][:draft_vocab_size]
+    counts[forced] = counts.max() + 1
+    # Most frequent first; ties (unseen tokens included) by id, so the choice is deterministic.
+    order = np.lexsort((np.arange(vocab_size), -counts))
+    used = np.sort(order[:draft_vocab_size])
+    d2t = (used - np.arange(draft_vocab_size)).astype(np.int32)
+    t2d = np.zeros(vocab_size, bool)
+    t2d[used] = True
+    return d2t, t2d
+
+
+def coverage(data, t2d: np.ndarray) -> float:
+    """Share of response tokens the draft vocabulary can express."""
+    hit = total = 0
+    for i in range(len(data)):
+        ids = data.sample(i)[int(data.prompt_lens[i]):].astype(np.int64)
+        hit += int(t2d[ids].sum())
+        total += len(ids)
+    return hit / max(total, 1)

@@ -1,0 +1,246 @@
+"""Training EAGLE heads (jeagle/train): the training-time-test forward equals the inference draft, the
+data and vocabulary helpers, and a tiny end-to-end run whose loss falls and whose head loads."""
+
+from __future__ import annotations
+
+import io
+import json
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jeagle.models.common import AttnInputs
+from jeagle.train.data import DataError, DraftData, batches, iter_sharegpt, read_prompts
+from jeagle.train.model import draft_unrolled, target_outputs
+from jeagle.train.vocab import coverage, draft_vocab
+from tests.spec_models import draft_config, target_config
+
+
+def _head_params(head):
+    pure = nnx.to_pure_dict(nnx.split(head)[1])
+    pure.pop("d2t", None)
+    return pure
+
+
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+def test_ttt_forward_equals_inference_draft(kind):
+    """Step 0 of the unrolled forward is the draft run over the sequence through its KV pool; step s at
+    base t is the tree draft's depth-s node: the prefix keys 0..t plus its chain of ancestors."""
+    from jeagle.models.eagle import random_draft
+    from jeagle.models.llama import random_model
+
+    tcfg = target_config()
+    target = random_model(tcfg, 1)
+    cfg = draft_config(tcfg, kind).replace(fc_bias=kind == "eagle1", num_layers=2 if kind == "eagle1" else 1)
+    head = random_draft(cfg, 2)
+    T, steps = 12, 3
+    rng = np.random.default_rng(0)
+    tokens = jnp.asarray(rng.integers(4, tcfg.vocab_size, (1, T)), jnp.int32)
+    lengths = jnp.asarray([T], jnp.int32)
+    hidden, aux, _ = target_outputs(target, tokens, lengths, aux_layers=cfg.aux_layer_ids)
+    feature = aux if kind == "eagle3" else hidden
+    embed = target.embed[...]
+    out_head = head.lm_head[...] if kind == "eagle3" else target.lm_head[...]
+    outs = draft_unrolled(_head_params(head), cfg, embed, out_head, tokens, feature, lengths, steps)
+
+    slots = 1 + T + steps + 1
+    shape = (cfg.num_layers, slots, cfg.num_kv_heads, cfg.head_dim)
+    kp, vp = jnp.zeros(shape), jnp.zeros(shape)
+    shifted = jnp.pad(tokens[:, 1:], ((0, 0), (0, 1)))
+    pos = jnp.arange(T, dtype=jnp.int32)[None]
+    attn = AttnInputs(positions=pos, write_slots=pos + 1, kv_slots=pos + 1, kv_len=lengths)
+    ref0 = head(shifted, feature, attn, kp, vp, embed=embed, lm_head=None if kind == "eagle3" else out_head)
+    np.testing.assert_allclose(np.asarray(outs[0][0]), np.asarray(ref0.hidden), rtol=2e-4, atol=2e-5)
+    np.testing.assert_allclose(np.asarray(outs[0][1]), np.asarray(ref0.logits), rtol=2e-4, atol=2e-4)
+
+    for t in (0, 4, T - steps - 1):
+        kp_t, vp_t = ref0.k, ref0.v
+        feat = ref0.hidden[:, t:t + 1]
+        chain = []
+        for s in range(1, steps):
+            slot = 1 + T + s
+            chain.append(slot)
+            kv_slots = jnp.asarray([list(range(1, t + 2)) + chain], jnp.int32)
+            a = AttnInputs(positions=jnp.asarray([[t + s]], jnp.int32), write_slots=jnp.asarray([[slot]], jnp.int32),
+                           kv_slots=kv_slots, kv_len=jnp.asarray([kv_slots.shape[1]], jnp.int32),
+                           mask=jnp.ones((1, 1, kv_slots.shape[1]), bool))
+            r = head(tokens[:, t + 1 + s:t + 2 + s], feat, a, kp_t, vp_t, embed=embed,
+                     lm_head=None if kind == "eagle3" else out_head)
+            kp_t, vp_t, feat = r.k, r.v, r.hidden
+            np.testing.assert_allclose(np.asarray(outs[s][0][:, t]), np.asarray(r.hidden[:, 0]), rtol=2e-4, atol=2e-5,
+                                       err_msg=f"step {s} base {t}")
+            np.testing.assert_allclose(np.asarray(outs[s][1][:, t]), np.asarray(r.logits[:, 0]), rtol=2e-4, atol=2e-4)
+
+
+def test_sharegpt_reader_streams_and_survives_truncation():
+    recs = [{"id": str(i), "conversations": [{"from": "human", "value": f"question {i} {'x' * i}"},
+                                            {"from": "gpt", "value": "answer"}]} for i in range(50)]
+    text = json.dumps(recs, indent=1)
+    cut = text[: int(len(text) * 0.8)]  # truncated mid-record, like the packaged file
+    got = list(iter_sharegpt(io.StringIO(cut), chunk_chars=97))
+    assert 30 < len(got) < 50 and [r["id"] for r in got] == [str(i) for i in range(len(got))]
+    assert len(list(iter_sharegpt(io.StringIO(text), chunk_chars=64))) == 50
+    with pytest.raises(DataError):
+        list(iter_sharegpt(io.StringIO('{"a": 1}')))
+
+
+def test_read_prompts_sources_and_exclusions(tmp_path):
+    recs = [{"conversations": [{"from": "human", "value": v}]} for v in
+            ["What is 2+2?", "what is  2+2?", "Tell me a story.", "hi", "Name three colours."]]
+    (tmp_path / "s.json").write_text(json.dumps(recs))
+    got = read_prompts(str(tmp_path / "s.json"), exclude=["NAME three colours."])
+    assert got == ["What is 2+2?", "Tell me a story."]  # duplicate (normalised), too short, excluded
+    assert read_prompts(str(tmp_path / "s.json"), limit=1) == ["What is 2+2?"]
+    multi = [{"conversations": [{"from": "human", "value": "First question?"}, {"from": "gpt", "value": "A."},
+                                {"from": "human", "value": "A follow-up question?"}]}]
+    (tmp_path / "m.json").write_text(json.dumps(multi))
+    assert read_prompts(str(tmp_path / "m.json")) == ["First question?"]
+    assert read_prompts(str(tmp_path / "m.json"), all_turns=True) == ["First question?", "A follow-up question?"]
+    (tmp_path / "p.jsonl").write_text('{"prompt": "Explain gravity."}\n\n{"question": "Why is the sky blue?"}\n')
+    assert read_prompts(str(tmp_path / "p.jsonl")) == ["Explain gravity.", "Why is the sky blue?"]
+    with pytest.raises(DataError, match="no such file"):
+        read_prompts(str(tmp_path / "missing.json"))
+    with pytest.raises(DataError, match="expected"):
+        read_prompts(str(tmp_path / "p.jsonl").replace(".jsonl", ".csv") if False else _touch(tmp_path / "p.csv"))
+
+
+def _touch(p):
+    p.write_text("x")
+    return str(p)
+
+
+def test_dataset_roundtrip_batches_and_vocab(tmp_path):
+    samples = [([1, 2, 3, 4, 5, 6], 2), ([7, 8, 9], 1), ([5, 5, 5, 5], 3), ([9, 9, 2, 2, 2], 2)]
+    data = DraftData.from_samples(samples, vocab_size=16, target_name="t")
+    path = data.save(tmp_path / "d.npz")
+    back = DraftData.load(path)
+    assert len(back) == 4 and back.sample(1).tolist() == [7, 8, 9] and back.num_response_tokens == 4 + 2 + 1 + 3
+    with pytest.raises(DataError, match="vocabulary"):
+        back.check_target(32)
+    train, held = back.split(1)
+    assert len(train) == 3 and held.sample(0).tolist() == [9, 9, 2, 2, 2]
+    b = next(batches(back, 2, 5, seed=0))
+    for row, n, m in zip(b["tokens"], b["lengths"], b["loss_mask"]):
+        i = next(i for i, (ids, _) in enumerate(samples) if ids[:5] == row[:n].tolist())
+        p = samples[i][1]
+        assert m.tolist() == [p - 1 <= j < n - 1 for j in range(5)]  # label positions of response tokens
+    # Resuming at step k yields the batch the uninterrupted run had at step k.
+    full = batches(back, 2, 5, seed=3)
+    seq = [next(full)["tokens"] for _ in range(5)]
+    np.testing.assert_array_equal(next(batches(back, 2, 5, seed=3, start_step=3))["tokens"], seq[3])
+    d2t, t2d = draft_vocab(back, 16, 4, always=(15,))
+    used = np.arange(4) + d2t
+    # The most frequent response tokens (2: 3 times, 5: twice, then the smallest id of those seen once),
+    # EOS forced in, sorted by id.
+    assert used.tolist() == [2, 3, 5, 15]
+    assert t2d.sum() == 4 and coverage(back, t2d) == pytest.approx((2 + 0 + 1 + 3) / 10)
+
+
+@pytest.fixture(scope="module")
+def tiny_target_dir(tmp_path_factory):
+    """A converted tiny fp32 target (EOS 3) with the character tokenizer and chat template: the bigram
+    target (the next token a function of the current one, tests/spec_models.py), sharp enough that a
+    head has something to learn and soft enough that sampled responses vary."""
+    from jeagle.checkpoint import save_checkpoint
+    from tests.spec_models import bigram_target
+    from tests.test_serve import TEMPLATE, char_tokenizer
+
+    out = tmp_path_factory.mktemp("tiny_target")
+    cfg = target_config().replace(name="tiny")
+    model = bigram_target(cfg, seed=3, scale=40.0)
+    save_checkpoint(out, cfg, {k: np.asarray(v) for k, v in nnx.to_pure_dict(nnx.split(model)[1]).items()})
+    char_tokenizer()._fast.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "unk_token": "<unk>",
+                                                           "chat_template": TEMPLATE}))
+    return out
+
+
+def _train_cli(*args):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", "jeagle.train_draft", "--no-progress", *args], capture_output=True,
+                          text=True, timeout=900)
+
+
+def test_train_draft_end_to_end(tiny_target_dir, tmp_path):
+    """Regenerate data with the tiny target, train a few dozen steps (the loss falls), evaluate with the
+    real engine, export; the exported head loads with --draft and decodes losslessly; --resume continues."""
+    prompts = tmp_path / "prompts.txt"
+    rng = np.random.default_rng(0)
+    words = ["alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "theta"]
+    prompts.write_text("\n".join(" ".join(rng.choice(words, 4)) + f" {i}?" for i in range(40)))
+    out = tmp_path / "run"
+    kind = "eagle3"
+    common = ["--out", str(out), "--target", str(tiny_target_dir), "--prompts", str(prompts), "--num-prompts", "40",
+              "--max-new-tokens", "24", "--gen-batch", "16", "--kind", kind, "--draft-vocab-size", "48",
+              "--ttt-steps", "3" if kind == "eagle3" else "1", "--batch-size", "8", "--seq-len", "64", "--lr", "3e-3",
+              "--warmup-steps", "5", "--compute-dtype", "float32", "--target-dtype", "float32", "--log-every", "5",
+              "--save-every", "20", "--eval-prompts", "4", "--eval-max-new-tokens", "12", "--eval-spec", "3,2,4"]
+    proc = _train_cli(*common, "--steps", "40")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert log[-1]["step"] == 40 and log[-1]["loss"] < 0.8 * log[0]["loss"], (log[0], log[-1])
+    info = json.loads((out / "head" / "training.json").read_text())
+    assert info["eval"]["accept_length"] >= 1.0 and info["data"]["prompts"] == 40
+    card = (out / "head" / "README.md").read_text()
+    assert "accept length" in card and "python -m jeagle.train_draft" in card
+    assert (out / "head" / "model.safetensors").is_file()
+
+    # The exported head runs through the CLI; greedy output equals target-only.
+    from tests.test_cli import run_cli
+
+    spec = json.loads(run_cli("--target", str(tiny_target_dir), "--draft", str(out / "head"), "--json", "--raw",
+                              "--ignore-eos", "--max-new-tokens", "16", "alpha beta", "gamma").stdout)
+    plain = json.loads(run_cli("--target", str(tiny_target_dir), "--speculative-algorithm", "none", "--json", "--raw",
+                               "--ignore-eos", "--max-new-tokens", "16", "alpha beta", "gamma").stdout)
+    assert [o["token_ids"] for o in spec["outputs"]] == [o["token_ids"] for o in plain["outputs"]]
+    assert spec["stats"]["accept_length"] >= 1.0
+
+    # Resume: the dataset is reused and training continues from the last checkpoint to the new total.
+    proc = _train_cli(*common, "--steps", "50", "--resume")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from step 40" in proc.stdout and "dataset " in proc.stdout
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert log[-1]["step"] == 50
+
+
+def test_train_draft_bad_input(tiny_target_dir, tmp_path):
+    proc = _train_cli("--out", str(tmp_path / "o"), "--target", str(tiny_target_dir), "--prompts", str(tmp_path / "no.json"))
+    assert proc.returncode == 2 and "no such file" in proc.stderr
+    bad = tmp_path / "d.npz"
+    bad.write_bytes(b"not a zip")
+    proc = _train_cli("--out", str(tmp_path / "o"), "--target", str(tiny_target_dir), "--data", str(bad))
+    assert proc.returncode == 2 and "not a jeagle draft-training dataset" in proc.stderr
+
+
+def test_eagle1_training_lowers_loss_and_decodes(tiny_target_dir):
+    """EAGLE-1 (feature regression + 0.1 CE), in process: data regenerated by the tiny target, the loss
+    falls, and the trained head drafts in the real engine."""
+    from jeagle.checkpoint import load_model
+    from jeagle.engine import Engine, EngineConfig
+    from jeagle.train.data import regenerate
+    from jeagle.train.model import head_module
+    from jeagle.train.trainer import TrainConfig, Trainer, draft_config_for, evaluate_accept_length, train
+
+    model = load_model(tiny_target_dir)
+    rng = np.random.default_rng(1)
+    prompts = [[1] + rng.integers(4, 90, 6).tolist() for _ in range(24)]
+    samples = regenerate(Engine(model, EngineConfig(max_batch_size=8, max_context=64)), prompts, max_new_tokens=20,
+                         temperatures=(0.0, 0.8), progress=False)
+    data = DraftData.from_samples(samples, model.cfg.vocab_size)
+    tc = TrainConfig(kind="eagle1", ttt_steps=1, steps=40, batch_size=8, seq_len=32, lr=3e-3, warmup_steps=5,
+                     compute_dtype="float32", log_every=10)
+    trainer = Trainer(model, draft_config_for(model.cfg, tc), tc)
+    history = train(trainer, data, progress=False)
+    assert history[-1]["loss"] < 0.7 * history[0]["loss"] and history[-1]["reg0"] < history[0]["reg0"]
+    head = head_module(trainer.params, trainer.cfg, trainer.d2t)
+    ev = evaluate_accept_length(model, head, prompts[:4], spec=(3, 1, 4), max_new_tokens=12)
+    from jeagle.sampling import SamplingParams
+
+    plain = Engine(model, EngineConfig(max_batch_size=4, max_context=64)).generate(prompts[:4],
+                                                                                  SamplingParams(max_new_tokens=12))
+    assert ev["outputs"] == [o.token_ids for o in plain]  # lossless (greedy)
+    assert ev["accept_length"] > 1.0
