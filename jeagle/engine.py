@@ -166,6 +166,7 @@ class EngineConfig:
     compile_workers: int | None = None  # warm-up load/compile threads; None: min(16, CPUs)
     compile_processes: int | None = None  # warm-up worker processes (need the store); None: auto (8 on a GPU), 0: none
     min_prefill_bucket: int = 64
+    tp: int = 1  # tensor parallelism: devices the target is split over (jeagle/sharding.py)
 
 
 @jax.tree_util.register_dataclass
@@ -212,6 +213,14 @@ class Engine:
         self.abstract = abstract
         self.model_cfg: ModelConfig = model.cfg
         self.cfg = config
+        self.mesh = None
+        if config.tp > 1:
+            from jeagle.sharding import make_mesh, shard_target
+
+            if abstract:
+                raise ValueError("tensor parallelism does not run in warm-up worker processes")
+            self.mesh = make_mesh(config.tp)
+            model = shard_target(model, self.mesh)
         self.graphdef, self.params = nnx.split(model)
         mc = self.model_cfg
         self.max_ctx = config.max_context or min(mc.max_position_embeddings, 8192)
@@ -228,6 +237,10 @@ class Engine:
         self.rows = self._alloc(lambda: RowState(
             last_token=jnp.zeros((r,), jnp.int32), temperature=jnp.zeros((r,), jnp.float32),
             top_k=jnp.zeros((r,), jnp.int32), top_p=jnp.ones((r,), jnp.float32), seed=jnp.zeros((r,), jnp.uint32)))
+        if self.mesh is not None:
+            k, v = self._place_pools(self.cache.k, self.cache.v)
+            self.cache = KVCache(k=k, v=v, req_to_token=self._replicated(self.cache.req_to_token))
+            self.rows = self._replicated(self.rows)
         self.scratch_row = self.max_reqs
         self.batch_buckets = batch_buckets(self.max_reqs, config)
         self.kv_buckets = kv_buckets(self.max_ctx, config, (mc.head_dim,))
@@ -253,6 +266,38 @@ class Engine:
         if self.cfg.unroll_layers is None:
             return 3 if phase == "step" else False
         return self.cfg.unroll_layers
+
+    # ---- tensor parallelism: placement of the device state on the mesh ------------------------------
+    def _pool_sharding(self, shape):
+        """KV pools [L, slots, kv_heads, D] split by KV heads (replicated when the heads do not divide)."""
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        from jeagle.sharding import KV_POOL_AXES, spec
+
+        return NamedSharding(self.mesh, spec(KV_POOL_AXES) if shape[2] % self.cfg.tp == 0 else P())
+
+    def _place_pools(self, k, v):
+        s = self._pool_sharding(k.shape)
+        return jax.device_put(k, s), jax.device_put(v, s)
+
+    def _replicated(self, tree):
+        from jeagle.sharding import replicate
+
+        return replicate(tree, self.mesh)
+
+    def _out_shardings(self, fn, args):
+        """Output shardings that keep the device state where it lives: pools split, everything else
+        replicated (an executable's outputs are the next one's inputs)."""
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        pool_slots = self.allocator.num_slots
+
+        def one(x):
+            if x.ndim == 4 and x.shape[1] == pool_slots:
+                return self._pool_sharding(x.shape)
+            return NamedSharding(self.mesh, P())
+
+        return jax.tree.map(one, jax.eval_shape(fn, *args))
 
     def _alloc(self, make):
         """Device state from `make()`, or only its shapes for an abstract engine."""
@@ -320,7 +365,7 @@ class Engine:
 
     @property
     def _store(self):
-        if self._store_obj is None and self.cfg.executable_cache_dir:
+        if self._store_obj is None and self.cfg.executable_cache_dir and self.mesh is None:
             from jeagle.runtime import ExecutableStore, code_fingerprint
 
             self._store_obj = ExecutableStore(self.cfg.executable_cache_dir, code_fingerprint(self._static_description()))
@@ -348,7 +393,10 @@ class Engine:
         with warnings.catch_warnings():
             # CPU backends cannot donate; the GPU path does.
             warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
-            return jax.jit(fn, donate_argnums=donate).lower(*args)
+            if self.mesh is None:
+                return jax.jit(fn, donate_argnums=donate).lower(*args)
+            with self.mesh:
+                return jax.jit(fn, donate_argnums=donate, out_shardings=self._out_shardings(fn, args)).lower(*args)
 
     def _executable(self, key: tuple, fn, args, donate=(1, 2)) -> Callable | None:
         """The compiled executable for `key`: from memory, else from the executable store, else compiled

@@ -51,6 +51,7 @@ class GenerateArgs:
     compile_cache_dir: str | None = None
     no_compile_cache: bool = False
     compile_workers: int | None = None
+    tp: int = 1
 
 
 def build_parser(prog: str = "python -m jeagle.generate", prompts: bool = True,
@@ -104,6 +105,9 @@ def build_parser(prog: str = "python -m jeagle.generate", prompts: bool = True,
                     help="persistent compilation cache and, under executables/, the serialized executables a "
                          "warm start loads without tracing (default: $JEAGLE_CACHE/xla)")
     rt.add_argument("--no-compile-cache", action="store_true", help="do not persist compilations")
+    rt.add_argument("--tp", type=int, default=1, metavar="N",
+                    help="tensor parallelism: split the target over N devices of this host (heads, MLP, vocabulary; "
+                         "KV pools by KV heads); outputs equal --tp 1")
     rt.add_argument("--compile-workers", type=int, default=None,
                     help="threads that load and compile executables during --warmup (default: min(16, CPUs))")
     spec = p.add_argument_group("speculative decoding (EAGLE)")
@@ -233,7 +237,7 @@ def build_engine(args, target_dir, n_requests: int | None = None, adaptive=None)
                               batch_buckets=args.buckets, max_bucket=args.max_bucket,
                               disable_padding=args.disable_padding, overlap=args.overlap,
                               verify_done_wait=args.verify_done_wait, executable_cache_dir=exe_store,
-                              compile_workers=args.compile_workers)
+                              compile_workers=args.compile_workers, tp=args.tp)
     if draft is None:
         engine = Engine(model, engine_cfg)
     else:

@@ -51,7 +51,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--kind", choices=["eagle3", "eagle1"], default="eagle3")
     t.add_argument("--num-layers", type=int, default=1)
     t.add_argument("--draft-vocab-size", type=int, default=8192, help="EAGLE-3 draft vocabulary")
-    t.add_argument("--ttt-steps", type=int, default=None, help="training-time-test steps (default 7 EAGLE-3, 1 EAGLE-1)")
+    t.add_argument("--ttt-steps", type=int, default=None, choices=range(1, 17), metavar="1..16",
+                   help="training-time-test steps (default 7 EAGLE-3, 1 EAGLE-1)")
     t.add_argument("--step-decay", type=float, default=0.8)
     t.add_argument("--steps", type=int, default=2000)
     t.add_argument("--batch-size", type=int, default=16)
@@ -220,7 +221,7 @@ def run(args) -> dict:
     meta_path = data_path.with_suffix(".json")
     if data_path.exists():
         data = DraftData.load(data_path)
-        data.check_target(model.cfg.vocab_size)
+        data.check_target(model.cfg.vocab_size, target_name)
         info["data"] = json.loads(meta_path.read_text()) if meta_path.exists() else {}
         print(f"dataset {data_path}: {len(data)} samples, {data.num_response_tokens} response tokens", flush=True)
     else:
@@ -229,17 +230,19 @@ def run(args) -> dict:
         meta_path.write_text(json.dumps(info["data"], indent=1))
     if args.regenerate_only:
         return {"data": str(data_path), "samples": len(data), "response_tokens": data.num_response_tokens}
-    if args.extra_data:
-        extra = [DraftData.load(p) for p in args.extra_data]
-        for x in extra:
-            x.check_target(model.cfg.vocab_size)
-        # Held-out prompts stay the last ones of --data: the extra sets go first.
-        data = DraftData.concat(extra + [data])
-        info["data"]["extra"] = [{"path": p, "samples": len(x)} for p, x in zip(args.extra_data, extra)]
-        print(f"training on {len(data)} samples with --extra-data", flush=True)
-
     n_eval = min(args.eval_prompts, max(len(data) // 10, 1)) if args.eval_prompts else 0
     train_data, eval_data = data.split(n_eval) if n_eval else (data, None)
+    if args.extra_data:
+        held_out = set() if eval_data is None else {
+            tuple(eval_data.sample(i)[:int(eval_data.prompt_lens[i])].tolist()) for i in range(len(eval_data))}
+        extra = []
+        for path in args.extra_data:
+            x = DraftData.load(path)
+            x.check_target(model.cfg.vocab_size, target_name)
+            extra.append(x.without_prompts(held_out))  # the held-out prompts stay held out
+        train_data = DraftData.concat(extra + [train_data])
+        info["data"]["extra"] = [{"path": p, "samples": len(x)} for p, x in zip(args.extra_data, extra)]
+        print(f"training on {len(train_data)} samples with --extra-data", flush=True)
     tc = TrainConfig(kind=args.kind, num_layers=args.num_layers, draft_vocab_size=args.draft_vocab_size,
                      ttt_steps=args.ttt_steps or (7 if args.kind == "eagle3" else 1), step_decay=args.step_decay,
                      steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
@@ -251,20 +254,25 @@ def run(args) -> dict:
     if args.init_from:
         init, d2t = initial_params(args.init_from, model.cfg)
         init_cfg = load_draft_config(args.init_from)
-        cfg = cfg.replace(**{f: getattr(init_cfg, f)
-                             for f in ("kind", "num_layers", "draft_vocab_size", "aux_layer_ids", "fc_bias")})
+        cfg = init_cfg.replace(dtype=cfg.dtype, name=cfg.name)  # the head's own shape, wholesale
         if init_cfg.kind != args.kind:
             raise ValueError(f"--init-from {args.init_from} is an {init_cfg.kind} head, --kind is {args.kind}")
+    vocab_file = out / "d2t.npy"  # the draft vocabulary the checkpoints in OUT/ckpt were trained with
     if args.kind == "eagle3":
-        if init is None:
+        if args.resume and vocab_file.exists():
+            d2t = np.load(vocab_file)
+        elif init is None:
             d2t, t2d = draft_vocab(train_data, model.cfg.vocab_size, args.draft_vocab_size,
                                    always=model.cfg.eos_token_ids)
+        np.save(vocab_file, d2t)
         used_ids = np.arange(len(d2t)) + d2t
         t2d = np.zeros(model.cfg.vocab_size, bool)
         t2d[used_ids] = True
         info["vocab_coverage"] = coverage(train_data, t2d)
         print(f"draft vocabulary: {len(d2t)} tokens covering {info['vocab_coverage']:.1%} of response tokens", flush=True)
     trainer = Trainer(model, cfg, tc, used_ids=used_ids, params=init, d2t=d2t if init is not None else None)
+    if args.kind == "eagle3" and trainer.d2t is not None and not np.array_equal(trainer.d2t, d2t):
+        raise ValueError("internal: the trainer's draft vocabulary differs from OUT/d2t.npy")
     if init is not None:
         info["init_from"] = str(args.init_from)
     info["num_params"] = int(sum(np.size(v) for v in trainer.params.values()))

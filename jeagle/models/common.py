@@ -89,16 +89,22 @@ def write_kv(pool, layer, slots, x):
     return pool.at[layer, idx].set(x.astype(pool.dtype), mode="drop", unique_indices=True)
 
 
-def qkv_rope(x, wi: dict, cos, sin, cfg):
+def qkv_rope(x, wi: dict, cos, sin, cfg, groups: int = 1):
     """The attention inputs of a normalised x [B,T,Din]: q [B,T,Hq,D], k and v [B,T,Hkv,D], q and k
-    rotated (and RMS-normed first when cfg.qk_norm)."""
+    rotated (and RMS-normed first when cfg.qk_norm).
+
+    groups > 1: the fused columns are laid out per tensor-parallel shard, [q_s | k_s | v_s] for shard
+    s = 0..groups-1 (jeagle/sharding.py), so a contiguous split of the columns gives every shard its
+    own heads and the split below stays local to each shard."""
     b, t, _ = x.shape
     qkv = x @ wi["wqkv"]
     if wi.get("bqkv") is not None:
         qkv = qkv + wi["bqkv"]
-    q = qkv[..., : cfg.q_size].reshape(b, t, cfg.num_heads, cfg.head_dim)
-    k = qkv[..., cfg.q_size : cfg.q_size + cfg.kv_size].reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
-    v = qkv[..., cfg.q_size + cfg.kv_size :].reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    qs, ks = cfg.q_size // groups, cfg.kv_size // groups
+    g = qkv.reshape(b, t, groups, qs + 2 * ks)
+    q = g[..., :qs].reshape(b, t, cfg.num_heads, cfg.head_dim)
+    k = g[..., qs:qs + ks].reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
+    v = g[..., qs + ks:].reshape(b, t, cfg.num_kv_heads, cfg.head_dim)
     if cfg.qk_norm:
         q = rms_norm(q, wi["q_norm"], cfg.rms_norm_eps)
         k = rms_norm(k, wi["k_norm"], cfg.rms_norm_eps)
@@ -114,7 +120,7 @@ def attention_output(o, wi: dict, cfg):
     return o
 
 
-def attention_sublayer(x, wi: dict, layer, k_pool, v_pool, cos, sin, attn: AttnInputs, cfg):
+def attention_sublayer(x, wi: dict, layer, k_pool, v_pool, cos, sin, attn: AttnInputs, cfg, groups: int = 1):
     """Self-attention on an already-normalised input x [B,T,Din] → (output [B,T,H], k_pool, v_pool).
 
     `wi` holds this layer's wqkv [Din,(Hq+2Hkv)D] and optional bqkv, q_norm, k_norm, wo, bo; `layer`
@@ -124,7 +130,7 @@ def attention_sublayer(x, wi: dict, layer, k_pool, v_pool, cos, sin, attn: AttnI
     With no pools (k_pool is None) the call attends over its own tokens only, causally by index and
     up to kv_len (or by attn.mask): the dense form training and scoring use. The pools stay None.
     """
-    q, k, v = qkv_rope(x, wi, cos, sin, cfg)
+    q, k, v = qkv_rope(x, wi, cos, sin, cfg, groups)
     if k_pool is None:
         if attn.mask is not None:
             visible = attn.mask
@@ -143,9 +149,13 @@ def attention_sublayer(x, wi: dict, layer, k_pool, v_pool, cos, sin, attn: AttnI
     return attention_output(o, wi, cfg), k_pool, v_pool
 
 
-def mlp_sublayer(x, wi: dict):
-    """SwiGLU on a normalised input: down(silu(gate) * up) with gate|up fused in w_gate_up."""
-    gate, up = jnp.split(x @ wi["w_gate_up"], 2, axis=-1)
+def mlp_sublayer(x, wi: dict, groups: int = 1):
+    """SwiGLU on a normalised input: down(silu(gate) * up) with gate|up fused in w_gate_up (laid out
+    [gate_s | up_s] per tensor-parallel shard when groups > 1)."""
+    gu = x @ wi["w_gate_up"]
+    g = gu.reshape(*gu.shape[:-1], groups, 2, gu.shape[-1] // (2 * groups))
+    gate = g[..., 0, :].reshape(*gu.shape[:-1], -1)
+    up = g[..., 1, :].reshape(*gu.shape[:-1], -1)
     return (jax.nn.silu(gate) * up) @ wi["w_down"]
 
 

@@ -45,6 +45,9 @@ class ForwardOut:
 
 
 class Llama(nnx.Module):
+    # Tensor-parallel shards the fused q|k|v and gate|up columns are laid out for (jeagle/sharding.py).
+    tp_groups: int = 1
+
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         L, H, I, V, D = cfg.num_layers, cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.head_dim
@@ -81,9 +84,9 @@ class Llama(nnx.Module):
         cfg = self.cfg
         wi = {name: (a[i] if a is not None else None) for name, a in w.items()}
         o, k_pool, v_pool = attention_sublayer(rms_norm(h, wi["attn_norm"], cfg.rms_norm_eps), wi, i, k_pool,
-                                               v_pool, cos, sin, attn, cfg)
+                                               v_pool, cos, sin, attn, cfg, self.tp_groups)
         h = h + o
-        h = h + mlp_sublayer(rms_norm(h, wi["mlp_norm"], cfg.rms_norm_eps), wi)
+        h = h + mlp_sublayer(rms_norm(h, wi["mlp_norm"], cfg.rms_norm_eps), wi, self.tp_groups)
         return h, k_pool, v_pool
 
     def __call__(

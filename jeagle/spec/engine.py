@@ -66,6 +66,10 @@ class SpecEngine(Engine):
         self.dk, self.dv = self._alloc(lambda: init_pools(draft.cfg, num_slots=self.allocator.num_slots))
         self.srows = self._alloc(lambda: init_rows(self.max_reqs + 1, self.layout, draft.cfg.hidden_size,
                                                    jnp.dtype(draft.cfg.dtype)))
+        if self.mesh is not None:  # the draft is replicated (small); its pools split like the target's
+            self.draft_params = self._replicated(self.draft_params)
+            self.dk, self.dv = self._place_pools(self.dk, self.dv)
+            self.srows = self._replicated(self.srows)
         self.aux_layers = tuple(draft.cfg.aux_layer_ids) if draft.cfg.kind == "eagle3" else ()
         self.accept_lengths: list[int] = []
         self.rounds_dispatched = 0

@@ -97,7 +97,7 @@ class Trainer:
                               used_ids=self.used_ids, ce_weight=tc.ce_weight)
 
         (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-        metrics["grad_norm"] = optax.global_norm(grads)
+        metrics["grad_norm"] = _tree_norm(grads)
         updates, opt_state = self.optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, metrics
 
@@ -117,8 +117,11 @@ class Trainer:
     def save(self, mngr) -> None:
         import orbax.checkpoint as ocp
 
+        if self.step == mngr.latest_step():
+            return
         state = {"params": self.params, "opt_state": self.opt_state}
-        mngr.save(self.step, args=ocp.args.StandardSave(state))
+        if not mngr.save(self.step, args=ocp.args.StandardSave(state)):
+            raise RuntimeError(f"orbax did not save step {self.step} (newest on disk: {mngr.latest_step()})")
         mngr.wait_until_finished()
 
     def restore(self, mngr) -> bool:
@@ -133,6 +136,12 @@ class Trainer:
         self.params, self.opt_state = _own_buffers(state["params"]), _own_buffers(state["opt_state"])
         self.step = int(latest)
         return True
+
+
+def _tree_norm(tree):
+    """Global L2 norm (optax.tree.norm where this optax has it, else its older global_norm)."""
+    norm = getattr(getattr(optax, "tree", None), "norm", None)
+    return norm(tree) if norm is not None else optax.global_norm(tree)
 
 
 def _own_buffers(tree):
@@ -155,6 +164,10 @@ def train(trainer: Trainer, data: DraftData, *, ckpt_dir=None, resume: bool = Fa
     mngr = trainer.manager(ckpt_dir) if ckpt_dir else None
     if mngr is not None and resume and trainer.restore(mngr):
         print(f"resumed from step {trainer.step}", flush=True)
+    elif mngr is not None and mngr.latest_step() is not None:
+        # Orbax keeps the newest step: a fresh run's saves below it would be dropped without a word.
+        raise ValueError(f"{ckpt_dir} already holds a checkpoint at step {mngr.latest_step()}: pass --resume to "
+                         "continue it, or use another --out")
     history: list[dict] = []
     it = batches(data, tc.batch_size, tc.seq_len, seed=tc.seed, start_step=trainer.step)
     bar = tqdm(total=tc.steps, initial=trainer.step, desc="train", unit="step", disable=not progress, dynamic_ncols=True)

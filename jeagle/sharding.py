@@ -1,0 +1,115 @@
+"""Tensor parallelism with JAX's SPMD partitioner: one table from logical axes to mesh axes, and the
+placement of a target's weights and KV pools on a mesh (Megatron-style).
+
+    attention   q|k|v columns by heads (column-parallel), wo by its input rows (row-parallel: one
+                all-reduce per layer); KV pools by KV heads, so each device holds its heads' cache
+    MLP         gate|up columns by the intermediate dimension, w_down by its rows (one all-reduce)
+    vocabulary  lm_head (and a tied embedding) by vocabulary rows; logits come out vocabulary-sharded
+                and the sampler's reductions gather them
+    the rest    norms, biases of replicated outputs, the slot table and request rows: replicated
+
+The fused matmuls of `models/` keep one matmul per layer for q|k|v and gate|up. For a contiguous
+column split to give every device whole heads, the fused columns are re-laid out per shard
+([q_s | k_s | v_s], [gate_s | up_s]; `interleave`) and the model told its group count (`tp_groups`),
+which `qkv_rope` and `mlp_sublayer` split by. Correctness never depends on the table: the
+partitioner preserves semantics for any sharding; the table decides the communication.
+
+The engines (`EngineConfig.tp`, `--tp`) place their state with this module and compile every
+executable for the mesh with output shardings that keep the state where it lives (Engine._lower).
+The draft head is replicated (measuring it sharded is open), its pools split by KV heads when they
+divide. Tests: tests/test_sharding.py (4 virtual CPU devices).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+TP = "tp"
+
+# Logical axes of every target parameter (models/llama.py's layout), and where each axis goes.
+TARGET_AXES = {
+    "embed": ("vocab", "embed"),
+    "lm_head": ("vocab", "embed"),
+    "final_norm": ("embed",),
+    "attn_norm": ("layers", "embed"),
+    "mlp_norm": ("layers", "embed"),
+    "wqkv": ("layers", "embed", "qkv"),
+    "bqkv": ("layers", "qkv"),
+    "q_norm": ("layers", "head_dim"),
+    "k_norm": ("layers", "head_dim"),
+    "wo": ("layers", "heads", "embed"),
+    "bo": ("layers", "embed"),
+    "w_gate_up": ("layers", "embed", "mlp2"),
+    "w_down": ("layers", "mlp", "embed"),
+}
+KV_POOL_AXES = ("layers", "slots", "kv_heads", "head_dim")
+RULES = {"qkv": TP, "heads": TP, "kv_heads": TP, "mlp": TP, "mlp2": TP, "vocab": TP}
+
+
+def make_mesh(tp: int, devices=None) -> Mesh:
+    devices = list(devices if devices is not None else jax.devices())
+    if tp > len(devices):
+        raise ValueError(f"--tp {tp}: only {len(devices)} devices are visible")
+    return Mesh(np.asarray(devices[:tp]), (TP,))
+
+
+def spec(axes: tuple[str, ...], rules=RULES) -> P:
+    return P(*(rules.get(a) for a in axes))
+
+
+def check_divisible(cfg, tp: int) -> None:
+    """Clear errors for a model that cannot be split `tp` ways by heads and MLP."""
+    for what, n in (("num_kv_heads", cfg.num_kv_heads), ("num_heads", cfg.num_heads),
+                    ("intermediate_size", cfg.intermediate_size), ("vocab_size", cfg.vocab_size)):
+        if n % tp:
+            raise ValueError(f"tensor parallelism {tp}: the target's {what} {n} is not divisible by {tp}")
+
+
+def interleave(params: dict, cfg, tp: int) -> dict:
+    """Fused q|k|v and gate|up columns re-laid out per shard ([q_s|k_s|v_s] and [gate_s|up_s])."""
+    out = dict(params)
+    qs, ks = cfg.q_size, cfg.kv_size
+
+    def qkv(w):
+        lead = w.shape[:-1]
+        q = w[..., :qs].reshape(*lead, tp, qs // tp)
+        k = w[..., qs:qs + ks].reshape(*lead, tp, ks // tp)
+        v = w[..., qs + ks:].reshape(*lead, tp, ks // tp)
+        return jnp.concatenate([q, k, v], -1).reshape(*lead, -1)
+
+    def gate_up(w):
+        lead, i = w.shape[:-1], w.shape[-1] // 2
+        g = w[..., :i].reshape(*lead, tp, i // tp)
+        u = w[..., i:].reshape(*lead, tp, i // tp)
+        return jnp.concatenate([g, u], -1).reshape(*lead, -1)
+
+    for name, fn in (("wqkv", qkv), ("bqkv", qkv), ("w_gate_up", gate_up)):
+        if out.get(name) is not None:
+            out[name] = fn(jnp.asarray(out[name]))
+    return out
+
+
+def shard_target(model, mesh: Mesh):
+    """The target with its weights re-laid out and placed on `mesh` by TARGET_AXES."""
+    tp = mesh.shape[TP]
+    check_divisible(model.cfg, tp)
+    graphdef, state = nnx.split(model)
+    pure = interleave(nnx.to_pure_dict(state), model.cfg, tp)
+    placed = {k: jax.device_put(v, NamedSharding(mesh, spec(TARGET_AXES[k]))) for k, v in pure.items()}
+    nnx.replace_by_pure_dict(state, placed)
+    sharded = nnx.merge(graphdef, state)
+    sharded.tp_groups = tp
+    return sharded
+
+
+def shard_pools(k_pool, v_pool, mesh: Mesh):
+    s = NamedSharding(mesh, spec(KV_POOL_AXES))
+    return jax.device_put(k_pool, s), jax.device_put(v_pool, s)
+
+
+def replicate(tree, mesh: Mesh):
+    return jax.device_put(tree, NamedSharding(mesh, P()))
