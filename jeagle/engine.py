@@ -268,17 +268,10 @@ class Engine:
         return self.cfg.unroll_layers
 
     # ---- tensor parallelism: placement of the device state on the mesh ------------------------------
-    def _pool_sharding(self, shape):
-        """KV pools [L, slots, kv_heads, D] split by KV heads (replicated when the heads do not divide)."""
-        from jax.sharding import NamedSharding, PartitionSpec as P
-
-        from jeagle.sharding import KV_POOL_AXES, spec
-
-        return NamedSharding(self.mesh, spec(KV_POOL_AXES) if shape[2] % self.cfg.tp == 0 else P())
-
     def _place_pools(self, k, v):
-        s = self._pool_sharding(k.shape)
-        return jax.device_put(k, s), jax.device_put(v, s)
+        from jeagle.sharding import shard_pools
+
+        return shard_pools(k, v, self.mesh)
 
     def _replicated(self, tree):
         from jeagle.sharding import replicate
@@ -290,11 +283,13 @@ class Engine:
         replicated (an executable's outputs are the next one's inputs)."""
         from jax.sharding import NamedSharding, PartitionSpec as P
 
+        from jeagle.sharding import pool_sharding
+
         pool_slots = self.allocator.num_slots
 
         def one(x):
             if x.ndim == 4 and x.shape[1] == pool_slots:
-                return self._pool_sharding(x.shape)
+                return pool_sharding(self.mesh, x.shape)
             return NamedSharding(self.mesh, P())
 
         return jax.tree.map(one, jax.eval_shape(fn, *args))

@@ -106,8 +106,13 @@ def shard_target(model, mesh: Mesh):
     return sharded
 
 
+def pool_sharding(mesh: Mesh, shape) -> NamedSharding:
+    """KV pools [L, slots, kv_heads, D] split by KV heads (replicated when the heads do not divide)."""
+    return NamedSharding(mesh, spec(KV_POOL_AXES) if shape[2] % mesh.shape[TP] == 0 else P())
+
+
 def shard_pools(k_pool, v_pool, mesh: Mesh):
-    s = NamedSharding(mesh, spec(KV_POOL_AXES))
+    s = pool_sharding(mesh, k_pool.shape)
     return jax.device_put(k_pool, s), jax.device_put(v_pool, s)
 
 

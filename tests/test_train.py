@@ -105,13 +105,9 @@ def test_read_prompts_sources_and_exclusions(tmp_path):
     assert read_prompts(str(tmp_path / "p.jsonl")) == ["Explain gravity.", "Why is the sky blue?"]
     with pytest.raises(DataError, match="no such file"):
         read_prompts(str(tmp_path / "missing.json"))
+    (tmp_path / "p.csv").write_text("x")
     with pytest.raises(DataError, match="expected"):
-        read_prompts(str(tmp_path / "p.jsonl").replace(".jsonl", ".csv") if False else _touch(tmp_path / "p.csv"))
-
-
-def _touch(p):
-    p.write_text("x")
-    return str(p)
+        read_prompts(str(tmp_path / "p.csv"))
 
 
 def test_dataset_roundtrip_batches_and_vocab(tmp_path):
