@@ -5,7 +5,7 @@
 #   .stage3 = smolpart.ac. Calls, back to back while the machine is warm:
 #   carry .stage1: `bash bench/gpu_session.sh stage`; carry .stage2: `bash bench/gpu_session.sh stage`;
 #   carry .stage3 + .whl: `bash bench/gpu_session.sh run STEPS...` (later calls: carry .whl only).
-# Random-weight steps (kerneltests, kernelbench, kernelround, specbench, overhead, warmup, cmdbuf, adaptive, autotune) need no staging: `bash bench/gpu_session.sh run kerneltests kernelbench kernelround`.
+# Random-weight steps (tp, kerneltests, kernelbench, kernelround, specbench, overhead, warmup, cmdbuf, adaptive, autotune) need no staging: `bash bench/gpu_session.sh run kerneltests kernelbench kernelround`.
 set -uo pipefail
 mode="${1:-run}"
 stage_in() {  # whatever staged parts this call carries -> $HOME/stage; unpack the data archives once
@@ -105,6 +105,12 @@ if [[ "$steps" == *" acceptlen "* ]]; then  # issue 8: accept length of the head
   python3 bench/accept_length.py --head "${HEAD:-$HOME/run/head}" --dataset mtbench=.data/mtbench.jsonl:80 \
     --dataset gsm8k=.data/gsm8k.jsonl:200 --tiers "${ACC_TIERS:-3,1,4:5,4,8:6,10,60}" --json-out "$OUT/accept_length.json" ${ACC_ARGS:-} \
     2>&1 | tee "$OUT/accept_length.log"
+fi
+if [[ "$steps" == *" tp "* ]]; then  # issue 11 (2 GPUs): tp=2 equals tp=1 with the kernels; 8B-shaped tp=1 vs tp=2
+  python3 -m pytest -q -m gpu tests/test_gpu_tp.py 2>&1 | tail -5 | tee "$OUT/pytest_gpu_tp.log"
+  python3 bench/scale.py --shape llama8b --tp "${SCALE_TP:-1,2}" --batch-sizes "${SCALE_BATCHES:-1,16}" \
+    --tau "${SCALE_TAU:-4.68}" --repeats "${SCALE_REPEATS:-3}" ${SCALE_ARGS:---profile} --json-out "$OUT/scale.json" \
+    2>&1 | tee "$OUT/scale.log"
 fi
 if [[ "$steps" == *" bench "* ]]; then
   python3 bench/decode.py --batch-sizes 1,16 --decode-steps "${DECODE_STEPS:-1,4}" --unroll "${UNROLL:-0,1}" \

@@ -54,6 +54,11 @@ def random_target_and_head(shape: str):
 
 def device_events(trace_dir: str):
     """(name, duration_us) of every op the trace puts on a GPU stream."""
+    return [e for evs in device_events_by_device(trace_dir).values() for e in evs]
+
+
+def device_events_by_device(trace_dir: str) -> dict[str, list[tuple[str, float]]]:
+    """{device process name: [(name, duration_us), ...]} of the ops the trace puts on GPU streams."""
     files = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
     files += glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
     if not files:
@@ -61,9 +66,13 @@ def device_events(trace_dir: str):
     with gzip.open(sorted(files)[-1]) as f:
         doc = json.load(f)
     events = doc["traceEvents"] if isinstance(doc, dict) else doc
-    gpu_pids = {e["pid"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"
-                and "gpu" in str(e.get("args", {}).get("name", "")).lower()}
-    return [(e["name"], float(e.get("dur", 0))) for e in events if e.get("ph") == "X" and e.get("pid") in gpu_pids]
+    gpu_pids = {e["pid"]: str(e["args"]["name"]) for e in events if e.get("ph") == "M"
+                and e.get("name") == "process_name" and "gpu" in str(e.get("args", {}).get("name", "")).lower()}
+    out: dict[str, list[tuple[str, float]]] = {name: [] for name in gpu_pids.values()}
+    for e in events:
+        if e.get("ph") == "X" and e.get("pid") in gpu_pids:
+            out[gpu_pids[e["pid"]]].append((e["name"], float(e.get("dur", 0))))
+    return out
 
 
 def main(argv=None):

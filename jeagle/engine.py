@@ -390,7 +390,7 @@ class Engine:
             warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
             if self.mesh is None:
                 return jax.jit(fn, donate_argnums=donate).lower(*args)
-            with self.mesh:
+            with jax.set_mesh(self.mesh):  # the context mesh: over_kv_heads' shard_map reads it
                 return jax.jit(fn, donate_argnums=donate, out_shardings=self._out_shardings(fn, args)).lower(*args)
 
     def _executable(self, key: tuple, fn, args, donate=(1, 2)) -> Callable | None:

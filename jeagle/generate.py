@@ -145,6 +145,8 @@ def check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
                 "--speculative-num-draft-tokens, or none (defaults 5/4/8)")
     if a.layer_unroll is not None and a.layer_unroll < 1:
         p.error(f"--layer-unroll must be >= 1, got {a.layer_unroll}")
+    if a.tp < 1:
+        p.error(f"--tp must be >= 1, got {a.tp}")
     if a.speculative_algorithm in ("EAGLE", "EAGLE3") and not a.draft:
         p.error(f"--speculative-algorithm {a.speculative_algorithm} needs --draft")
     if (a.speculative_adaptive or a.speculative_adaptive_config) and (not a.draft or a.speculative_algorithm == "none"):

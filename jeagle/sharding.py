@@ -15,7 +15,12 @@ which `qkv_rope` and `mlp_sublayer` split by. Correctness never depends on the t
 partitioner preserves semantics for any sharding; the table decides the communication.
 
 The engines (`EngineConfig.tp`, `--tp`) place their state with this module and compile every
-executable for the mesh with output shardings that keep the state where it lives (Engine._lower).
+executable for the mesh (`jax.set_mesh`) with output shardings that keep the state where it lives
+(Engine._lower). The partitioner cannot split a Pallas (Triton) custom call: it would gather the
+operands whole onto every device, KV pools included. The paged-attention kernel therefore runs under
+`shard_map` per KV-head shard (`over_kv_heads`): each device attends its own heads over its own part
+of the pools, and nothing is communicated. The other kernels read only replicated bookkeeping (the
+slot table, the tree, argmax tokens) and run replicated as they are.
 The draft head is replicated (measuring it sharded is open), its pools split by KV heads when they
 divide. Tests: tests/test_sharding.py (4 virtual CPU devices).
 """
@@ -114,6 +119,20 @@ def pool_sharding(mesh: Mesh, shape) -> NamedSharding:
 def shard_pools(k_pool, v_pool, mesh: Mesh):
     s = pool_sharding(mesh, k_pool.shape)
     return jax.device_put(k_pool, s), jax.device_put(v_pool, s)
+
+
+def over_kv_heads(fn, q, k_pool, v_pool, *rest):
+    """`fn(q, k_pool, v_pool, *rest)` (paged attention: q [B,T,Hq,D], pools [L,slots,Hkv,D], the rest
+    replicated bookkeeping) per tensor-parallel shard of the heads, when traced under a mesh with a
+    `tp` axis > 1 that divides the KV heads; otherwise as is. Query head h reads KV head h // (Hq/Hkv),
+    so splitting both head axes into `tp` contiguous blocks keeps every shard's groups whole."""
+    mesh = jax.sharding.get_abstract_mesh()
+    tp = 1 if mesh.empty or TP not in mesh.axis_names else mesh.shape[TP]
+    if tp == 1 or k_pool.shape[2] % tp or q.shape[2] % tp:
+        return fn(q, k_pool, v_pool, *rest)
+    heads = P(None, None, TP, None)
+    return jax.shard_map(fn, in_specs=(heads, heads, heads) + (P(),) * len(rest), out_specs=heads,
+                         check_vma=False)(q, k_pool, v_pool, *rest)
 
 
 def replicate(tree, mesh: Mesh):

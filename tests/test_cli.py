@@ -131,6 +131,8 @@ def test_speculative_flag_errors(smollm2_head):
     proc = run_cli("--draft", str(smollm2_head), "--speculative-num-steps", "2", "--speculative-eagle-topk", "2",
                    "--speculative-num-draft-tokens", "9", QUESTION, check=False)
     assert proc.returncode == 2 and "exceeds the 6 nodes" in proc.stderr
+    proc = run_cli("--tp", "0", QUESTION, check=False)
+    assert proc.returncode == 2 and "--tp must be >= 1" in proc.stderr
     doc = json.loads(run_cli("--json", "--max-new-tokens", "4", "--draft", str(smollm2_head),
                              "--speculative-algorithm", "none", QUESTION).stdout)
     assert doc["stats"]["rounds"] == 0

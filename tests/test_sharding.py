@@ -1,6 +1,7 @@
 """Tensor parallelism at the model level (jeagle/sharding.py): on 4 virtual CPU devices, a target
 sharded tp = 2 and 4 ways gives the single-device logits and KV pools (fp32), for a prefill through
-the paged pool and a decode step; the re-laid-out fused columns alone change nothing."""
+the paged pool and a decode step, with the jnp attention and with the Pallas kernel (interpreted) run
+per KV-head shard; the re-laid-out fused columns alone change nothing."""
 
 from __future__ import annotations
 
@@ -46,17 +47,26 @@ SCRIPT = textwrap.dedent('''
         out2 = jax.jit(lambda m, t, a, k, v: m(t, a, k, v))(m, nxt[:, None], d, out.k, out.v)
         return [np.asarray(x) for x in (out.logits, out.k, out2.logits, out2.k, out2.v)]
 
-    ref = run(model, jnp.zeros(shape), jnp.zeros(shape))
-    for tp in (2, 4):
-        mesh = make_mesh(tp)
-        sm = shard_target(model, mesh)
-        assert sm.wqkv[...].sharding.spec[-1] == "tp" and sm.tp_groups == tp
-        k, v = shard_pools(jnp.zeros(shape), jnp.zeros(shape), mesh)
-        with mesh:
-            got = run(sm, k, v)
-        for a, b in zip(ref, got):
-            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
-        print("tp", tp, "ok", flush=True)
+    for kernels in ("reference", "interpret"):  # the paged-attention kernel runs per KV-head shard (shard_map)
+        os.environ["JEAGLE_KERNELS"] = kernels
+        ref = run(model, jnp.zeros(shape), jnp.zeros(shape))
+        for tp in (2, 4):
+            mesh = make_mesh(tp)
+            sm = shard_target(model, mesh)
+            assert sm.wqkv[...].sharding.spec[-1] == "tp" and sm.tp_groups == tp
+            k, v = shard_pools(jnp.zeros(shape), jnp.zeros(shape), mesh)
+            with jax.set_mesh(mesh):
+                got = run(sm, k, v)
+            for a, b in zip(ref, got):
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+            print("tp", tp, kernels, "ok", flush=True)
+    # the decode step's attention is a manual (shard_map) computation under the mesh, not a gather
+    d = AttnInputs(positions=lengths[:, None], write_slots=slots[:, :1], kv_slots=slots, kv_len=lengths,
+                   extra_slots=slots[:, :1], extra_mask=jnp.ones((B, 1, 1), bool))
+    with jax.set_mesh(mesh):
+        hlo = jax.jit(lambda m, t, a, k, v: m(t, a, k, v).logits).lower(sm, tokens[:, :1], d, k, v).as_text()
+    assert "manual_computation" in hlo or "SPMDFullToShardShape" in hlo, hlo[:2000]
+    print("shard_map ok", flush=True)
 ''')
 
 
@@ -72,7 +82,8 @@ def _run_on_4_devices(script: str):
 
 def test_sharded_target_equals_single_device(tmp_path):
     proc = _run_on_4_devices(SCRIPT)
-    assert "tp 2 ok" in proc.stdout and "tp 4 ok" in proc.stdout
+    for line in ("tp 2 reference ok", "tp 4 reference ok", "tp 2 interpret ok", "tp 4 interpret ok", "shard_map ok"):
+        assert line in proc.stdout, proc.stdout
 
 
 def test_interleave_alone_changes_nothing():

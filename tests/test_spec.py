@@ -251,3 +251,20 @@ def test_model_eos_inside_an_accepted_run(target, prompts):
                      SpecConfig(5, 4, 8)).generate(prompts[:1], SamplingParams(max_new_tokens=30))
     assert got[0].token_ids == want[0].token_ids == free[: free.index(eos) + 1]
     assert got[0].finish_reason == "stop"
+
+
+def test_simulated_accept_length_has_the_asked_mean():
+    """Timing-only simulated acceptance (bench --simulate-accept): with a head that never matches, the
+    rounds still accept τ tokens on average (bonus included), and every request gets its tokens."""
+    target = bigram_target(target_config())
+    head = signed_identity_head(target, -1.0)  # anti-correlated: greedy verify would accept nothing
+    params = SamplingParams(max_new_tokens=120, ignore_eos=True)
+    prompts = [[5, 6, 7], [9, 10, 11, 12]]
+    for tau in (1.0, 3.4):
+        spec = SpecEngine(target, head, EngineConfig(max_batch_size=2, max_context=256),
+                          SpecConfig(num_steps=5, topk=4, num_draft_tokens=8, simulate_accept=tau))
+        outs = spec.generate(prompts, params)
+        assert [len(o.token_ids) for o in outs] == [120, 120]
+        assert abs(spec.last_stats["accept_length"] - tau) < 0.3, (tau, spec.last_stats)
+    with pytest.raises(ValueError, match="simulated accept length"):
+        SpecConfig(num_steps=3, topk=1, num_draft_tokens=4, simulate_accept=4.5)

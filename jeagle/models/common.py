@@ -14,6 +14,7 @@ import numpy as np
 
 from jeagle.config import RopeScaling, rope_inv_freq
 from jeagle.kernels.paged_attention import dense_attention, paged_attention
+from jeagle.sharding import over_kv_heads
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -143,7 +144,8 @@ def attention_sublayer(x, wi: dict, layer, k_pool, v_pool, cos, sin, attn: AttnI
     k_pool = write_kv(k_pool, layer, attn.write_slots, k)
     v_pool = write_kv(v_pool, layer, attn.write_slots, v)
     if attn.extra_slots is not None:
-        o = paged_attention(q, k_pool, v_pool, layer, attn.kv_slots, attn.kv_len, attn.extra_slots, attn.extra_mask)
+        o = over_kv_heads(paged_attention, q, k_pool, v_pool, layer, attn.kv_slots, attn.kv_len, attn.extra_slots,
+                          attn.extra_mask)  # per KV-head shard under tensor parallelism
     else:
         o = paged_attention_reference(q, k_pool[layer, attn.kv_slots], v_pool[layer, attn.kv_slots], attn)
     return attention_output(o, wi, cfg), k_pool, v_pool

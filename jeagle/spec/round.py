@@ -38,7 +38,7 @@ from jeagle.kernels.commit_slots import commit_slots
 from jeagle.kernels.tree_speculative_sampling import tree_speculative_sampling
 from jeagle.kernels.verify_tree_greedy import verify_tree_greedy
 from jeagle.spec.tree import select_nodes
-from jeagle.spec.verify import target_probs
+from jeagle.spec.verify import simulated_accept, target_probs
 
 MAX_STOP = 8
 
@@ -50,9 +50,15 @@ class SpecConfig:
     num_draft_tokens: int = 8  # N (the root included)
     threshold_single: float = 1.0
     threshold_acc: float = 1.0
+    # > 0: timing only, accept this many tokens per round on average (bonus included) whatever the
+    # draft (spec.verify.simulated_accept); the output is then not the target's. 0 = off.
+    simulate_accept: float = 0.0
 
     def __post_init__(self):
         s, k, n = self.num_steps, self.topk, self.num_draft_tokens
+        if self.simulate_accept and not 1.0 <= self.simulate_accept <= min(s, n - 1) + 1:
+            raise ValueError(f"simulated accept length {self.simulate_accept}: must be in [1, {min(s, n - 1) + 1}] "
+                             f"for (S,K,N) = ({s},{k},{n})")
         if s < 1 or k < 1 or n < 2:
             raise ValueError(f"speculative steps/topk/draft tokens must be >= 1/1/2, got {s}/{k}/{n}")
         if k == 1 and n != s + 1:
@@ -228,6 +234,9 @@ def verify_commit(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, 
         use_greedy = r.temperature <= 0
         predict, accept_index, acc, bonus = (jnp.where(use_greedy.reshape((b,) + (1,) * (g.ndim - 1)), g, s)
                                              for g, s in zip((g_predict, g_index, g_len, g_bonus), s_out))
+    if cfg.simulate_accept:  # timing only: a forced accept length of mean τ (bench --simulate-accept)
+        predict, accept_index, acc, bonus = simulated_accept(tree.tokens, tree.retrieve_index, jnp.argmax(
+            tout.logits, -1).astype(jnp.int32), S + 1, cfg.simulate_accept, r.seed, L)
     path = jnp.where(accept_index >= 0, accept_index % N, -1)  # [B, S+1] node ids
 
     # ---- finish checks inside the accepted run ----------------------------------------------

@@ -82,6 +82,26 @@ def _outputs(path, length, last, candidates, retrieve_index, bonus):
     return predict, accept_index.astype(jnp.int32), length.astype(jnp.int32), bonus.astype(jnp.int32)
 
 
+def simulated_accept(candidates, retrieve_index, target_predict, num_spec_steps: int, mean_accept: float, seed,
+                     seq_len):
+    """Timing only (SGLang's SGLANG_SIMULATE_ACC_LEN): accept nodes 0..m in node order, whatever the
+    tokens, with m = floor(τ-1) or floor(τ-1) + 1 drawn per request and round (from seed, seq_len) so
+    that the mean is τ - 1, capped at min(S, N-1): τ = `mean_accept` tokens per round, bonus included.
+    Same outputs as verify_tree_greedy_reference; the emitted tokens are NOT the target's greedy ones."""
+    b, n = candidates.shape
+    rows = jnp.arange(b)
+    base = int(mean_accept - 1.0)
+    frac = (mean_accept - 1.0) - base
+
+    def coin(s, length):
+        return jax.random.uniform(jax.random.fold_in(jax.random.fold_in(jax.random.key(s), length), 0x51A))
+
+    length = jnp.minimum(base + (jax.vmap(coin)(seed, seq_len) < frac), min(num_spec_steps - 1, n - 1))
+    j = jnp.arange(num_spec_steps)[None, :]
+    path = jnp.where(j <= length[:, None], j, -1).astype(jnp.int32)
+    return _outputs(path, length, length, candidates, retrieve_index, target_predict[rows, length])
+
+
 def tree_sampling_reference(candidates, retrieve_index, retrieve_next_token, retrieve_next_sibling, target_probs,
                             coins, final_coin, num_spec_steps: int, threshold_single: float = 1.0,
                             threshold_acc: float = 1.0):

@@ -1,0 +1,192 @@
+"""A large random-weight target (default: Llama-3.1-8B's shape, bf16) decoded target-only and with an
+EAGLE-3-shaped head at simulated accept lengths, on 1 or more GPUs (tensor parallelism), against the
+bandwidth bound measured in the same run; optionally the share of device time in collectives.
+
+What is timed: greedy generation of `--max-new-tokens` tokens (EOS ignored) for `batch` copies of a
+`--context`-token prompt, after a warm-up run that compiles every executable the timed run uses
+(`Engine.generate`, prefill included; the median of `--repeats`). Acceptance cannot come from random
+weights, so the speculative runs force it: `SpecConfig.simulate_accept = τ` accepts τ tokens per round
+on average (bonus included) whatever the draft (SGLang's SGLANG_SIMULATE_ACC_LEN); everything a round
+does — draft steps, tree, verify forward, commit — runs as usual.
+
+Bandwidth bound (per device): a decode step reads the weights once (1/tp of them) and the batch's KV
+prefix (1/tp of the KV heads); bound tokens/s = batch / (bytes per step / copy bandwidth), with the copy
+bandwidth measured here (an elementwise pass over 2 GiB: read + write).
+
+    python bench/scale.py --shape llama8b --tp 1,2 --batch-sizes 1,16 --tau 3,4.68 --profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+# SGLang's published single-H100 Llama-3.1-8B figures (issue 9): tokens/s at batch 1.
+SGLANG_H100 = {"target_only": 158.3, "eagle3_tau_4.68": 361.7, "eagle3_mtbench": 373.3}
+COLLECTIVE = re.compile(r"all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all|nccl|allreduce|allgather",
+                        re.I)
+
+
+def copy_bandwidth(n_bytes: int = 2 << 30, repeats: int = 20) -> float:
+    """Bytes/s of an elementwise pass (read n + write n) on the default device, median of `repeats`."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((n_bytes // 2,), jnp.bfloat16)
+    f = jax.jit(lambda a: a * jnp.bfloat16(1.5))
+    f(x).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        f(x).block_until_ready()
+        times.append(time.perf_counter() - t0)
+    del x
+    return 2 * n_bytes / sorted(times)[len(times) // 2]
+
+
+def random_eagle3_head(cfg, seed: int = 1):
+    """A one-layer EAGLE-3 head shaped for `cfg` (32k draft vocabulary, as the published 8B heads)."""
+    from jeagle.config import DraftConfig
+    from jeagle.models.eagle import random_draft
+
+    n = cfg.num_layers
+    return random_draft(DraftConfig(kind="eagle3", hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
+                                    num_layers=1, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
+                                    head_dim=cfg.head_dim, vocab_size=cfg.vocab_size,
+                                    draft_vocab_size=min(32000, cfg.vocab_size), target_hidden_size=cfg.hidden_size,
+                                    aux_layer_ids=(min(2, n - 1), n // 2, max(n - 3, 0)), rope_theta=cfg.rope_theta,
+                                    rms_norm_eps=cfg.rms_norm_eps), seed=seed)
+
+
+def timed(engine, prompt, batch: int, max_new: int, repeats: int) -> tuple[float, dict]:
+    from jeagle.sampling import SamplingParams
+
+    sp = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
+    engine.generate([prompt] * batch, sp)  # compiles every shape used below
+    runs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        outs = engine.generate([prompt] * batch, sp)
+        wall = time.perf_counter() - t0
+        if engine.last_stats.get("compile_s", 0.0):
+            raise RuntimeError("the timed run compiled")
+        runs.append((sum(len(o.token_ids) for o in outs) / wall, dict(engine.last_stats)))
+    runs.sort(key=lambda r: r[0])
+    return runs[len(runs) // 2]
+
+
+def collective_share(run) -> dict:
+    """Trace `run()`; per GPU: device-busy µs, µs in collectives, their share, and the top collectives."""
+    import jax
+    from profile_decode import device_events_by_device
+
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            run()
+        per_dev = device_events_by_device(d)
+    out = {}
+    for dev, ev in sorted(per_dev.items()):
+        busy = sum(t for _, t in ev)
+        coll = collections.Counter()
+        for name, t in ev:
+            if COLLECTIVE.search(name):
+                coll[name] += t
+        c = sum(coll.values())
+        out[dev] = {"busy_us": round(busy), "collective_us": round(c), "collective_share": round(c / busy, 4) if busy else 0,
+                    "top_collectives": [(n, round(t)) for n, t in coll.most_common(4)]}
+    return out
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="llama8b")
+    p.add_argument("--tp", default="1", help="comma list of tensor-parallel sizes")
+    p.add_argument("--batch-sizes", default="1,16")
+    p.add_argument("--tau", default="3,4.68", help="comma list of simulated accept lengths (empty: no EAGLE runs)")
+    p.add_argument("--tier", default="5,4,8", help="S,K,N of the EAGLE runs")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--context", type=int, default=256, help="prompt tokens")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--profile", action="store_true", help="trace each tp's largest batch: collectives' share")
+    p.add_argument("--json-out", default=None)
+    args = p.parse_args(argv)
+
+    import jax
+    from flax import nnx
+
+    from jeagle.config import ModelConfig
+    from jeagle.engine import Engine, EngineConfig
+    from jeagle.models.llama import random_model
+    from jeagle.sampling import SamplingParams
+    from jeagle.spec.engine import SpecEngine
+    from jeagle.spec.round import SpecConfig
+    from profile_decode import SHAPES
+
+    cfg = ModelConfig(**{**SHAPES[args.shape], "tie_word_embeddings": False})
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    taus = [float(t) for t in args.tau.split(",") if t.strip()]
+    s, k, n = (int(x) for x in args.tier.split(","))
+    bw = copy_bandwidth()
+    model = random_model(cfg)
+    head = random_eagle3_head(cfg) if taus else None
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
+    kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
+    prompt = list(range(100, 100 + args.context))
+    max_ctx = args.context + args.max_new_tokens + 64
+    doc = {"bench": "scale", "shape": args.shape, "device": jax.devices()[0].device_kind, "devices": len(jax.devices()),
+           "jax": jax.__version__, "commit": os.environ.get("JEAGLE_COMMIT", "unknown"),
+           "kernels": os.environ.get("JEAGLE_KERNELS", "default"), "copy_bandwidth_GBps": round(bw / 1e9, 1),
+           "weight_GB": round(weight_bytes / 1e9, 3), "tier": [s, k, n], "max_new_tokens": args.max_new_tokens,
+           "context": args.context, "sglang_h100_llama8b": SGLANG_H100, "rows": [], "profiles": []}
+    print(f"{args.shape}: {weight_bytes / 1e9:.2f} GB of weights; copy bandwidth {bw / 1e9:.0f} GB/s "
+          f"({doc['device']} x{doc['devices']})", flush=True)
+    for tp in [int(t) for t in args.tp.split(",")]:
+        ec = EngineConfig(max_batch_size=max(batches), batch_buckets=tuple(sorted(set(batches))), max_context=max_ctx,
+                          max_total_tokens=max(batches) * max_ctx + 4096, tp=tp)
+        engines = {"target-only": Engine(model, ec)}
+        for tau in taus:
+            engines[f"eagle3 tau={tau:g}"] = SpecEngine(model, head, ec, SpecConfig(s, k, n, simulate_accept=tau))
+        for batch in batches:
+            avg_ctx = args.context + args.max_new_tokens / 2
+            step_bytes = (weight_bytes + batch * avg_ctx * kv_bytes_per_token) / tp
+            bound = batch / (step_bytes / bw)
+            for name, eng in engines.items():
+                tps, stats = timed(eng, prompt, batch, args.max_new_tokens, args.repeats)
+                row = {"tp": tp, "batch": batch, "system": name, "tokens_per_s": round(tps, 1),
+                       "bandwidth_bound_tokens_per_s": round(bound, 1),
+                       "accept_length": round(stats.get("accept_length", 1.0), 3),
+                       "compile_s": round(getattr(eng, "compile_seconds", 0.0), 1)}
+                if name == "target-only":
+                    row["fraction_of_bound"] = round(tps / bound, 3)
+                doc["rows"].append(row)
+                print(json.dumps(row), flush=True)
+        if args.profile:
+            batch = max(batches)
+            sp = SamplingParams(max_new_tokens=32, ignore_eos=True)
+            for name, eng in engines.items():
+                prof = collective_share(lambda: eng.generate([prompt] * batch, sp))
+                doc["profiles"].append({"tp": tp, "batch": batch, "system": name, "per_device": prof})
+                print(json.dumps(doc["profiles"][-1]), flush=True)
+        del engines
+    print(f"\n{'tp':>3} {'batch':>5} {'system':<18} {'tokens/s':>9} {'bound':>9} {'accept':>7}")
+    for r in doc["rows"]:
+        print(f"{r['tp']:>3} {r['batch']:>5} {r['system']:<18} {r['tokens_per_s']:>9.1f} "
+              f"{r['bandwidth_bound_tokens_per_s']:>9.1f} {r['accept_length']:>7.2f}")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(doc, indent=1))
+    print(json.dumps(doc))
+    return doc
+
+
+if __name__ == "__main__":
+    main()
