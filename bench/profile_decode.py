@@ -1,10 +1,15 @@
-"""Where a decode step's time goes: a `jax.profiler` trace of warm decode, summarised by device op.
+"""Where a decode step's (or a speculative round's) time goes: a `jax.profiler` trace of warm decode,
+summarised by device op.
 
 Random weights of a named shape (no checkpoint needed), so the layout of the step, not the values,
 is measured. Prints per batch size: device ops per decode step, device-busy time per step against
-the wall time per step, and the top ops by total time; then one JSON line.
+the wall time per step (the difference: the device idle, waiting on the host), and the top ops by
+total time; then one JSON line. `--spec S,K,N` profiles EAGLE-3 rounds instead (a random head shaped
+for the target, acceptance forced to `--simulate-accept` τ), normalised per round; the traced run
+includes its prefill, so trace enough steps for the decode to dominate.
 
     python bench/profile_decode.py --shape smollm2 --batch-sizes 1,16
+    python bench/profile_decode.py --shape llama8b --batch-sizes 1,48 --spec 5,4,8 --simulate-accept 4.68
 """
 
 from __future__ import annotations
@@ -84,6 +89,8 @@ def main(argv=None):
     p.add_argument("--unroll", action="store_true")
     p.add_argument("--context", type=int, default=256, help="prompt length")
     p.add_argument("--top", type=int, default=20)
+    p.add_argument("--spec", default=None, metavar="S,K,N", help="profile EAGLE-3 rounds of this tier")
+    p.add_argument("--simulate-accept", type=float, default=4.68, help="τ of the --spec rounds")
     args = p.parse_args(argv)
 
     import jax
@@ -95,11 +102,22 @@ def main(argv=None):
 
     cfg = ModelConfig(**SHAPES[args.shape])
     model = random_model(cfg)
+    head = None
+    if args.spec:
+        from jeagle.spec.engine import SpecEngine
+        from jeagle.spec.round import SpecConfig
+        from scale import random_eagle3_head
+
+        head = random_eagle3_head(cfg)
+        tier = SpecConfig(*(int(x) for x in args.spec.split(",")), simulate_accept=args.simulate_accept)
     prompt = list(range(100, 100 + args.context))
-    out = {"bench": "profile_decode", "shape": args.shape, "device": jax.devices()[0].device_kind, "rows": []}
+    unit = "round" if args.spec else "step"
+    out = {"bench": "profile_decode", "shape": args.shape, "device": jax.devices()[0].device_kind,
+           "spec": args.spec, "simulate_accept": args.simulate_accept if args.spec else None, "rows": []}
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
-        engine = Engine(model, EngineConfig(max_batch_size=batch, max_context=1024, decode_steps=args.decode_steps,
-                                            unroll_layers=args.unroll))
+        ec = EngineConfig(max_batch_size=batch, max_context=1024, decode_steps=args.decode_steps,
+                          unroll_layers=args.unroll)
+        engine = SpecEngine(model, head, ec, tier) if args.spec else Engine(model, ec)
         sp = SamplingParams(max_new_tokens=args.steps, ignore_eos=True)
         engine.generate([prompt] * batch, sp)
         t0 = time.perf_counter()
@@ -109,21 +127,24 @@ def main(argv=None):
             with jax.profiler.trace(d, create_perfetto_trace=True):
                 engine.generate([prompt] * batch, sp)
             ev = device_events(d)
+        n = engine.last_stats["rounds"] / batch if args.spec else args.steps  # rounds per request
         by_name = collections.defaultdict(lambda: [0, 0.0])
         for name, dur in ev:
             by_name[name][0] += 1
             by_name[name][1] += dur
         busy_us = sum(d for _, d in ev)
-        row = {"batch": batch, "wall_ms_per_step": 1e3 * wall / args.steps, "device_ops_per_step": len(ev) / args.steps,
-               "device_busy_ms_per_step": busy_us / 1e3 / args.steps,
-               "top": sorted(((n, c / args.steps, t / args.steps) for n, (c, t) in by_name.items()),
+        row = {"batch": batch, "unit": unit, "per_request": n, "wall_ms_per_step": 1e3 * wall / n,
+               "device_ops_per_step": len(ev) / n, "device_busy_ms_per_step": busy_us / 1e3 / n,
+               "accept_length": engine.last_stats.get("accept_length", 1.0),
+               "top": sorted(((name, c / n, t / n) for name, (c, t) in by_name.items()),
                              key=lambda x: -x[2])[: args.top]}
         out["rows"].append(row)
-        print(f"\nbatch {batch}: wall {row['wall_ms_per_step']:.3f} ms/step, device busy "
-              f"{row['device_busy_ms_per_step']:.3f} ms/step, {row['device_ops_per_step']:.0f} device ops/step")
-        print(f"{'op':<70} {'per step':>8} {'us/step':>9}")
-        for n, c, t in row["top"]:
-            print(f"{n[:70]:<70} {c:>8.1f} {t:>9.1f}")
+        print(f"\nbatch {batch}: wall {row['wall_ms_per_step']:.3f} ms/{unit}, device busy "
+              f"{row['device_busy_ms_per_step']:.3f} ms/{unit}, {row['device_ops_per_step']:.0f} device ops/{unit} "
+              f"({n:.1f} {unit}s per request, accept {row['accept_length']:.2f}; prefill included)")
+        print(f"{'op':<70} {'per ' + unit:>9} {'us/' + unit:>9}")
+        for name, c, t in row["top"]:
+            print(f"{name[:70]:<70} {c:>9.1f} {t:>9.1f}")
     print(json.dumps(out))
 
 
