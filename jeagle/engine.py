@@ -84,6 +84,16 @@ def default_batch_buckets(max_batch: int) -> tuple[int, ...]:
     return tuple(sorted(set(out)))
 
 
+UNROLL_ALL_BYTES = 32 << 20  # per-layer weights above which decode/round executables unroll every layer
+
+
+def layer_weight_bytes(cfg) -> int:
+    """Bytes of one decoder layer's matmul weights (q|k|v, o, gate|up, down) in the model's dtype."""
+    h = cfg.hidden_size
+    n = h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h + 3 * h * cfg.intermediate_size
+    return n * np.dtype(jnp.dtype(cfg.dtype)).itemsize
+
+
 def batch_buckets(max_reqs: int, config: "EngineConfig") -> tuple[int, ...]:
     """The batch buckets: --buckets as given, exact sizes with --disable-padding, else SGLang's list
     capped by --max-bucket; the largest always covers max_batch_size."""
@@ -152,9 +162,11 @@ class EngineConfig:
     mem_fraction_static: float | None = None  # ... or this fraction of GPU memory
     max_prefill_tokens: int = 8192  # padded tokens per prefill call (a longer single prompt still runs)
     decode_steps: int = 1  # tokens per decode dispatch (lax.fori_loop inside one executable)
-    # Layer loop: False (a loop), True (unrolled), k >= 2 (k layers per iteration); None: 3 for the
-    # decode/round executables (halves the host's dispatch time per step for +10-30% compile time,
-    # bench/RESULTS.md "dispatch"), a loop for prefill.
+    # Layer loop: False (a loop), True (unrolled), k >= 2 (k layers per iteration); None: for the
+    # decode/round executables 3 (halves the host's dispatch time per step for +10-30% compile time,
+    # bench/RESULTS.md "dispatch"), or unrolled when a layer's weights pass UNROLL_ALL_BYTES (a loop
+    # slices each layer's weights by a traced index, and XLA copies the slice before a Triton GEMM:
+    # 2.5x the step time of a Llama-8B shape, bench/RESULTS.md "session 6"); a loop for prefill.
     unroll_layers: bool | int | None = None
     batch_buckets: tuple[int, ...] | None = None  # default: SGLang's list capped at max_batch_size
     max_bucket: int | None = None  # cap the default list (the largest bucket is then max_batch_size)
@@ -264,7 +276,9 @@ class Engine:
     def _unroll(self, phase: str) -> bool | int:
         """The layer-loop unroll of the "prefill" or "step" (decode / round) executables."""
         if self.cfg.unroll_layers is None:
-            return 3 if phase == "step" else False
+            if phase != "step":
+                return False
+            return True if layer_weight_bytes(self.model_cfg) >= UNROLL_ALL_BYTES else 3
         return self.cfg.unroll_layers
 
     # ---- tensor parallelism: placement of the device state on the mesh ------------------------------
