@@ -84,7 +84,7 @@ def default_batch_buckets(max_batch: int) -> tuple[int, ...]:
     return tuple(sorted(set(out)))
 
 
-UNROLL_ALL_BYTES = 32 << 20  # per-layer weights above which decode/round executables unroll every layer
+UNROLL_ALL_BYTES = 32 << 20  # per-layer weights above which the decode executables unroll every layer
 
 
 def layer_weight_bytes(cfg) -> int:
@@ -163,10 +163,12 @@ class EngineConfig:
     max_prefill_tokens: int = 8192  # padded tokens per prefill call (a longer single prompt still runs)
     decode_steps: int = 1  # tokens per decode dispatch (lax.fori_loop inside one executable)
     # Layer loop: False (a loop), True (unrolled), k >= 2 (k layers per iteration); None: for the
-    # decode/round executables 3 (halves the host's dispatch time per step for +10-30% compile time,
-    # bench/RESULTS.md "dispatch"), or unrolled when a layer's weights pass UNROLL_ALL_BYTES (a loop
-    # slices each layer's weights by a traced index, and XLA copies the slice before a Triton GEMM:
-    # 2.5x the step time of a Llama-8B shape, bench/RESULTS.md "session 6"); a loop for prefill.
+    # decode and round executables 3 (halves the host's dispatch time per step for +10-30% compile
+    # time, bench/RESULTS.md "dispatch"); the decode step unrolled when a layer's weights pass
+    # UNROLL_ALL_BYTES (a loop slices each layer's weights by a traced index, and XLA copies the slice
+    # before a Triton GEMM: 2.5x the step time of a Llama-8B shape, bench/RESULTS.md "session 6"; the
+    # round's GEMMs went to cuBLAS without copies there, and unrolling it measured no faster); a loop
+    # for prefill.
     unroll_layers: bool | int | None = None
     batch_buckets: tuple[int, ...] | None = None  # default: SGLang's list capped at max_batch_size
     max_bucket: int | None = None  # cap the default list (the largest bucket is then max_batch_size)
@@ -274,11 +276,11 @@ class Engine:
         self.reset_stats()
 
     def _unroll(self, phase: str) -> bool | int:
-        """The layer-loop unroll of the "prefill" or "step" (decode / round) executables."""
+        """The layer-loop unroll of the "prefill", "step" (target-only decode) or "round" executables."""
         if self.cfg.unroll_layers is None:
-            if phase != "step":
+            if phase == "prefill":
                 return False
-            return True if layer_weight_bytes(self.model_cfg) >= UNROLL_ALL_BYTES else 3
+            return True if phase == "step" and layer_weight_bytes(self.model_cfg) >= UNROLL_ALL_BYTES else 3
         return self.cfg.unroll_layers
 
     # ---- tensor parallelism: placement of the device state on the mesh ------------------------------

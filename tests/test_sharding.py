@@ -36,7 +36,7 @@ SCRIPT = textwrap.dedent('''
                       kv_len=lengths)
     shape = (cfg.num_layers, S, cfg.num_kv_heads, cfg.head_dim)
 
-    def run(m, k, v):
+    def run(m, k, v, unroll=False):
         out = jax.jit(lambda m, t, a, k, v: m(t, a, k, v))(m, tokens, attn, k, v)
         nxt = jnp.argmax(out.logits[jnp.arange(B), lengths - 1], -1).astype(jnp.int32)
         dpos = lengths
@@ -44,7 +44,7 @@ SCRIPT = textwrap.dedent('''
         kv_slots = jnp.concatenate([slots, jnp.zeros((B, 2), jnp.int32)], 1)
         d = AttnInputs(positions=dpos[:, None], write_slots=dslot[:, None], kv_slots=kv_slots, kv_len=dpos,
                        extra_slots=dslot[:, None], extra_mask=jnp.ones((B, 1, 1), bool))
-        out2 = jax.jit(lambda m, t, a, k, v: m(t, a, k, v))(m, nxt[:, None], d, out.k, out.v)
+        out2 = jax.jit(lambda m, t, a, k, v: m(t, a, k, v, unroll=unroll))(m, nxt[:, None], d, out.k, out.v)
         return [np.asarray(x) for x in (out.logits, out.k, out2.logits, out2.k, out2.v)]
 
     for kernels in ("reference", "interpret"):  # the paged-attention kernel runs per KV-head shard (shard_map)
@@ -55,10 +55,11 @@ SCRIPT = textwrap.dedent('''
             sm = shard_target(model, mesh)
             assert sm.wqkv[...].sharding.spec[-1] == "tp" and sm.tp_groups == tp
             k, v = shard_pools(jnp.zeros(shape), jnp.zeros(shape), mesh)
-            with jax.set_mesh(mesh):
-                got = run(sm, k, v)
-            for a, b in zip(ref, got):
-                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+            for unroll in ((False, True) if kernels == "interpret" else (False,)):  # decode: loop and unrolled
+                with jax.set_mesh(mesh):
+                    got = run(sm, k, v, unroll)
+                for a, b in zip(ref, got):
+                    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
             print("tp", tp, kernels, "ok", flush=True)
     # the decode step's attention is a manual (shard_map) computation under the mesh, not a gather
     d = AttnInputs(positions=lengths[:, None], write_slots=slots[:, :1], kv_slots=slots, kv_len=lengths,

@@ -149,7 +149,7 @@ class SpecEngine(Engine):
         target = nnx.merge(self.graphdef, params)
         head = nnx.merge(self.draft_graphdef, dparams)
         return spec_round(target, head, tier, cache, dk, dv, srows, row_ids, kv_len=kv_len, greedy=greedy,
-                          aux_layers=self.aux_layers, unroll=self._unroll("step"))
+                          aux_layers=self.aux_layers, unroll=self._unroll("round"))
 
     def _draft_impl(self, params, dparams, cache, dk, dv, srows, row_ids, *, tier, kv_len):
         target = nnx.merge(self.graphdef, params)
@@ -160,7 +160,7 @@ class SpecEngine(Engine):
         target = nnx.merge(self.graphdef, params)
         head = nnx.merge(self.draft_graphdef, dparams)
         return verify_commit(target, head, tier, cache, dk, dv, srows, row_ids, tree, kv_len=kv_len,
-                             greedy=greedy, aux_layers=self.aux_layers, unroll=self._unroll("step"))
+                             greedy=greedy, aux_layers=self.aux_layers, unroll=self._unroll("round"))
 
     def _run(self, exe, args):
         res, self.cache, self.dk, self.dv, self.srows = exe(*args)
