@@ -1,11 +1,27 @@
-"""Autoregressive decode throughput of the jeagle engine (target only), per batch size.
+"""Decode throughput of the real model, jeagle target-only vs jeagle EAGLE-3 vs peers, per batch size.
 
-Measures one defined thing: greedy generation of `--max-new-tokens` tokens (EOS ignored) for a batch
-of copies of one chat prompt, after a warm-up run that compiles every executable the timed run uses;
-the clock covers `Engine.generate` (prefill included, compilation excluded) and everything the host
-does in between. Prints a table, then one JSON line.
+What is timed, for every system alike: greedy generation of `--max-new-tokens` tokens per request (EOS
+ignored: every request gets exactly that many) for a batch of `batch` MT-bench first turns (chat
+template applied, the same token ids for every system), after a warm-up run of the same batch that
+compiles everything the timed run uses; tokens/s = batch × new tokens ÷ wall time (prefill included),
+the median of `--repeats`. Systems:
 
-    python bench/decode.py --batch-sizes 1,16 --max-new-tokens 256
+    jeagle        target-only (`Engine`)
+    jeagle-eagle  EAGLE-3 with the shipped head (`SpecEngine`, `--tier`, default (5,4,8)); its accept
+                  length is reported
+    hf            Hugging Face transformers `generate` with a static cache and `torch.compile`
+                  (mode reduce-overhead) on the same GGUF dequantised to bf16 — needs torch + CUDA; left
+                  padding with an attention mask; `min_new_tokens` forces the length
+    eagle-llm     not run: the official EAGLE code (`eagle-llm==1.2.1`, `eagle.model.cnets.Model`) is an
+                  EAGLE-1/2 head (fc over [embedding | feature], the target's lm_head); the shipped head
+                  is EAGLE-3 (low|mid|high features, its own 8k-vocabulary lm_head, d2t), which that code
+                  cannot load. Printed as such in the JSON (`peers_not_run`).
+
+Prints a table, writes `--plot` (tokens/s vs batch, one line per system; needs matplotlib, else
+skipped with a message — `--plot-only JSON` draws it later), and prints one JSON line last.
+
+    python bench/decode.py --prompts .data/mtbench.jsonl --batch-sizes 1,4,16,48 --hf-batch-sizes 1,16 \
+        --json-out decode.json --plot decode.png
 """
 
 from __future__ import annotations
@@ -21,9 +37,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-# Hugging Face transformers 5.17, static cache + torch.compile, same H100, SmolLM2 bf16, 256 tokens
-# (shared/GPU.md, 2026-11-22): the peer figures this benchmark is compared against.
-HF_REFERENCE_TOKS = {1: 334.8, 16: 4064.9}
+EAGLE_LLM_WHY = ("eagle-llm 1.2.1 (eagle.model.cnets.Model) implements EAGLE-1/2 heads (fc over [embedding | "
+                 "feature], the target's lm_head); the shipped head is EAGLE-3 (three-layer features, own "
+                 "8k-vocabulary lm_head, d2t), which it cannot load")
 
 
 def git_commit() -> str:
@@ -36,83 +52,195 @@ def git_commit() -> str:
         return "unknown"
 
 
-def measure(engine, prompt_ids, batch: int, max_new: int, repeats: int):
-    from jeagle.sampling import SamplingParams
+def read_prompts(path: str | None, fallback: str) -> list[str]:
+    if not path:
+        return [fallback]
+    rows = [json.loads(line) for line in open(path, encoding="utf-8") if line.strip()]
+    return [r["prompt"] if isinstance(r, dict) else str(r) for r in rows]
 
-    sp = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
-    engine.generate([prompt_ids] * batch, sp)  # warm-up: compiles every shape used below
+
+def batch_of(prompts_ids: list[list[int]], batch: int) -> list[list[int]]:
+    """The first `batch` prompts (cycled when there are fewer)."""
+    return [prompts_ids[i % len(prompts_ids)] for i in range(batch)]
+
+
+def median_run(fn, repeats: int) -> tuple[float, dict]:
+    """fn() -> (new tokens, info); returns (tokens/s, info) of the median run."""
     runs = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        outs = engine.generate([prompt_ids] * batch, sp)
-        wall = time.perf_counter() - t0
-        assert engine.last_stats["compile_s"] == 0.0, "timed run compiled"
-        runs.append((sum(len(o.token_ids) for o in outs) / wall, wall))
-    runs.sort()
+        n, info = fn()
+        runs.append((n / (time.perf_counter() - t0), info))
+    runs.sort(key=lambda r: r[0])
     return runs[len(runs) // 2]
+
+
+def jeagle_rows(target_dir, head_dir, prompts_ids, batches, max_new, repeats, tier) -> list[dict]:
+    from jeagle.checkpoint import load_draft, load_model
+    from jeagle.engine import Engine, EngineConfig
+    from jeagle.sampling import SamplingParams
+    from jeagle.spec.engine import SpecEngine
+    from jeagle.spec.round import SpecConfig
+
+    model = load_model(target_dir)
+    head = load_draft(head_dir, target=model.cfg)
+    longest = max(len(p) for p in prompts_ids)
+    ec = EngineConfig(max_batch_size=max(batches), batch_buckets=tuple(sorted(set(batches))),
+                      max_context=longest + max_new + 16)
+    engines = {"jeagle": Engine(model, ec), "jeagle-eagle": SpecEngine(model, head, ec, SpecConfig(*tier))}
+    sp = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
+    rows = []
+    for batch in batches:
+        ids = batch_of(prompts_ids, batch)
+        for name, eng in engines.items():
+            eng.generate(ids, sp)  # warm-up: compiles every shape the timed runs use
+
+            def once():
+                outs = eng.generate(ids, sp)
+                if eng.last_stats.get("compile_s", 0.0):
+                    raise RuntimeError(f"{name}: the timed run compiled")
+                return sum(len(o.token_ids) for o in outs), dict(eng.last_stats)
+
+            tps, stats = median_run(once, repeats)
+            row = {"system": name, "batch": batch, "tokens_per_s": round(tps, 1)}
+            if name == "jeagle-eagle":
+                row |= {"accept_length": round(stats["accept_length"], 3), "tier": list(tier)}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    return rows
+
+
+def hf_rows(gguf: Path, prompts_ids, batches, max_new, repeats, pad_id: int, device: str = "cuda") -> list[dict]:
+    """The transformers peer; device "cpu" (eager, no torch.compile) only checks this code path."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("the hf peer needs CUDA")
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16).to(device).eval()
+    model.generation_config.cache_implementation = "static"
+    if device == "cuda":
+        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    rows = []
+    for batch in batches:
+        ids = batch_of(prompts_ids, batch)
+        width = max(len(p) for p in ids)
+        x = torch.tensor([[pad_id] * (width - len(p)) + p for p in ids], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in ids], device=device)
+
+        def once():
+            with torch.no_grad():
+                out = model.generate(input_ids=x, attention_mask=mask, max_new_tokens=max_new, min_new_tokens=max_new,
+                                     do_sample=False, pad_token_id=pad_id)
+            if device == "cuda":
+                torch.cuda.synchronize()
+            return (out.shape[1] - width) * batch, {}
+
+        once()  # warm-up: torch.compile and CUDA graphs for this shape
+        tps, _ = median_run(once, repeats)
+        row = {"system": "hf", "batch": batch, "tokens_per_s": round(tps, 1),
+               "variant": "transformers generate, static cache, " + (
+                   "torch.compile reduce-overhead, bf16" if device == "cuda" else "eager on CPU (code-path check only)")}
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def plot(doc: dict, path: str) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib not installed: no plot (later: python bench/decode.py --plot-only JSON --plot {path})")
+        return
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for system in dict.fromkeys(r["system"] for r in doc["rows"]):
+        pts = sorted((r["batch"], r["tokens_per_s"]) for r in doc["rows"] if r["system"] == system)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=system)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("batch (requests)")
+    ax.set_ylabel("tokens/s")
+    ax.set_title(f"{doc['model']}, {doc['max_new_tokens']} new tokens, {doc['device']}", fontsize=9)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"plot written to {path}")
 
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--target", default=None, help="default: SmolLM2-135M-Instruct")
-    p.add_argument("--batch-sizes", default="1,16")
+    p.add_argument("--target", default=None, help="default: SmolLM2-135M-Instruct (the hf peer needs its GGUF)")
+    p.add_argument("--draft", default=None, help="default: the shipped head")
+    p.add_argument("--prompts", default=None, help=".jsonl with a 'prompt' per line (MT-bench first turns)")
+    p.add_argument("--batch-sizes", default="1,4,16,48")
+    p.add_argument("--hf-batch-sizes", default="1,16", help="empty: no hf peer")
+    p.add_argument("--hf-device", default="cuda", choices=["cuda", "cpu"], help="cpu: eager, a code-path check only")
+    p.add_argument("--tier", default="5,4,8", help="S,K,N of jeagle-eagle")
     p.add_argument("--max-new-tokens", type=int, default=256)
-    p.add_argument("--decode-steps", default="1", help="comma list of tokens per decode dispatch to compare")
-    p.add_argument("--unroll", default="0", help="comma list of 0/1: layer loop vs unrolled layers")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--prompt", default="Write a short story about a robot who learns to paint.")
-    p.add_argument("--json-out", default=None, help="also write the JSON document to this file")
+    p.add_argument("--json-out", default=None)
+    p.add_argument("--plot", default=None, help="PNG path")
+    p.add_argument("--plot-only", default=None, metavar="JSON", help="draw --plot from an earlier --json-out")
     args = p.parse_args(argv)
+    if args.plot_only:
+        doc = json.loads(Path(args.plot_only).read_text())
+        plot(doc, args.plot or str(Path(args.plot_only).with_suffix(".png")))
+        return doc
 
     import jax
 
-    from jeagle.checkpoint import load_model
-    from jeagle.engine import Engine, EngineConfig
-    from jeagle.fetch import resolve_target
+    from jeagle.fetch import resolve_draft, resolve_target, smollm2_gguf_path
+    from jeagle.heads import default_head_dir
     from jeagle.tokenizer import Tokenizer
 
-    target = resolve_target(args.target, quiet=True)
-    model = load_model(target)
-    tok = Tokenizer.from_dir(target)
-    prompt_ids = tok.encode_chat([{"role": "user", "content": args.prompt}])
-    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx_state(model)))
-    rows = []
-    for unroll in [bool(int(u)) for u in args.unroll.split(",")]:
-        for steps in [int(s) for s in args.decode_steps.split(",")]:
-            for batch in [int(b) for b in args.batch_sizes.split(",")]:
-                engine = Engine(model, EngineConfig(max_batch_size=batch, decode_steps=steps, unroll_layers=unroll,
-                                                    max_context=1024))
-                t0 = time.perf_counter()
-                toks_per_s, wall = measure(engine, prompt_ids, batch, args.max_new_tokens, args.repeats)
-                step_ms = 1e3 * wall / args.max_new_tokens
-                rows.append({
-                    "batch": batch, "decode_steps": steps, "unroll": unroll, "tokens_per_s": round(toks_per_s, 1),
-                    "step_ms": round(step_ms, 3), "weight_GBps": round(weight_bytes / (step_ms / 1e3) / 1e9, 1),
-                    "compile_s": round(engine.compile_seconds, 2), "bench_s": round(time.perf_counter() - t0, 1),
-                    "vs_hf": round(toks_per_s / HF_REFERENCE_TOKS[batch], 2) if batch in HF_REFERENCE_TOKS else None,
-                })
+    target_dir = resolve_target(args.target, quiet=True)
+    head_dir = resolve_draft(args.draft or str(default_head_dir()), target_dir, quiet=True)
+    tok = Tokenizer.from_dir(target_dir)
+    texts = read_prompts(args.prompts, "Write a short story about a robot who learns to paint.")
+    prompts_ids = [tok.encode_chat([{"role": "user", "content": t}]) for t in texts]
+    batches = [int(b) for b in args.batch_sizes.split(",")]
+    tier = tuple(int(x) for x in args.tier.split(","))
     dev = jax.devices()[0]
-    doc = {
-        "bench": "decode", "model": str(target.name), "prompt_tokens": len(prompt_ids),
-        "max_new_tokens": args.max_new_tokens, "device": getattr(dev, "device_kind", dev.platform),
-        "jax": jax.__version__, "python": platform.python_version(), "commit": git_commit(),
-        "weight_bytes": weight_bytes, "hf_reference_tokens_per_s": HF_REFERENCE_TOKS, "rows": rows,
-    }
-    hdr = f"{'batch':>5} {'steps':>5} {'unroll':>6} {'tok/s':>10} {'step ms':>8} {'weights GB/s':>12} {'vs HF':>6} {'compile s':>9}"
-    print(hdr)
-    for r in rows:
-        print(f"{r['batch']:>5} {r['decode_steps']:>5} {str(r['unroll']):>6} {r['tokens_per_s']:>10.1f} "
-              f"{r['step_ms']:>8.3f} {r['weight_GBps']:>12.1f} {str(r['vs_hf']):>6} {r['compile_s']:>9.2f}")
+    doc = {"bench": "decode", "model": target_dir.name, "draft": str(head_dir), "prompts": args.prompts or "one prompt",
+           "max_new_tokens": args.max_new_tokens, "device": getattr(dev, "device_kind", dev.platform),
+           "jax": jax.__version__, "python": platform.python_version(), "commit": git_commit(),
+           "peers_not_run": {"eagle-llm": EAGLE_LLM_WHY}, "rows": []}
+    doc["rows"] += jeagle_rows(target_dir, head_dir, prompts_ids, batches, args.max_new_tokens, args.repeats, tier)
+    hf_batches = [int(b) for b in args.hf_batch_sizes.split(",") if b.strip()]
+    if hf_batches:
+        if args.target is not None:
+            doc["peers_not_run"]["hf"] = "--target given: the hf peer runs the SmolLM2 GGUF only"
+        else:
+            try:
+                pad = tok.eos_token_ids[0] if getattr(tok, "eos_token_ids", None) else 0
+                doc["rows"] += hf_rows(smollm2_gguf_path(quiet=True), prompts_ids, hf_batches, args.max_new_tokens,
+                                       args.repeats, pad, args.hf_device)
+            except Exception as e:  # a peer that cannot run is reported, not fatal
+                doc["peers_not_run"]["hf"] = f"{type(e).__name__}: {e}"[:500]
+                print(f"hf peer not run: {doc['peers_not_run']['hf']}", flush=True)
+    base = {r["batch"]: r["tokens_per_s"] for r in doc["rows"] if r["system"] == "jeagle"}
+    hf = {r["batch"]: r["tokens_per_s"] for r in doc["rows"] if r["system"] == "hf"}
+    for r in doc["rows"]:
+        if r["batch"] in base:
+            r["vs_jeagle_target_only"] = round(r["tokens_per_s"] / base[r["batch"]], 2)
+        if r["batch"] in hf:
+            r["vs_hf"] = round(r["tokens_per_s"] / hf[r["batch"]], 2)
+    print(f"\n{'system':<14} {'batch':>5} {'tokens/s':>10} {'vs jeagle':>9} {'vs hf':>6} {'accept':>7}")
+    for r in doc["rows"]:
+        print(f"{r['system']:<14} {r['batch']:>5} {r['tokens_per_s']:>10.1f} {r.get('vs_jeagle_target_only', ''):>9} "
+              f"{r.get('vs_hf', ''):>6} {r.get('accept_length', ''):>7}")
+    for peer, why in doc["peers_not_run"].items():
+        print(f"not run: {peer}: {why}")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(doc, indent=1))
+    if args.plot:
+        plot(doc, args.plot)
     print(json.dumps(doc))
     return doc
-
-
-def nnx_state(model):
-    from flax import nnx
-
-    return nnx.state(model)
 
 
 if __name__ == "__main__":

@@ -112,7 +112,7 @@ if [[ "$steps" == *" tp "* ]]; then  # issue 11 (2 GPUs): tp=2 equals tp=1 with 
     --tau "${SCALE_TAU:-4.68}" --repeats "${SCALE_REPEATS:-3}" ${SCALE_ARGS:---profile} --json-out "$OUT/scale.json" \
     2>&1 | tee "$OUT/scale.log"
 fi
-if [[ "$steps" == *" bench "* ]]; then
-  python3 bench/decode.py --batch-sizes 1,16 --decode-steps "${DECODE_STEPS:-1,4}" --unroll "${UNROLL:-0,1}" \
-    --json-out "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log"
+if [[ "$steps" == *" bench "* ]]; then  # issue 9: jeagle target-only / EAGLE-3 (shipped head) / HF compiled, MT-bench
+  python3 bench/decode.py --prompts .data/mtbench.jsonl --batch-sizes "${DECODE_BATCHES:-1,4,16,48}" \
+    --hf-batch-sizes "${HF_BATCHES:-1,16}" --json-out "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log"
 fi

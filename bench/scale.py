@@ -86,7 +86,8 @@ def timed(engine, prompt, batch: int, max_new: int, repeats: int) -> tuple[float
 
 
 def collective_share(run) -> dict:
-    """Trace `run()`; per GPU: device-busy µs, µs in collectives, their share, and the top collectives."""
+    """Trace `run()`; per GPU: device-busy µs, µs in collectives, their share, the top collectives and
+    the top ops overall (what to look at when tp 2 is slower than tp 1)."""
     import jax
     from profile_decode import device_events_by_device
 
@@ -102,8 +103,12 @@ def collective_share(run) -> dict:
             if COLLECTIVE.search(name):
                 coll[name] += t
         c = sum(coll.values())
+        ops = collections.Counter()
+        for name, t in ev:
+            ops[name] += t
         out[dev] = {"busy_us": round(busy), "collective_us": round(c), "collective_share": round(c / busy, 4) if busy else 0,
-                    "top_collectives": [(n, round(t)) for n, t in coll.most_common(4)]}
+                    "top_collectives": [(n, round(t)) for n, t in coll.most_common(4)],
+                    "top_ops": [(n[:80], round(t)) for n, t in ops.most_common(10)]}
     return out
 
 
