@@ -69,20 +69,21 @@ def random_eagle3_head(cfg, seed: int = 1):
 
 
 def timed(engine, prompt, batch: int, max_new: int, repeats: int) -> tuple[float, dict]:
+    """(tokens/s, stats) of the median of `repeats` timed runs after a warm-up (decode.py's timing)."""
+    from decode import median_run
+
     from jeagle.sampling import SamplingParams
 
     sp = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
     engine.generate([prompt] * batch, sp)  # compiles every shape used below
-    runs = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
+
+    def once():
         outs = engine.generate([prompt] * batch, sp)
-        wall = time.perf_counter() - t0
         if engine.last_stats.get("compile_s", 0.0):
             raise RuntimeError("the timed run compiled")
-        runs.append((sum(len(o.token_ids) for o in outs) / wall, dict(engine.last_stats)))
-    runs.sort(key=lambda r: r[0])
-    return runs[len(runs) // 2]
+        return sum(len(o.token_ids) for o in outs), dict(engine.last_stats)
+
+    return median_run(once, repeats)
 
 
 def collective_share(run) -> dict:

@@ -91,7 +91,7 @@ def layer_weight_bytes(cfg) -> int:
     """Bytes of one decoder layer's matmul weights (q|k|v, o, gate|up, down) in the model's dtype."""
     h = cfg.hidden_size
     n = h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h + 3 * h * cfg.intermediate_size
-    return n * np.dtype(jnp.dtype(cfg.dtype)).itemsize
+    return n * jnp.dtype(cfg.dtype).itemsize
 
 
 def batch_buckets(max_reqs: int, config: "EngineConfig") -> tuple[int, ...]:
