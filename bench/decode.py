@@ -9,6 +9,9 @@ the median of `--repeats`. Systems:
     jeagle        target-only (`Engine`)
     jeagle-eagle  EAGLE-3 with the shipped head (`SpecEngine`, `--tier`, default (5,4,8)); its accept
                   length is reported
+    jeagle-adaptive  the same head with the adaptive controller (`--speculative-adaptive`: the default
+                  tiers for the base `--tier`, or `--adaptive-config`); the accept length and the tiers
+                  it ran (round counts per tier) are reported
     hf            Hugging Face transformers `generate` with a static cache and `torch.compile`
                   (mode reduce-overhead) on the same GGUF dequantised to bf16 — needs torch + CUDA; left
                   padding with an attention mask; `min_new_tokens` forces the length
@@ -64,6 +67,21 @@ def batch_of(prompts_ids: list[list[int]], batch: int) -> list[list[int]]:
     return [prompts_ids[i % len(prompts_ids)] for i in range(batch)]
 
 
+JEAGLE_SYSTEMS = ("jeagle", "jeagle-eagle", "jeagle-adaptive")
+
+
+def tier_rounds(stats: dict) -> dict:
+    """{"S,K,N": round dispatches} from a speculative engine's last_stats (its tier_history:
+    {first dispatch index: [S, K, N]} and round_dispatches)."""
+    hist = sorted((int(i), t) for i, t in (stats.get("tier_history") or {}).items())
+    out: dict[str, int] = {}
+    for j, (start, t) in enumerate(hist):
+        end = hist[j + 1][0] if j + 1 < len(hist) else stats.get("round_dispatches", start)
+        key = ",".join(str(x) for x in t)
+        out[key] = out.get(key, 0) + end - start
+    return out
+
+
 def median_run(fn, repeats: int) -> tuple[float, dict]:
     """fn() -> (new tokens, info); returns (tokens/s, info) of the median run."""
     runs = []
@@ -75,7 +93,9 @@ def median_run(fn, repeats: int) -> tuple[float, dict]:
     return runs[len(runs) // 2]
 
 
-def jeagle_rows(target_dir, head_dir, prompts_ids, batches, max_new, repeats, tier) -> list[dict]:
+def jeagle_rows(target_dir, head_dir, prompts_ids, batches, max_new, repeats, tier, systems=JEAGLE_SYSTEMS,
+                adaptive_config=None) -> list[dict]:
+    from jeagle.adaptive import AdaptiveConfig
     from jeagle.checkpoint import load_draft, load_model
     from jeagle.engine import Engine, EngineConfig
     from jeagle.sampling import SamplingParams
@@ -87,7 +107,11 @@ def jeagle_rows(target_dir, head_dir, prompts_ids, batches, max_new, repeats, ti
     longest = max(len(p) for p in prompts_ids)
     ec = EngineConfig(max_batch_size=max(batches), batch_buckets=tuple(sorted(set(batches))),
                       max_context=longest + max_new + 16)
-    engines = {"jeagle": Engine(model, ec), "jeagle-eagle": SpecEngine(model, head, ec, SpecConfig(*tier))}
+    adaptive = AdaptiveConfig.from_json(adaptive_config) if adaptive_config else AdaptiveConfig()
+    make = {"jeagle": lambda: Engine(model, ec),
+            "jeagle-eagle": lambda: SpecEngine(model, head, ec, SpecConfig(*tier)),
+            "jeagle-adaptive": lambda: SpecEngine(model, head, ec, SpecConfig(*tier), adaptive=adaptive)}
+    engines = {name: make[name]() for name in systems}
     sp = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
     rows = []
     for batch in batches:
@@ -105,6 +129,9 @@ def jeagle_rows(target_dir, head_dir, prompts_ids, batches, max_new, repeats, ti
             row = {"system": name, "batch": batch, "tokens_per_s": round(tps, 1)}
             if name == "jeagle-eagle":
                 row |= {"accept_length": round(stats["accept_length"], 3), "tier": list(tier)}
+            elif name == "jeagle-adaptive":
+                row |= {"accept_length": round(stats["accept_length"], 3), "tiers": stats["tiers"],
+                        "dispatches_per_tier": tier_rounds(stats)}
             rows.append(row)
             print(json.dumps(row), flush=True)
     return rows
@@ -179,7 +206,9 @@ def main(argv=None) -> dict:
     p.add_argument("--batch-sizes", default="1,4,16,48")
     p.add_argument("--hf-batch-sizes", default="1,16", help="empty: no hf peer")
     p.add_argument("--hf-device", default="cuda", choices=["cuda", "cpu"], help="cpu: eager, a code-path check only")
-    p.add_argument("--tier", default="5,4,8", help="S,K,N of jeagle-eagle")
+    p.add_argument("--tier", default="5,4,8", help="S,K,N of jeagle-eagle (the base tier of jeagle-adaptive)")
+    p.add_argument("--systems", default=",".join(JEAGLE_SYSTEMS), help="jeagle systems to run")
+    p.add_argument("--adaptive-config", default=None, help="JSON for jeagle-adaptive (default: the policy's defaults)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json-out", default=None)
@@ -209,7 +238,11 @@ def main(argv=None) -> dict:
            "max_new_tokens": args.max_new_tokens, "device": getattr(dev, "device_kind", dev.platform),
            "jax": jax.__version__, "python": platform.python_version(), "commit": git_commit(),
            "peers_not_run": {"eagle-llm": EAGLE_LLM_WHY}, "rows": []}
-    doc["rows"] += jeagle_rows(target_dir, head_dir, prompts_ids, batches, args.max_new_tokens, args.repeats, tier)
+    systems = [x for x in args.systems.split(",") if x]
+    if unknown := sorted(set(systems) - set(JEAGLE_SYSTEMS)):
+        p.error(f"--systems: unknown {unknown} (known: {', '.join(JEAGLE_SYSTEMS)})")
+    doc["rows"] += jeagle_rows(target_dir, head_dir, prompts_ids, batches, args.max_new_tokens, args.repeats, tier,
+                               systems, args.adaptive_config)
     hf_batches = [int(b) for b in args.hf_batch_sizes.split(",") if b.strip()]
     if hf_batches:
         if args.target is not None:
@@ -229,9 +262,9 @@ def main(argv=None) -> dict:
             r["vs_jeagle_target_only"] = round(r["tokens_per_s"] / base[r["batch"]], 2)
         if r["batch"] in hf:
             r["vs_hf"] = round(r["tokens_per_s"] / hf[r["batch"]], 2)
-    print(f"\n{'system':<14} {'batch':>5} {'tokens/s':>10} {'vs jeagle':>9} {'vs hf':>6} {'accept':>7}")
+    print(f"\n{'system':<16} {'batch':>5} {'tokens/s':>10} {'vs jeagle':>9} {'vs hf':>6} {'accept':>7}")
     for r in doc["rows"]:
-        print(f"{r['system']:<14} {r['batch']:>5} {r['tokens_per_s']:>10.1f} {r.get('vs_jeagle_target_only', ''):>9} "
+        print(f"{r['system']:<16} {r['batch']:>5} {r['tokens_per_s']:>10.1f} {r.get('vs_jeagle_target_only', ''):>9} "
               f"{r.get('vs_hf', ''):>6} {r.get('accept_length', ''):>7}")
     for peer, why in doc["peers_not_run"].items():
         print(f"not run: {peer}: {why}")

@@ -5,7 +5,7 @@
 #   .stage3 = smolpart.ac. Calls, back to back while the machine is warm:
 #   carry .stage1: `bash bench/gpu_session.sh stage`; carry .stage2: `bash bench/gpu_session.sh stage`;
 #   carry .stage3 + .whl: `bash bench/gpu_session.sh run STEPS...` (later calls: carry .whl only).
-# Random-weight steps (tp, kerneltests, kernelbench, kernelround, specbench, overhead, warmup, cmdbuf, adaptive, autotune) need no staging: `bash bench/gpu_session.sh run kerneltests kernelbench kernelround`.
+# Random-weight steps (tp, profile, kerneltests, kernelbench, kernelround, specbench, overhead, warmup, cmdbuf, adaptive, autotune) need no staging: `bash bench/gpu_session.sh run kerneltests kernelbench kernelround`.
 set -uo pipefail
 mode="${1:-run}"
 stage_in() {  # whatever staged parts this call carries -> $HOME/stage; unpack the data archives once
@@ -114,5 +114,15 @@ if [[ "$steps" == *" tp "* ]]; then  # issue 11 (2 GPUs): tp=2 equals tp=1 with 
 fi
 if [[ "$steps" == *" bench "* ]]; then  # issue 9: jeagle target-only / EAGLE-3 (shipped head) / HF compiled, MT-bench
   python3 bench/decode.py --prompts .data/mtbench.jsonl --batch-sizes "${DECODE_BATCHES:-1,4,16,48}" \
-    --hf-batch-sizes "${HF_BATCHES:-1,16}" --json-out "$OUT/decode.json" 2>&1 | tee "$OUT/decode.log"
+    --hf-batch-sizes "${HF_BATCHES:-1,16}" --json-out "$OUT/decode.json" --plot "$OUT/decode.png" 2>&1 \
+    | grep -v '^{"bench"' | tee "$OUT/decode.log"
+fi
+if [[ "$steps" == *" profile "* ]]; then  # issue 9: one round (and one target-only step) at batch 1 and 48, per op
+  for shape in ${PROFILE_SHAPES:-llama8b smollm2}; do
+    tau=4.68; [ "$shape" = smollm2 ] && tau=3.15  # 8B: SGLang's published tau; SmolLM2: the shipped head on MT-bench
+    python3 bench/profile_decode.py --shape $shape --batch-sizes "${PROFILE_BATCHES:-1,48}" --steps 64 \
+      2>&1 | tee "$OUT/profile_${shape}_target.log"
+    python3 bench/profile_decode.py --shape $shape --batch-sizes "${PROFILE_BATCHES:-1,48}" --spec 5,4,8 \
+      --simulate-accept $tau --steps 128 2>&1 | tee "$OUT/profile_${shape}_round.log"
+  done
 fi

@@ -5,8 +5,9 @@ Random weights of a named shape (no checkpoint needed), so the layout of the ste
 is measured. Prints per batch size: device ops per decode step, device-busy time per step against
 the wall time per step (the difference: the device idle, waiting on the host), and the top ops by
 total time; then one JSON line. `--spec S,K,N` profiles EAGLE-3 rounds instead (a random head shaped
-for the target, acceptance forced to `--simulate-accept` τ), normalised per round; the traced run
-includes its prefill, so trace enough steps for the decode to dominate.
+for the target, acceptance forced to `--simulate-accept` τ), normalised per round. When the trace names each
+op's HLO module (GPU traces do), the prefill executables are left out of the per-step figures and the
+device's idle time between the decode executables' ops (the host gaps) is reported with the largest gaps.
 
     python bench/profile_decode.py --shape smollm2 --batch-sizes 1,16
     python bench/profile_decode.py --shape llama8b --batch-sizes 1,48 --spec 5,4,8 --simulate-accept 4.68
@@ -59,11 +60,12 @@ def random_target_and_head(shape: str):
 
 def device_events(trace_dir: str):
     """(name, duration_us) of every op the trace puts on a GPU stream."""
-    return [e for evs in device_events_by_device(trace_dir).values() for e in evs]
+    return [(e[0], e[1]) for evs in device_events_by_device(trace_dir, with_module=True).values() for e in evs]
 
 
-def device_events_by_device(trace_dir: str) -> dict[str, list[tuple[str, float]]]:
-    """{device process name: [(name, duration_us), ...]} of the ops the trace puts on GPU streams."""
+def device_events_by_device(trace_dir: str, with_module: bool = False) -> dict[str, list[tuple]]:
+    """{device process name: [(name, duration_us), ...]} of the ops the trace puts on GPU streams;
+    with_module: [(name, duration_us, start_us, hlo module or "")] (the module: which executable ran it)."""
     files = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
     files += glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
     if not files:
@@ -73,11 +75,36 @@ def device_events_by_device(trace_dir: str) -> dict[str, list[tuple[str, float]]
     events = doc["traceEvents"] if isinstance(doc, dict) else doc
     gpu_pids = {e["pid"]: str(e["args"]["name"]) for e in events if e.get("ph") == "M"
                 and e.get("name") == "process_name" and "gpu" in str(e.get("args", {}).get("name", "")).lower()}
-    out: dict[str, list[tuple[str, float]]] = {name: [] for name in gpu_pids.values()}
+    out: dict[str, list[tuple]] = {name: [] for name in gpu_pids.values()}
     for e in events:
         if e.get("ph") == "X" and e.get("pid") in gpu_pids:
-            out[gpu_pids[e["pid"]]].append((e["name"], float(e.get("dur", 0))))
+            dur = float(e.get("dur", 0))
+            if with_module:
+                args = e.get("args") or {}
+                out[gpu_pids[e["pid"]]].append((e["name"], dur, float(e.get("ts", 0)), str(args.get("hlo_module", ""))))
+            else:
+                out[gpu_pids[e["pid"]]].append((e["name"], dur))
     return out
+
+
+def decode_phase(events: list[tuple]) -> tuple[list[tuple], bool]:
+    """The events of the decode executables (rounds or decode steps), without the prefill's, when the
+    trace names each op's HLO module; else all events and False (the prefill is then included)."""
+    if not events or not any(e[3] for e in events):
+        return events, False
+    return [e for e in events if e[3] and "prefill" not in e[3]], True
+
+
+def idle_gaps(events: list[tuple], top: int = 5) -> tuple[float, list[float]]:
+    """(total idle us, the `top` largest gaps in us) between the first and last device op of `events`:
+    time the device waited (on the host, or on a host->device copy), overlapping ops merged."""
+    spans = sorted((e[2], e[2] + e[1]) for e in events)
+    gaps, end = [], None
+    for s, t in spans:
+        if end is not None and s > end:
+            gaps.append(s - end)
+        end = t if end is None else max(end, t)
+    return sum(gaps), sorted(gaps, reverse=True)[:top]
 
 
 def main(argv=None):
@@ -130,25 +157,36 @@ def main(argv=None):
         with tempfile.TemporaryDirectory() as d:
             with jax.profiler.trace(d, create_perfetto_trace=True):
                 engine.generate([prompt] * batch, sp)
-            ev = device_events(d)
+            ev_all = [e for evs in device_events_by_device(d, with_module=True).values() for e in evs]
         if engine.last_stats.get("compile_s", 0.0):
             print(f"batch {batch}: the traced run compiled ({engine.last_stats['compile_s']:.1f} s): its ops include "
                   "compilation (autotuning) kernels", flush=True)
+        ev, prefill_excluded = decode_phase(ev_all)
         n = engine.last_stats["rounds"] / batch if args.spec else args.steps  # rounds per request
         by_name = collections.defaultdict(lambda: [0, 0.0])
-        for name, dur in ev:
+        for name, dur, *_ in ev:
             by_name[name][0] += 1
             by_name[name][1] += dur
-        busy_us = sum(d for _, d in ev)
+        busy_us = sum(e[1] for e in ev)
+        idle_us, gaps = idle_gaps(ev)
+        modules = collections.Counter()
+        for e in ev_all:
+            modules[e[3] or "?"] += e[1]
         row = {"batch": batch, "unit": unit, "per_request": n, "wall_ms_per_step": 1e3 * wall / n,
                "device_ops_per_step": len(ev) / n, "device_busy_ms_per_step": busy_us / 1e3 / n,
+               "prefill_excluded": prefill_excluded,
+               "device_idle_ms_per_step": idle_us / 1e3 / n, "largest_gaps_us": [round(g, 1) for g in gaps],
+               "busy_ms_by_module": {m: round(t / 1e3, 3) for m, t in modules.most_common(8)},
                "accept_length": engine.last_stats.get("accept_length", 1.0),
                "top": sorted(((name, c / n, t / n) for name, (c, t) in by_name.items()),
                              key=lambda x: -x[2])[: args.top]}
         out["rows"].append(row)
-        print(f"\nbatch {batch}: wall {row['wall_ms_per_step']:.3f} ms/{unit}, device busy "
-              f"{row['device_busy_ms_per_step']:.3f} ms/{unit}, {row['device_ops_per_step']:.0f} device ops/{unit} "
-              f"({n:.1f} {unit}s per request, accept {row['accept_length']:.2f}; prefill included)")
+        scope = "decode executables only" if prefill_excluded else "prefill included"
+        print(f"\nbatch {batch}: wall {row['wall_ms_per_step']:.3f} ms/{unit} (whole run), device busy "
+              f"{row['device_busy_ms_per_step']:.3f} ms/{unit}, idle between ops {row['device_idle_ms_per_step']:.3f} "
+              f"ms/{unit} (largest gaps {row['largest_gaps_us']} us), {row['device_ops_per_step']:.0f} device ops/{unit} "
+              f"({n:.1f} {unit}s per request, accept {row['accept_length']:.2f}; {scope})")
+        print("busy ms by executable:", row["busy_ms_by_module"])
         print(f"{'op':<70} {'per ' + unit:>9} {'us/' + unit:>9}")
         for name, c, t in row["top"]:
             print(f"{name[:70]:<70} {c:>9.1f} {t:>9.1f}")
