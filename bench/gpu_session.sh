@@ -117,6 +117,16 @@ if [[ "$steps" == *" bench "* ]]; then  # issue 9: jeagle target-only / EAGLE-3 
     --hf-batch-sizes "${HF_BATCHES:-1,16}" --json-out "$OUT/decode.json" --plot "$OUT/decode.png" 2>&1 \
     | grep -v '^{"bench"' | tee "$OUT/decode.log"
 fi
+if [[ "$steps" == *" eaglepeer "* ]]; then  # issue 9: eagle-llm (official EAGLE-1 code) vs jeagle on one EAGLE-1 head
+  RUN1="${RUN1:-$HOME/run_eagle1}"
+  [ -d "$RUN1/head" ] || python3 -m jeagle.train_draft --out "$RUN1" --data "$HOME/data0.npz" --kind eagle1 \
+    --steps "${E1_STEPS:-3000}" --batch-size 32 --seq-len 640 --time-limit "${E1_LIMIT:-200}" --eval-prompts 16 \
+    --save-every 500 --log-every 100 --name smollm2-135m-instruct-eagle1 --no-progress 2>&1 | grep -v "^ *$" \
+    | tee "$OUT/train_eagle1.log"
+  cp "$RUN1"/train_log.jsonl "$OUT/train_eagle1_log.jsonl" 2>/dev/null
+  python3 bench/eagle_llm_peer.py --head "$RUN1/head" --prompts .data/mtbench.jsonl --num-prompts "${PEER_PROMPTS:-10}" \
+    --json-out "$OUT/eagle_llm.json" 2>&1 | grep -v '^{"bench' | tee "$OUT/eagle_llm.log"
+fi
 if [[ "$steps" == *" profile "* ]]; then  # issue 9: one round (and one target-only step) at batch 1 and 48, per op
   for shape in ${PROFILE_SHAPES:-llama8b smollm2}; do
     tau=4.68; [ "$shape" = smollm2 ] && tau=3.15  # 8B: SGLang's published tau; SmolLM2: the shipped head on MT-bench
