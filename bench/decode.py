@@ -117,7 +117,10 @@ def jeagle_rows(target_dir, head_dir, prompts_ids, batches, max_new, repeats, ti
     for batch in batches:
         ids = batch_of(prompts_ids, batch)
         for name, eng in engines.items():
-            eng.generate(ids, sp)  # warm-up: compiles every shape the timed runs use
+            # Compile every executable this batch size can reach (every tier of jeagle-adaptive, every KV
+            # bucket), then a warm-up run.
+            eng.warmup(batch_sizes=[batch], greedy=(True,), progress=False)
+            eng.generate(ids, sp)
 
             def once():
                 outs = eng.generate(ids, sp)

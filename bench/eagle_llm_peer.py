@@ -145,7 +145,13 @@ def smollm2_hf_dir(out: Path) -> Path:
     from jeagle.fetch import smollm2_gguf_path
 
     gguf = smollm2_gguf_path(quiet=True)
-    AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16).save_pretrained(out)
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
+    # A GGUF-loaded model refuses save_pretrained (quantization_config): the same weights in a plain model.
+    config = loaded.config
+    config.__dict__.pop("quantization_config", None)
+    plain = type(loaded)(config).to(torch.bfloat16)
+    plain.load_state_dict(loaded.state_dict())
+    plain.save_pretrained(out)
     return out
 
 
@@ -214,12 +220,15 @@ def main(argv=None) -> dict:
         systems[f"jeagle-eagle1 {tier}"] = (SpecEngine(model, head, ec, SpecConfig(*tier)), tier)
     reference = None
     for name, (eng, tier) in systems.items():
-        eng.generate([prompts[0]], sp)  # warm-up (compiles)
+        eng.warmup(batch_sizes=[1], greedy=(True,), progress=False)  # every prefill length and KV bucket
+        eng.generate([prompts[0]], sp)
         outs, secs, acc = [], 0.0, []
         for ids in prompts:
             t0 = time.perf_counter()
             out = eng.generate([ids], sp)[0].token_ids
             secs += time.perf_counter() - t0
+            if eng.last_stats.get("compile_s", 0.0):
+                raise RuntimeError(f"{name}: a timed run compiled")
             outs.append(out)
             acc.append(eng.last_stats.get("accept_length", 1.0))
         row = {"system": name, "tokens_per_s": round(len(prompts) * n_new / secs, 1)}

@@ -124,6 +124,7 @@ if [[ "$steps" == *" eaglepeer "* ]]; then  # issue 9: eagle-llm (official EAGLE
     --save-every 500 --log-every 100 --name smollm2-135m-instruct-eagle1 --no-progress 2>&1 | grep -v "^ *$" \
     | tee "$OUT/train_eagle1.log"
   cp "$RUN1"/train_log.jsonl "$OUT/train_eagle1_log.jsonl" 2>/dev/null
+  tar cf "$OUT/eagle1_head.tar" -C "$RUN1" head 2>/dev/null
   python3 bench/eagle_llm_peer.py --head "$RUN1/head" --prompts .data/mtbench.jsonl --num-prompts "${PEER_PROMPTS:-10}" \
     --json-out "$OUT/eagle_llm.json" 2>&1 | grep -v '^{"bench' | tee "$OUT/eagle_llm.log"
 fi
