@@ -12,13 +12,15 @@ the median of `--repeats`. Systems:
     jeagle-adaptive  the same head with the adaptive controller (`--speculative-adaptive`: the default
                   tiers for the base `--tier`, or `--adaptive-config`); the accept length and the tiers
                   it ran (round counts per tier) are reported
-    hf            Hugging Face transformers `generate` with a static cache and `torch.compile`
-                  (mode reduce-overhead) on the same GGUF dequantised to bf16 — needs torch + CUDA; left
-                  padding with an attention mask; `min_new_tokens` forces the length
-    eagle-llm     not run: the official EAGLE code (`eagle-llm==1.2.1`, `eagle.model.cnets.Model`) is an
+    hf            Hugging Face transformers `generate` with a static cache, its decode compiled by
+                  transformers (`CompileConfig`: torch.compile reduce-overhead, fullgraph) on the same
+                  GGUF dequantised to bf16 — needs torch + CUDA; left padding with an attention mask;
+                  `min_new_tokens` forces the length
+    eagle-llm     not run here: the official EAGLE code (`eagle-llm==1.2.1`, `eagle.model.cnets.Model`) is an
                   EAGLE-1/2 head (fc over [embedding | feature], the target's lm_head); the shipped head
                   is EAGLE-3 (low|mid|high features, its own 8k-vocabulary lm_head, d2t), which that code
-                  cannot load. Printed as such in the JSON (`peers_not_run`).
+                  cannot load. Printed as such in the JSON (`peers_not_run`); bench/eagle_llm_peer.py runs
+                  it against jeagle on one EAGLE-1 head instead.
 
 Prints a table, writes `--plot` (tokens/s vs batch, one line per system; needs matplotlib, else
 skipped with a message — `--plot-only JSON` draws it later), and prints one JSON line last.
@@ -117,9 +119,9 @@ def jeagle_rows(target_dir, head_dir, prompts_ids, batches, max_new, repeats, ti
     for batch in batches:
         ids = batch_of(prompts_ids, batch)
         for name, eng in engines.items():
-            # Compile every executable this batch size can reach (every tier of jeagle-adaptive, every KV
-            # bucket), then a warm-up run.
-            eng.warmup(batch_sizes=[batch], greedy=(True,), progress=False)
+            # Compile every executable this batch can reach (the smaller buckets it shrinks into as
+            # requests finish, every KV bucket, every tier of jeagle-adaptive), then a warm-up run.
+            eng.warmup(batch_sizes=range(1, batch + 1), greedy=(True,), progress=False)
             eng.generate(ids, sp)
 
             def once():
@@ -140,17 +142,36 @@ def jeagle_rows(target_dir, head_dir, prompts_ids, batches, max_new, repeats, ti
     return rows
 
 
-def hf_rows(gguf: Path, prompts_ids, batches, max_new, repeats, pad_id: int, device: str = "cuda") -> list[dict]:
-    """The transformers peer; device "cpu" (eager, no torch.compile) only checks this code path."""
+def plain_hf_model(gguf: Path, dtype: str = "bfloat16"):
+    """SmolLM2 from its GGUF as a plain (unquantized) transformers model: dequantised on load, then the
+    same weights in a model without the GGUF quantization config, which would block save_pretrained and
+    transformers' compiled generation."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=getattr(torch, dtype))
+    config = loaded.config
+    config.__dict__.pop("quantization_config", None)
+    plain = type(loaded)(config).to(getattr(torch, dtype))
+    plain.load_state_dict(loaded.state_dict())
+    return plain
+
+
+def hf_rows(gguf: Path, prompts_ids, batches, max_new, repeats, pad_id: int, device: str = "cuda") -> list[dict]:
+    """The transformers peer; device "cpu" (eager, no torch.compile) only checks this code path."""
+    import torch
+    from transformers import CompileConfig
+
     if device == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("the hf peer needs CUDA")
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16).to(device).eval()
+
+    model = plain_hf_model(gguf).to(device).eval()
     model.generation_config.cache_implementation = "static"
-    if device == "cuda":
-        model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
+    # transformers' own compile of a static-cache decode (generate compiles the decode forward, not the
+    # prefill; CUDA graphs via reduce-overhead). Wrapping model.forward in torch.compile by hand instead
+    # also compiles the prefill, and under transformers 5.17 its CUDA-graph outputs get overwritten
+    # (RuntimeError in session 7). It only engages on CUDA and for an unquantized model, hence plain_hf_model.
+    model.generation_config.compile_config = CompileConfig(fullgraph=True, mode="reduce-overhead")
     rows = []
     for batch in batches:
         ids = batch_of(prompts_ids, batch)
@@ -168,9 +189,13 @@ def hf_rows(gguf: Path, prompts_ids, batches, max_new, repeats, pad_id: int, dev
 
         once()  # warm-up: torch.compile and CUDA graphs for this shape
         tps, _ = median_run(once, repeats)
+        compiled = getattr(model, "_compiled_call", None) is not None
+        if device == "cuda" and not compiled:
+            raise RuntimeError("transformers did not compile the decode (its auto-compile criteria were not met)")
         row = {"system": "hf", "batch": batch, "tokens_per_s": round(tps, 1),
                "variant": "transformers generate, static cache, " + (
-                   "torch.compile reduce-overhead, bf16" if device == "cuda" else "eager on CPU (code-path check only)")}
+                   "compiled decode (torch.compile reduce-overhead, fullgraph), bf16" if compiled
+                   else "eager on CPU (code-path check only)")}
         rows.append(row)
         print(json.dumps(row), flush=True)
     return rows

@@ -139,19 +139,11 @@ def load_eagle_llm(base_dir: Path, head_dir: Path, device: str, dtype):
 def smollm2_hf_dir(out: Path) -> Path:
     """SmolLM2-135M-Instruct as a transformers dir: its GGUF dequantised to bf16 (what the hf peer of
     decode.py runs)."""
-    import torch
-    from transformers import AutoModelForCausalLM
+    from decode import plain_hf_model
 
     from jeagle.fetch import smollm2_gguf_path
 
-    gguf = smollm2_gguf_path(quiet=True)
-    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.bfloat16)
-    # A GGUF-loaded model refuses save_pretrained (quantization_config): the same weights in a plain model.
-    config = loaded.config
-    config.__dict__.pop("quantization_config", None)
-    plain = type(loaded)(config).to(torch.bfloat16)
-    plain.load_state_dict(loaded.state_dict())
-    plain.save_pretrained(out)
+    plain_hf_model(smollm2_gguf_path(quiet=True)).save_pretrained(out)
     return out
 
 

@@ -146,6 +146,7 @@ def main(argv=None):
                           unroll_layers=args.unroll)
         engine = SpecEngine(model, head, ec, tier) if args.spec else Engine(model, ec)
         sp = SamplingParams(max_new_tokens=args.steps, ignore_eos=True)
+        engine.warmup(batch_sizes=range(1, batch + 1), greedy=(True,), progress=False)  # every bucket it can reach
         engine.generate([prompt] * batch, sp)
         for attempt in range(3):  # a run that compiled (a shape the warm-up missed) is not a measurement
             t0 = time.perf_counter()
