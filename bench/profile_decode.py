@@ -113,7 +113,8 @@ def main(argv=None):
     p.add_argument("--batch-sizes", default="1,16")
     p.add_argument("--steps", type=int, default=64, help="decode steps traced")
     p.add_argument("--decode-steps", type=int, default=1)
-    p.add_argument("--unroll", action="store_true")
+    p.add_argument("--unroll", default="auto",
+                   help="layer loop: auto (the engine's default), 0 (a loop), k (k layers per iteration) or all")
     p.add_argument("--context", type=int, default=256, help="prompt length")
     p.add_argument("--top", type=int, default=20)
     p.add_argument("--spec", default=None, metavar="S,K,N", help="profile EAGLE-3 rounds of this tier")
@@ -137,13 +138,15 @@ def main(argv=None):
 
         head = random_eagle3_head(cfg)
         tier = SpecConfig(*(int(x) for x in args.spec.split(",")), simulate_accept=args.simulate_accept)
+    # (A bare --unroll once meant "all"; False, the old default, overrode the engine's own choice.)
+    unroll = {"auto": None, "all": True}.get(args.unroll) if args.unroll in ("auto", "all") else int(args.unroll)
     prompt = list(range(100, 100 + args.context))
     unit = "round" if args.spec else "step"
     out = {"bench": "profile_decode", "shape": args.shape, "device": jax.devices()[0].device_kind,
-           "spec": args.spec, "simulate_accept": args.simulate_accept if args.spec else None, "rows": []}
+           "spec": args.spec, "unroll": args.unroll, "simulate_accept": args.simulate_accept if args.spec else None, "rows": []}
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
         ec = EngineConfig(max_batch_size=batch, max_context=1024, decode_steps=args.decode_steps,
-                          unroll_layers=args.unroll)
+                          unroll_layers=unroll)
         engine = SpecEngine(model, head, ec, tier) if args.spec else Engine(model, ec)
         sp = SamplingParams(max_new_tokens=args.steps, ignore_eos=True)
         engine.warmup(batch_sizes=range(1, batch + 1), greedy=(True,), progress=False)  # every bucket it can reach
