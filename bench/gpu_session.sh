@@ -107,10 +107,11 @@ if [[ "$steps" == *" acceptlen "* ]]; then  # issue 8: accept length of the head
     2>&1 | tee "$OUT/accept_length.log"
 fi
 if [[ "$steps" == *" tp "* ]]; then  # issue 11 (2 GPUs): tp=2 equals tp=1 with the kernels; 8B-shaped tp=1 vs tp=2
-  python3 -m pytest -q -m gpu tests/test_gpu_tp.py 2>&1 | tail -5 | tee "$OUT/pytest_gpu_tp.log"
+  [ "${TP_TESTS:-1}" = 1 ] && python3 -m pytest -q -m gpu tests/test_gpu_tp.py 2>&1 | tail -5 | tee "$OUT/pytest_gpu_tp.log"
+  # SCALE_VARIANTS: tp>1 placements VOCAB:DRAFT (e.g. replicate:replicate,shard:shard; a second call, each ~3 min)
   python3 bench/scale.py --shape llama8b --tp "${SCALE_TP:-1,2}" --batch-sizes "${SCALE_BATCHES:-1,16}" \
-    --tau "${SCALE_TAU:-4.68}" --repeats "${SCALE_REPEATS:-3}" ${SCALE_ARGS:---profile} --json-out "$OUT/scale.json" \
-    2>&1 | tee "$OUT/scale.log"
+    --tau "${SCALE_TAU:-4.68}" --repeats "${SCALE_REPEATS:-3}" --tp-variants "${SCALE_VARIANTS:-shard:replicate}" \
+    ${SCALE_ARGS:---profile} --json-out "$OUT/scale${SCALE_TAG:-}.json" 2>&1 | tee "$OUT/scale${SCALE_TAG:-}.log"
 fi
 if [[ "$steps" == *" bench "* ]]; then  # issue 9: jeagle target-only / EAGLE-3 (shipped head) / HF compiled, MT-bench
   python3 bench/decode.py --prompts .data/mtbench.jsonl --batch-sizes "${DECODE_BATCHES:-1,4,16,48}" \

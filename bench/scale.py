@@ -13,7 +13,12 @@ Bandwidth bound (per device): a decode step reads the weights once (1/tp of them
 prefix (1/tp of the KV heads); bound tokens/s = batch / (bytes per step / copy bandwidth), with the copy
 bandwidth measured here (an elementwise pass over 2 GiB: read + write).
 
+With tp > 1, `--tp-variants` lists the placements to compare, VOCAB:DRAFT each (the lm_head and
+embedding rows "shard"ed or "replicate"d; the EAGLE head "replicate"d or "shard"ed like a target
+layer); the bound counts a replicated lm_head whole on every device.
+
     python bench/scale.py --shape llama8b --tp 1,2 --batch-sizes 1,16 --tau 3,4.68 --profile
+    python bench/scale.py --tp 2 --tp-variants shard:replicate,replicate:replicate,shard:shard
 """
 
 from __future__ import annotations
@@ -123,6 +128,8 @@ def main(argv=None) -> dict:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--context", type=int, default=256, help="prompt tokens")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--tp-variants", default="shard:replicate",
+                   help="tp > 1 placements, VOCAB:DRAFT comma list (vocab shard|replicate, draft replicate|shard)")
     p.add_argument("--profile", action="store_true", help="trace each tp's largest batch: collectives' share")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
@@ -149,6 +156,10 @@ def main(argv=None) -> dict:
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
     if not cfg.tie_word_embeddings:
         weight_bytes -= model.embed[...].nbytes
+    head_bytes = (model.embed if cfg.tie_word_embeddings else model.lm_head)[...].nbytes
+    variants = [tuple(v.split(":")) for v in args.tp_variants.split(",") if v.strip()]
+    if any(len(v) != 2 or v[0] not in ("shard", "replicate") or v[1] not in ("replicate", "shard") for v in variants):
+        p.error(f"--tp-variants: VOCAB:DRAFT pairs (shard|replicate:replicate|shard), got {args.tp_variants!r}")
     kv_bytes_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
     prompt = list(range(100, 100 + args.context))
     max_ctx = args.context + args.max_new_tokens + 64
@@ -159,19 +170,22 @@ def main(argv=None) -> dict:
            "context": args.context, "sglang_h100_llama8b": SGLANG_H100, "rows": [], "profiles": []}
     print(f"{args.shape}: {weight_bytes / 1e9:.2f} GB of weights read per step; copy bandwidth {bw / 1e9:.0f} GB/s "
           f"({doc['device']} x{doc['devices']})", flush=True)
-    for tp in [int(t) for t in args.tp.split(",")]:
+    runs = [(tp, v) for tp in (int(t) for t in args.tp.split(",")) for v in (variants if tp > 1 else [("-", "-")])]
+    for tp, (vocab, draft_place) in runs:
+        placement = {} if tp == 1 else {"tp_vocab": vocab, "tp_draft": draft_place}
         ec = EngineConfig(max_batch_size=max(batches), batch_buckets=tuple(sorted(set(batches))), max_context=max_ctx,
-                          max_total_tokens=max(batches) * max_ctx + 4096, tp=tp)
+                          max_total_tokens=max(batches) * max_ctx + 4096, tp=tp, **placement)
         engines = {"target-only": Engine(model, ec)}
         for tau in taus:
             engines[f"eagle3 tau={tau:g}"] = SpecEngine(model, head, ec, SpecConfig(s, k, n, simulate_accept=tau))
         for batch in batches:
             avg_ctx = args.context + args.max_new_tokens / 2
-            step_bytes = (weight_bytes + batch * avg_ctx * kv_bytes_per_token) / tp
+            replicated = head_bytes * (tp - 1) / tp if vocab == "replicate" else 0.0  # the rest of the lm_head
+            step_bytes = (weight_bytes + batch * avg_ctx * kv_bytes_per_token) / tp + replicated
             bound = batch / (step_bytes / bw)
             for name, eng in engines.items():
                 tps, stats = timed(eng, prompt, batch, args.max_new_tokens, args.repeats)
-                row = {"tp": tp, "batch": batch, "system": name, "tokens_per_s": round(tps, 1),
+                row = {"tp": tp, **placement, "batch": batch, "system": name, "tokens_per_s": round(tps, 1),
                        "accept_length": round(stats.get("accept_length", 1.0), 3),  # realised (τ is a mean)
                        "compile_s": round(getattr(eng, "compile_seconds", 0.0), 1)}
                 if name == "target-only":  # the bound is a target step's; a round also runs the draft
@@ -184,12 +198,13 @@ def main(argv=None) -> dict:
             sp = SamplingParams(max_new_tokens=32, ignore_eos=True)
             for name, eng in engines.items():
                 prof = collective_share(lambda: eng.generate([prompt] * batch, sp))
-                doc["profiles"].append({"tp": tp, "batch": batch, "system": name, "per_device": prof})
+                doc["profiles"].append({"tp": tp, **placement, "batch": batch, "system": name, "per_device": prof})
                 print(json.dumps(doc["profiles"][-1]), flush=True)
         del engines
-    print(f"\n{'tp':>3} {'batch':>5} {'system':<18} {'tokens/s':>9} {'bound':>9} {'accept':>7}")
+    print(f"\n{'tp':>3} {'vocab:draft':<19} {'batch':>5} {'system':<18} {'tokens/s':>9} {'bound':>9} {'accept':>7}")
     for r in doc["rows"]:
-        print(f"{r['tp']:>3} {r['batch']:>5} {r['system']:<18} {r['tokens_per_s']:>9.1f} "
+        where = f"{r['tp_vocab']}:{r['tp_draft']}" if "tp_vocab" in r else "-"
+        print(f"{r['tp']:>3} {where:<19} {r['batch']:>5} {r['system']:<18} {r['tokens_per_s']:>9.1f} "
               f"{r.get('bandwidth_bound_tokens_per_s', float('nan')):>9.1f} {r['accept_length']:>7.2f}")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(doc, indent=1))

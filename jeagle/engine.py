@@ -181,6 +181,8 @@ class EngineConfig:
     compile_processes: int | None = None  # warm-up worker processes (need the store); None: auto (8 on a GPU), 0: none
     min_prefill_bucket: int = 64
     tp: int = 1  # tensor parallelism: devices the target is split over (jeagle/sharding.py)
+    tp_vocab: str = "shard"  # lm_head / embedding rows split over the devices, or "replicate"
+    tp_draft: str = "replicate"  # the draft head replicated, or "shard" (split like a target layer)
 
 
 @jax.tree_util.register_dataclass
@@ -228,13 +230,18 @@ class Engine:
         self.model_cfg: ModelConfig = model.cfg
         self.cfg = config
         self.mesh = None
+        from jeagle.sharding import TP_DRAFT, TP_VOCAB
+
+        if config.tp_vocab not in TP_VOCAB or config.tp_draft not in TP_DRAFT:
+            raise ValueError(f"tp_vocab must be one of {TP_VOCAB} and tp_draft one of {TP_DRAFT}; got "
+                             f"{config.tp_vocab!r}, {config.tp_draft!r}")
         if config.tp > 1:
             from jeagle.sharding import make_mesh, shard_target
 
             if abstract:
                 raise ValueError("tensor parallelism does not run in warm-up worker processes")
             self.mesh = make_mesh(config.tp)
-            model = shard_target(model, self.mesh)
+            model = shard_target(model, self.mesh, config.tp_vocab)
         self.graphdef, self.params = nnx.split(model)
         mc = self.model_cfg
         self.max_ctx = config.max_context or min(mc.max_position_embeddings, 8192)

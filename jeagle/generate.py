@@ -52,6 +52,8 @@ class GenerateArgs:
     no_compile_cache: bool = False
     compile_workers: int | None = None
     tp: int = 1
+    tp_vocab: str = "shard"
+    tp_draft: str = "replicate"
 
 
 def build_parser(prog: str = "python -m jeagle.generate", prompts: bool = True,
@@ -108,6 +110,10 @@ def build_parser(prog: str = "python -m jeagle.generate", prompts: bool = True,
     rt.add_argument("--tp", type=int, default=1, metavar="N",
                     help="tensor parallelism: split the target over N devices of this host (heads, MLP, vocabulary; "
                          "KV pools by KV heads); outputs equal --tp 1")
+    rt.add_argument("--tp-vocab", choices=["shard", "replicate"], default="shard",
+                    help="with --tp: the lm_head/embedding rows split over the devices (default) or replicated")
+    rt.add_argument("--tp-draft", choices=["replicate", "shard"], default="replicate",
+                    help="with --tp: the EAGLE head replicated (default) or split like a target layer")
     rt.add_argument("--compile-workers", type=int, default=None,
                     help="threads that load and compile executables during --warmup (default: min(16, CPUs))")
     spec = p.add_argument_group("speculative decoding (EAGLE)")
@@ -239,7 +245,8 @@ def build_engine(args, target_dir, n_requests: int | None = None, adaptive=None)
                               batch_buckets=args.buckets, max_bucket=args.max_bucket,
                               disable_padding=args.disable_padding, overlap=args.overlap,
                               verify_done_wait=args.verify_done_wait, executable_cache_dir=exe_store,
-                              compile_workers=args.compile_workers, tp=args.tp)
+                              compile_workers=args.compile_workers, tp=args.tp, tp_vocab=args.tp_vocab,
+                              tp_draft=args.tp_draft)
     if draft is None:
         engine = Engine(model, engine_cfg)
     else:

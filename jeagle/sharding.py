@@ -21,8 +21,12 @@ operands whole onto every device, KV pools included. The paged-attention kernel 
 `shard_map` per KV-head shard (`over_kv_heads`): each device attends its own heads over its own part
 of the pools, and nothing is communicated. The other kernels read only replicated bookkeeping (the
 slot table, the tree, argmax tokens) and run replicated as they are.
-The draft head is replicated (measuring it sharded is open), its pools split by KV heads when they
-divide. Tests: tests/test_sharding.py (4 virtual CPU devices).
+The draft head is replicated by default (`EngineConfig.tp_draft = "replicate"`) or split like a target
+layer ("shard": its q|k|v, o, gate|up and down by heads / the intermediate dimension; fc and norms
+replicated); its pools split by KV heads when they divide. The vocabulary (the target's lm_head and
+embedding, an EAGLE-3 head's own lm_head) is split by rows by default or replicated
+(`tp_vocab = "replicate"`: the logits need no gather, but every device reads the whole lm_head).
+Both choices are measured by bench/scale.py --tp-variants. Tests: tests/test_sharding.py (4 virtual CPU devices).
 """
 
 from __future__ import annotations
@@ -53,6 +57,26 @@ TARGET_AXES = {
 }
 KV_POOL_AXES = ("layers", "slots", "kv_heads", "head_dim")
 RULES = {"qkv": TP, "heads": TP, "kv_heads": TP, "mlp": TP, "mlp2": TP, "vocab": TP}
+# The draft head's parameters (models/eagle.py); its decoder layers use the target's layer axes.
+DRAFT_AXES = {
+    "fc_w": ("fc_in", "embed"),
+    "fc_b": ("embed",),
+    "attn_norm": ("layers", "embed"),
+    "input_norm": ("embed",),
+    "hidden_norm": ("embed",),
+    "final_norm": ("embed",),
+    "lm_head": ("vocab", "embed"),
+    "d2t": ("draft_vocab_ids",),
+} | {k: TARGET_AXES[k] for k in ("wqkv", "bqkv", "wo", "mlp_norm", "w_gate_up", "w_down")}
+TP_DRAFT = ("replicate", "shard")
+TP_VOCAB = ("shard", "replicate")
+
+
+def rules(vocab: str = "shard") -> dict:
+    """RULES with the vocabulary axis split ("shard") or replicated ("replicate")."""
+    if vocab not in TP_VOCAB:
+        raise ValueError(f"tp_vocab must be one of {TP_VOCAB}, got {vocab!r}")
+    return RULES if vocab == "shard" else {k: v for k, v in RULES.items() if k != "vocab"}
 
 
 def make_mesh(tp: int, devices=None) -> Mesh:
@@ -66,12 +90,15 @@ def spec(axes: tuple[str, ...], rules=RULES) -> P:
     return P(*(rules.get(a) for a in axes))
 
 
-def check_divisible(cfg, tp: int) -> None:
-    """Clear errors for a model that cannot be split `tp` ways by heads and MLP."""
-    for what, n in (("num_kv_heads", cfg.num_kv_heads), ("num_heads", cfg.num_heads),
-                    ("intermediate_size", cfg.intermediate_size), ("vocab_size", cfg.vocab_size)):
+def check_divisible(cfg, tp: int, *, vocab: bool = True, what_model: str = "target") -> None:
+    """Clear errors for a model that cannot be split `tp` ways by heads and MLP (and vocabulary)."""
+    sizes = [("num_kv_heads", cfg.num_kv_heads), ("num_heads", cfg.num_heads),
+             ("intermediate_size", cfg.intermediate_size)]
+    if vocab:
+        sizes.append(("vocab_size", cfg.vocab_size))
+    for what, n in sizes:
         if n % tp:
-            raise ValueError(f"tensor parallelism {tp}: the target's {what} {n} is not divisible by {tp}")
+            raise ValueError(f"tensor parallelism {tp}: the {what_model}'s {what} {n} is not divisible by {tp}")
 
 
 def interleave(params: dict, cfg, tp: int) -> dict:
@@ -98,17 +125,35 @@ def interleave(params: dict, cfg, tp: int) -> dict:
     return out
 
 
-def shard_target(model, mesh: Mesh):
-    """The target with its weights re-laid out and placed on `mesh` by TARGET_AXES."""
+def _place(module, axes: dict, mesh: Mesh, table: dict):
     tp = mesh.shape[TP]
-    check_divisible(model.cfg, tp)
-    graphdef, state = nnx.split(model)
-    pure = interleave(nnx.to_pure_dict(state), model.cfg, tp)
-    placed = {k: jax.device_put(v, NamedSharding(mesh, spec(TARGET_AXES[k]))) for k, v in pure.items()}
+    graphdef, state = nnx.split(module)
+    pure = interleave(nnx.to_pure_dict(state), module.cfg, tp)
+    placed = {k: jax.device_put(v, NamedSharding(mesh, spec(axes[k], table))) for k, v in pure.items()}
     nnx.replace_by_pure_dict(state, placed)
     sharded = nnx.merge(graphdef, state)
     sharded.tp_groups = tp
     return sharded
+
+
+def shard_target(model, mesh: Mesh, vocab: str = "shard"):
+    """The target with its weights re-laid out and placed on `mesh` by TARGET_AXES (the vocabulary
+    split or replicated)."""
+    table = rules(vocab)
+    check_divisible(model.cfg, mesh.shape[TP], vocab=vocab == "shard")
+    return _place(model, TARGET_AXES, mesh, table)
+
+
+def shard_draft(draft, mesh: Mesh, vocab: str = "shard"):
+    """A draft head split like a target layer (DRAFT_AXES); an EAGLE-3 head's own lm_head by vocabulary
+    rows when `vocab` is "shard"."""
+    table = rules(vocab)
+    cfg, tp = draft.cfg, mesh.shape[TP]
+    check_divisible(cfg, tp, vocab=False, what_model="draft")
+    if vocab == "shard" and cfg.kind == "eagle3" and cfg.draft_vocab_size % tp:
+        raise ValueError(f"tensor parallelism {tp}: the draft's draft_vocab_size {cfg.draft_vocab_size} is not "
+                         f"divisible by {tp} (use tp_vocab='replicate')")
+    return _place(draft, DRAFT_AXES, mesh, table)
 
 
 def pool_sharding(mesh: Mesh, shape) -> NamedSharding:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -15,6 +17,21 @@ def pytest_configure(config):
 
     # fp32 parity tests compare against fp32 references: no TF32 matmuls on the GPU.
     jax.config.update("jax_default_matmul_precision", "highest")
+    # One persistent XLA compilation cache per test run, shared by the xdist workers (they inherit the
+    # variable): the tests build many engines over the same tiny models and tiers, whose executables are
+    # identical; each now compiles once (about half the CPU time of the engine tests). Tests that run
+    # the CLI may point the cache elsewhere, as the CLI does.
+    if os.environ.get("JEAGLE_TEST_XLA_CACHE") is None:
+        os.environ["JEAGLE_TEST_XLA_CACHE"] = tempfile.mkdtemp(prefix="jeagle-test-xla-")
+        config._jeagle_xla_cache_owner = True
+    jax.config.update("jax_compilation_cache_dir", os.environ["JEAGLE_TEST_XLA_CACHE"])
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+def pytest_unconfigure(config):
+    if getattr(config, "_jeagle_xla_cache_owner", False):
+        shutil.rmtree(os.environ.pop("JEAGLE_TEST_XLA_CACHE"), ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

@@ -145,6 +145,26 @@ ENGINE_SCRIPT = textwrap.dedent('''
         assert got == ref, ("spec", tp, got, ref)
         assert spec.last_stats["accept_length"] > 1.0
         print("engine tp", tp, "ok", spec.last_stats["accept_length"], flush=True)
+    # The draft split like a target layer: an EAGLE-1 head with the vocabulary replicated, an EAGLE-3
+    # head (own lm_head split by rows) with it split.
+    from flax import nnx
+    from jeagle.models.eagle import random_draft
+    from tests.spec_models import draft_config
+    eagle3 = random_draft(draft_config(cfg, "eagle3"), seed=4)
+    ref3 = [o.token_ids for o in SpecEngine(target, eagle3, EngineConfig(max_batch_size=4, max_context=64),
+                                            SpecConfig(3, 2, 4)).generate(prompts, params)]
+    assert ref3 == ref
+    for draft, vocab in ((head, "replicate"), (eagle3, "shard")):
+        ec = EngineConfig(max_batch_size=4, max_context=64, tp=2, tp_draft="shard", tp_vocab=vocab)
+        spec = SpecEngine(target, draft, ec, SpecConfig(num_steps=3, topk=2, num_draft_tokens=4))
+        placed = nnx.to_pure_dict(spec.draft_params)
+        assert placed["wqkv"].sharding.spec[2] == "tp" and placed["w_down"].sharding.spec[1] == "tp"
+        assert nnx.to_pure_dict(spec.params)["lm_head"].sharding.spec[0] == ("tp" if vocab == "shard" else None)
+        if draft is eagle3:
+            assert placed["lm_head"].sharding.spec[0] == "tp"
+        got = [o.token_ids for o in spec.generate(prompts, params)]
+        assert got == ref, ("draft sharded", draft.cfg.kind, vocab, got, ref)
+        print("draft sharded", draft.cfg.kind, "vocab", vocab, "ok", flush=True)
 ''')
 
 
@@ -153,3 +173,4 @@ def test_engines_on_a_mesh_equal_single_device():
     output, with the continuous batch crossing buckets; the KV pools split by KV heads."""
     proc = _run_on_4_devices(ENGINE_SCRIPT)
     assert "engine tp 2 ok" in proc.stdout and "engine tp 4 ok" in proc.stdout
+    assert "draft sharded eagle1 vocab replicate ok" in proc.stdout and "draft sharded eagle3 vocab shard ok" in proc.stdout

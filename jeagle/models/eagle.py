@@ -50,6 +50,9 @@ LAYER_PARAMS = ("wqkv", "bqkv", "wo", "mlp_norm", "w_gate_up", "w_down")
 
 
 class EagleHead(nnx.Module):
+    # Tensor-parallel shards of the fused q|k|v and gate|up columns (jeagle/sharding.py, tp_draft="shard").
+    tp_groups: int = 1
+
     def __init__(self, cfg: DraftConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
         H, I, Ld = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers
@@ -115,9 +118,9 @@ class EagleHead(nnx.Module):
                 x = jnp.concatenate([rms_norm(e, self.input_norm[...], eps), rms_norm(h, self.hidden_norm[...], eps)], -1)
             else:
                 x = h if j == 0 else rms_norm(h, self.attn_norm[j - 1], eps)
-            o, k_pool, v_pool = attention_sublayer(x, wi, j, k_pool, v_pool, cos, sin, attn, cfg)
+            o, k_pool, v_pool = attention_sublayer(x, wi, j, k_pool, v_pool, cos, sin, attn, cfg, self.tp_groups)
             h = h + o
-            h = h + mlp_sublayer(rms_norm(h, wi["mlp_norm"], eps), wi)
+            h = h + mlp_sublayer(rms_norm(h, wi["mlp_norm"], eps), wi, self.tp_groups)
 
         if cfg.kind == "eagle3":
             x, head = rms_norm(h, self.final_norm[...], eps), self.lm_head[...]

@@ -60,14 +60,19 @@ class SpecEngine(Engine):
         self.fused_round = fused_round
         self._context_reserve = self.layout.num_steps + 1
         super().__init__(model, config, abstract=abstract)
+        if self.mesh is not None and config.tp_draft == "shard":
+            from jeagle.sharding import shard_draft
+
+            draft = shard_draft(draft, self.mesh, config.tp_vocab)
         self.draft_graphdef, self.draft_params = nnx.split(draft)
         self.draft_cfg = draft.cfg
         self.kv_buckets = kv_buckets(self.max_ctx, config, (model.cfg.head_dim, draft.cfg.head_dim))
         self.dk, self.dv = self._alloc(lambda: init_pools(draft.cfg, num_slots=self.allocator.num_slots))
         self.srows = self._alloc(lambda: init_rows(self.max_reqs + 1, self.layout, draft.cfg.hidden_size,
                                                    jnp.dtype(draft.cfg.dtype)))
-        if self.mesh is not None:  # the draft is replicated (small); its pools split like the target's
-            self.draft_params = self._replicated(self.draft_params)
+        if self.mesh is not None:  # pools split like the target's; the draft replicated unless tp_draft="shard"
+            if config.tp_draft != "shard":
+                self.draft_params = self._replicated(self.draft_params)
             self.dk, self.dv = self._place_pools(self.dk, self.dv)
             self.srows = self._replicated(self.srows)
         self.aux_layers = tuple(draft.cfg.aux_layer_ids) if draft.cfg.kind == "eagle3" else ()
