@@ -121,10 +121,13 @@ def jeagle_rows(target_dir, head_dir, prompts_ids, batches, max_new, repeats, ti
         for name, eng in engines.items():
             # Compile every executable this batch can reach (the smaller buckets it shrinks into as
             # requests finish, every KV bucket, every tier of jeagle-adaptive), then a warm-up run.
-            eng.warmup(batch_sizes=range(1, batch + 1), greedy=(True,), progress=False)
+            eng.warmup(batch_sizes=range(1, batch + 1), prefill_lengths=sorted({len(p) for p in ids}), greedy=(True,),
+                       progress=False)
             eng.generate(ids, sp)
 
             def once():
+                if name == "jeagle-adaptive":
+                    eng.reset_tier()  # every run starts from the initial tier with a fresh EMA
                 outs = eng.generate(ids, sp)
                 if eng.last_stats.get("compile_s", 0.0):
                     raise RuntimeError(f"{name}: the timed run compiled")
@@ -144,8 +147,8 @@ def jeagle_rows(target_dir, head_dir, prompts_ids, batches, max_new, repeats, ti
 
 def plain_hf_model(gguf: Path, dtype: str = "bfloat16"):
     """SmolLM2 from its GGUF as a plain (unquantized) transformers model: dequantised on load, then the
-    same weights in a model without the GGUF quantization config, which would block save_pretrained and
-    transformers' compiled generation."""
+    same weights in a model without the GGUF quantization config (which blocks save_pretrained, needed by
+    eagle_llm_peer.py; both peers then run the very same model object type and weights)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -170,7 +173,7 @@ def hf_rows(gguf: Path, prompts_ids, batches, max_new, repeats, pad_id: int, dev
     # transformers' own compile of a static-cache decode (generate compiles the decode forward, not the
     # prefill; CUDA graphs via reduce-overhead). Wrapping model.forward in torch.compile by hand instead
     # also compiles the prefill, and under transformers 5.17 its CUDA-graph outputs get overwritten
-    # (RuntimeError in session 7). It only engages on CUDA and for an unquantized model, hence plain_hf_model.
+    # (RuntimeError in session 7). It engages only on CUDA (checked after the first warm-up below).
     model.generation_config.compile_config = CompileConfig(fullgraph=True, mode="reduce-overhead")
     rows = []
     for batch in batches:
@@ -188,10 +191,13 @@ def hf_rows(gguf: Path, prompts_ids, batches, max_new, repeats, pad_id: int, dev
             return (out.shape[1] - width) * batch, {}
 
         once()  # warm-up: torch.compile and CUDA graphs for this shape
-        tps, _ = median_run(once, repeats)
-        compiled = getattr(model, "_compiled_call", None) is not None
-        if device == "cuda" and not compiled:
+        # generate() sets _compiled_call the first time its auto-compile criteria hold (and never clears
+        # it): checked after the first batch size's warm-up, it says whether the compiled decode engaged.
+        auto_compile_engaged = getattr(model, "_compiled_call", None) is not None
+        if device == "cuda" and not auto_compile_engaged:
             raise RuntimeError("transformers did not compile the decode (its auto-compile criteria were not met)")
+        tps, _ = median_run(once, repeats)
+        compiled = auto_compile_engaged
         row = {"system": "hf", "batch": batch, "tokens_per_s": round(tps, 1),
                "variant": "transformers generate, static cache, " + (
                    "compiled decode (torch.compile reduce-overhead, fullgraph), bf16" if compiled
@@ -236,7 +242,8 @@ def main(argv=None) -> dict:
     p.add_argument("--hf-device", default="cuda", choices=["cuda", "cpu"], help="cpu: eager, a code-path check only")
     p.add_argument("--tier", default="5,4,8", help="S,K,N of jeagle-eagle (the base tier of jeagle-adaptive)")
     p.add_argument("--systems", default=",".join(JEAGLE_SYSTEMS), help="jeagle systems to run")
-    p.add_argument("--adaptive-config", default=None, help="JSON for jeagle-adaptive (default: the policy's defaults)")
+    p.add_argument("--adaptive-config", default=None,
+                   help="JSON file for jeagle-adaptive (default: the policy's defaults)")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json-out", default=None)

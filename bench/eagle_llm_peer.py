@@ -25,7 +25,8 @@ eagle-llm's on-disk head: `config.json` (read by its `EConfig`, plus `bias` for 
   4. `EaModel.__init__` loads a tokenizer from the base dir, used only for its EOS id: given a stub
      with EOS -1 (so no request stops early; every system generates exactly --max-new-tokens).
   and `.eval()` (its draft has gradient checkpointing on; in training mode it drops its KV cache).
-eagenerate may overshoot max_new_tokens by up to the tree depth: tokens/s counts what it generated.
+eagenerate stops once it has passed max_new_tokens, overshooting by up to a round (depth + 1 tokens):
+tokens/s counts what it generated.
 
     python bench/eagle_llm_peer.py --head RUN/head --prompts .data/mtbench.jsonl --num-prompts 8 \
         --json-out eagle_llm.json
@@ -253,19 +254,21 @@ def main(argv=None) -> dict:
             return update(*a, **k)
 
         eam.update_inference_inputs = counted
-        for ids in prompts:
-            x = torch.tensor([ids], device=args.device)
-            count[0] = 0
-            sync()
-            t0 = time.perf_counter()
-            y = ea.eagenerate(x, temperature=0.0, max_new_tokens=n_new)
-            sync()
-            secs += time.perf_counter() - t0
-            new = y[0, len(ids):].tolist()
-            made += len(new)
-            steps.append(len(new) / max(count[0], 1))
-            outs.append(new[:n_new])
-        eam.update_inference_inputs = update
+        try:
+            for ids in prompts:
+                x = torch.tensor([ids], device=args.device)
+                count[0] = 0
+                sync()
+                t0 = time.perf_counter()
+                y = ea.eagenerate(x, temperature=0.0, max_new_tokens=n_new)
+                sync()
+                secs += time.perf_counter() - t0
+                new = y[0, len(ids):].tolist()
+                made += len(new)
+                steps.append(len(new) / max(count[0], 1))
+                outs.append(new[:n_new])
+        finally:
+            eam.update_inference_inputs = update
     row = {"system": "eagle-llm", "tokens_per_s": round(made / secs, 1), "accept_length": round(statistics.mean(steps), 3),
            "tree": "mc_sim_7b_63 (26 tokens, depth 5, top-10)", "dtype": args.dtype,
            "common_prefix_with_jeagle_target_only": [agreement(o, r) for o, r in zip(outs, reference)]}

@@ -107,13 +107,22 @@ def idle_gaps(events: list[tuple], top: int = 5) -> tuple[float, list[float]]:
     return sum(gaps), sorted(gaps, reverse=True)[:top]
 
 
+def unroll_arg(v: str):
+    if v in ("auto", "all"):
+        return v
+    try:
+        return int(v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"auto, all or an integer, got {v!r}") from None
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="smollm2", choices=sorted(SHAPES))
     p.add_argument("--batch-sizes", default="1,16")
     p.add_argument("--steps", type=int, default=64, help="decode steps traced")
     p.add_argument("--decode-steps", type=int, default=1)
-    p.add_argument("--unroll", default="auto",
+    p.add_argument("--unroll", default="auto", type=unroll_arg,
                    help="layer loop: auto (the engine's default), 0 (a loop), k (k layers per iteration) or all")
     p.add_argument("--context", type=int, default=256, help="prompt length")
     p.add_argument("--top", type=int, default=20)
@@ -139,7 +148,7 @@ def main(argv=None):
         head = random_eagle3_head(cfg)
         tier = SpecConfig(*(int(x) for x in args.spec.split(",")), simulate_accept=args.simulate_accept)
     # (A bare --unroll once meant "all"; False, the old default, overrode the engine's own choice.)
-    unroll = {"auto": None, "all": True}.get(args.unroll) if args.unroll in ("auto", "all") else int(args.unroll)
+    unroll = {"auto": None, "all": True}.get(args.unroll, args.unroll)
     prompt = list(range(100, 100 + args.context))
     unit = "round" if args.spec else "step"
     out = {"bench": "profile_decode", "shape": args.shape, "device": jax.devices()[0].device_kind,
@@ -149,7 +158,8 @@ def main(argv=None):
                           unroll_layers=unroll)
         engine = SpecEngine(model, head, ec, tier) if args.spec else Engine(model, ec)
         sp = SamplingParams(max_new_tokens=args.steps, ignore_eos=True)
-        engine.warmup(batch_sizes=range(1, batch + 1), greedy=(True,), progress=False)  # every bucket it can reach
+        engine.warmup(batch_sizes=range(1, batch + 1), prefill_lengths=[args.context], greedy=(True,),
+                      progress=False)  # every bucket the batch can shrink into
         engine.generate([prompt] * batch, sp)
         for attempt in range(3):  # a run that compiled (a shape the warm-up missed) is not a measurement
             t0 = time.perf_counter()
@@ -159,8 +169,10 @@ def main(argv=None):
                 break
             print(f"batch {batch}: run {attempt + 1} compiled ({engine.last_stats['compile_s']:.1f} s); again", flush=True)
         with tempfile.TemporaryDirectory() as d:
+            t0 = time.perf_counter()
             with jax.profiler.trace(d, create_perfetto_trace=True):
                 engine.generate([prompt] * batch, sp)
+            traced_wall = time.perf_counter() - t0
             ev_all = [e for evs in device_events_by_device(d, with_module=True).values() for e in evs]
         if engine.last_stats.get("compile_s", 0.0):
             print(f"batch {batch}: the traced run compiled ({engine.last_stats['compile_s']:.1f} s): its ops include "
@@ -179,7 +191,7 @@ def main(argv=None):
         row = {"batch": batch, "unit": unit, "per_request": n, "wall_ms_per_step": 1e3 * wall / n,
                "device_ops_per_step": len(ev) / n, "device_busy_ms_per_step": busy_us / 1e3 / n,
                "prefill_excluded": prefill_excluded,
-               "device_idle_ms_per_step": idle_us / 1e3 / n, "largest_gaps_us": [round(g, 1) for g in gaps],
+               "traced_wall_ms_per_step": 1e3 * traced_wall / n, "device_idle_ms_per_step": idle_us / 1e3 / n, "largest_gaps_us": [round(g, 1) for g in gaps],
                "busy_ms_by_module": {m: round(t / 1e3, 3) for m, t in modules.most_common(8)},
                "accept_length": engine.last_stats.get("accept_length", 1.0),
                "top": sorted(((name, c / n, t / n) for name, (c, t) in by_name.items()),
@@ -187,7 +199,8 @@ def main(argv=None):
         out["rows"].append(row)
         scope = "decode executables only" if prefill_excluded else "prefill included"
         print(f"\nbatch {batch}: wall {row['wall_ms_per_step']:.3f} ms/{unit} (whole run), device busy "
-              f"{row['device_busy_ms_per_step']:.3f} ms/{unit}, idle between ops {row['device_idle_ms_per_step']:.3f} "
+              f"{row['device_busy_ms_per_step']:.3f} ms/{unit}; traced run (tracing slows the host): wall "
+              f"{row['traced_wall_ms_per_step']:.3f}, idle between ops {row['device_idle_ms_per_step']:.3f} "
               f"ms/{unit} (largest gaps {row['largest_gaps_us']} us), {row['device_ops_per_step']:.0f} device ops/{unit} "
               f"({n:.1f} {unit}s per request, accept {row['accept_length']:.2f}; {scope})")
         print("busy ms by executable:", row["busy_ms_by_module"])

@@ -376,8 +376,9 @@ class Engine:
         """What, besides argument shapes, decides the compiled code (part of the store's fingerprint)."""
         import dataclasses
 
+        # (tp placements too: the store is off under a mesh, and at tp 1 they change nothing)
         runtime_only = dict(overlap=True, verify_done_wait=None, executable_cache_dir=None, compile_workers=None,
-                            compile_processes=None)
+                            compile_processes=None, tp_vocab="shard", tp_draft="replicate")
         options = sorted(self._compiler_options(("decode",)).items()) + sorted(self._compiler_options(("prefill",)).items())
         return repr((type(self).__name__, self.model_cfg, dataclasses.replace(self.cfg, **runtime_only), options))
 

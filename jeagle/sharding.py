@@ -23,8 +23,8 @@ of the pools, and nothing is communicated. The other kernels read only replicate
 slot table, the tree, argmax tokens) and run replicated as they are.
 The draft head is replicated by default (`EngineConfig.tp_draft = "replicate"`) or split like a target
 layer ("shard": its q|k|v, o, gate|up and down by heads / the intermediate dimension; fc and norms
-replicated); its pools split by KV heads when they divide. The vocabulary (the target's lm_head and
-embedding, an EAGLE-3 head's own lm_head) is split by rows by default or replicated
+replicated; an EAGLE-3 head's own lm_head follows `tp_vocab`); its pools split by KV heads when they
+divide. The target's lm_head and embedding are split by vocabulary rows by default or replicated
 (`tp_vocab = "replicate"`: the logits need no gather, but every device reads the whole lm_head).
 Both choices are measured by bench/scale.py --tp-variants. Tests: tests/test_sharding.py (4 virtual CPU devices).
 """
@@ -98,7 +98,10 @@ def check_divisible(cfg, tp: int, *, vocab: bool = True, what_model: str = "targ
         sizes.append(("vocab_size", cfg.vocab_size))
     for what, n in sizes:
         if n % tp:
-            raise ValueError(f"tensor parallelism {tp}: the {what_model}'s {what} {n} is not divisible by {tp}")
+            hint = {"vocab_size": " (tp_vocab='replicate' keeps the vocabulary whole)"}.get(what, "")
+            if what_model == "draft":
+                hint = " (tp_draft='replicate' keeps the head whole)"
+            raise ValueError(f"tensor parallelism {tp}: the {what_model}'s {what} {n} is not divisible by {tp}{hint}")
 
 
 def interleave(params: dict, cfg, tp: int) -> dict:

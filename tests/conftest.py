@@ -29,6 +29,25 @@ def pytest_configure(config):
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
+@pytest.fixture
+def no_xla_cache():
+    """The persistent compilation cache off for one test: on XLA:CPU an executable the cache handed
+    back serializes without its compiled functions ("Function wrapped_iota not found" when the
+    ExecutableStore loads it), so the store's tests compile for real. (The CLI never combines the two
+    on CPU: its store is GPU-only.)"""
+    import jax
+    from jax._src import compilation_cache  # reset_cache: the cache's on/off is memoized at first use
+
+    saved = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", None)
+    compilation_cache.reset_cache()
+    try:
+        yield
+    finally:
+        jax.config.update("jax_compilation_cache_dir", saved)
+        compilation_cache.reset_cache()
+
+
 def pytest_unconfigure(config):
     if getattr(config, "_jeagle_xla_cache_owner", False):
         shutil.rmtree(os.environ.pop("JEAGLE_TEST_XLA_CACHE"), ignore_errors=True)

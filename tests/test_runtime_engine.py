@@ -117,7 +117,7 @@ def test_prefill_buckets():
     assert pow2_buckets(64, 2048, factor=4) == (64, 256, 1024, 2048)
 
 
-def test_warm_start_loads_every_executable_from_the_store(target, head, workload, tmp_path, caplog):
+def test_warm_start_loads_every_executable_from_the_store(target, head, workload, tmp_path, caplog, no_xla_cache):
     prompts, params = workload
     lengths = [max(map(len, prompts))]
 
@@ -150,7 +150,7 @@ def test_warm_start_loads_every_executable_from_the_store(target, head, workload
     assert other._store.dir != warm._store.dir
 
 
-def test_cold_warmup_in_worker_processes(tmp_path):
+def test_cold_warmup_in_worker_processes(tmp_path, no_xla_cache):
     """Worker processes rebuild the engine abstractly (tiers included), compile the plan into the store,
     and the engine loads all of it: same executables (same store keys), same tokens as an engine that
     compiled itself."""

@@ -115,6 +115,44 @@ def test_interleave_alone_changes_nothing():
         check_divisible(cfg, 4)
 
 
+@pytest.mark.parametrize("kind", ["eagle1", "eagle3"])
+def test_draft_interleave_alone_changes_nothing(kind):
+    """A draft head re-laid out per shard (tp_draft="shard") with its group count computes the same
+    logits and hidden state (random heads: attention and MLP both contribute)."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from jeagle.config import DraftConfig
+    from jeagle.models.common import AttnInputs
+    from jeagle.models.eagle import random_draft
+    from jeagle.sharding import interleave
+
+    eagle3 = kind == "eagle3"
+    cfg = DraftConfig(kind=kind, hidden_size=32, intermediate_size=48, num_layers=1, num_heads=4, num_kv_heads=2,
+                      head_dim=8, vocab_size=64, dtype="float32", draft_vocab_size=32 if eagle3 else 0,
+                      target_hidden_size=32 if eagle3 else 0, aux_layer_ids=(0, 1, 1) if eagle3 else ())
+    head = random_draft(cfg, 3)
+    graphdef, state = nnx.split(head)
+    nnx.replace_by_pure_dict(state, interleave(nnx.to_pure_dict(state), cfg, 2))
+    relaid = nnx.merge(graphdef, state)
+    relaid.tp_groups = 2
+    t = 5
+    pos = jnp.arange(t, dtype=jnp.int32)[None]
+    attn = AttnInputs(positions=pos, write_slots=pos + 1, kv_slots=pos + 1, kv_len=jnp.asarray([t], jnp.int32))
+    z = jnp.zeros((1, 8, 2, 8))
+    rng = np.random.default_rng(0)
+    embed = jnp.asarray(rng.normal(size=(64, 32)), jnp.float32)
+    feature = jnp.asarray(rng.normal(size=(1, t, 96 if eagle3 else 32)), jnp.float32)
+    tokens = jnp.asarray([[3, 9, 27, 1, 60]], jnp.int32)
+    kw = dict(embed=embed, lm_head=None if eagle3 else embed)
+    a, b = head(tokens, feature, attn, z, z, **kw), relaid(tokens, feature, attn, z, z, **kw)
+    np.testing.assert_allclose(np.asarray(a.logits), np.asarray(b.logits), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(a.hidden), np.asarray(b.hidden), rtol=1e-5, atol=1e-5)
+    # And the layout matters: the re-laid-out weights with one group compute something else.
+    relaid.tp_groups = 1
+    assert not np.allclose(np.asarray(relaid(tokens, feature, attn, z, z, **kw).logits), np.asarray(a.logits), atol=1e-3)
+
+
 ENGINE_SCRIPT = textwrap.dedent('''
     import os
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
