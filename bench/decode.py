@@ -197,10 +197,9 @@ def hf_rows(gguf: Path, prompts_ids, batches, max_new, repeats, pad_id: int, dev
         if device == "cuda" and not auto_compile_engaged:
             raise RuntimeError("transformers did not compile the decode (its auto-compile criteria were not met)")
         tps, _ = median_run(once, repeats)
-        compiled = auto_compile_engaged
         row = {"system": "hf", "batch": batch, "tokens_per_s": round(tps, 1),
                "variant": "transformers generate, static cache, " + (
-                   "compiled decode (torch.compile reduce-overhead, fullgraph), bf16" if compiled
+                   "compiled decode (torch.compile reduce-overhead, fullgraph), bf16" if auto_compile_engaged
                    else "eager on CPU (code-path check only)")}
         rows.append(row)
         print(json.dumps(row), flush=True)

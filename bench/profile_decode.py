@@ -60,7 +60,7 @@ def random_target_and_head(shape: str):
 
 def device_events(trace_dir: str):
     """(name, duration_us) of every op the trace puts on a GPU stream."""
-    return [(e[0], e[1]) for evs in device_events_by_device(trace_dir, with_module=True).values() for e in evs]
+    return [e for evs in device_events_by_device(trace_dir).values() for e in evs]
 
 
 def device_events_by_device(trace_dir: str, with_module: bool = False) -> dict[str, list[tuple]]:

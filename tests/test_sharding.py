@@ -87,27 +87,43 @@ def test_sharded_target_equals_single_device(tmp_path):
         assert line in proc.stdout, proc.stdout
 
 
+def _relaid(module, cfg, tp=2):
+    """A copy of `module` with its fused columns laid out per shard and told its group count."""
+    from flax import nnx
+
+    from jeagle.sharding import interleave
+
+    graphdef, state = nnx.split(module)
+    nnx.replace_by_pure_dict(state, interleave(nnx.to_pure_dict(state), cfg, tp))
+    relaid = nnx.merge(graphdef, state)
+    relaid.tp_groups = tp
+    return relaid
+
+
+def _prefill_inputs(t=5):
+    """Attention inputs of a t-token prefill into empty 8-slot pools of 2 KV heads x 8, and the pool."""
+    import jax.numpy as jnp
+
+    from jeagle.models.common import AttnInputs
+
+    pos = jnp.arange(t, dtype=jnp.int32)[None]
+    attn = AttnInputs(positions=pos, write_slots=pos + 1, kv_slots=pos + 1, kv_len=jnp.asarray([t], jnp.int32))
+    return attn, jnp.zeros((1, 8, 2, 8))
+
+
 def test_interleave_alone_changes_nothing():
     """The per-shard column layout with the matching group count computes the same layer."""
     import jax.numpy as jnp
-    from flax import nnx
 
     from jeagle.config import ModelConfig
-    from jeagle.models.common import AttnInputs
     from jeagle.models.llama import random_model
-    from jeagle.sharding import check_divisible, interleave
+    from jeagle.sharding import check_divisible
 
     cfg = ModelConfig(arch="llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=1, num_heads=4,
                       num_kv_heads=2, head_dim=8, dtype="float32", max_position_embeddings=64, qkv_bias=True)
     model = random_model(cfg, 1)
-    graphdef, state = nnx.split(model)
-    nnx.replace_by_pure_dict(state, interleave(nnx.to_pure_dict(state), cfg, 2))
-    relaid = nnx.merge(graphdef, state)
-    relaid.tp_groups = 2
-    t = 5
-    pos = jnp.arange(t, dtype=jnp.int32)[None]
-    attn = AttnInputs(positions=pos, write_slots=pos + 1, kv_slots=pos + 1, kv_len=jnp.asarray([t], jnp.int32))
-    z = jnp.zeros((1, 8, 2, 8))
+    relaid = _relaid(model, cfg)
+    attn, z = _prefill_inputs()
     tokens = jnp.asarray([[3, 9, 27, 1, 60]], jnp.int32)
     a, b = model(tokens, attn, z, z), relaid(tokens, attn, z, z)
     np.testing.assert_allclose(np.asarray(a.logits), np.asarray(b.logits), rtol=1e-5, atol=1e-5)
@@ -120,26 +136,18 @@ def test_draft_interleave_alone_changes_nothing(kind):
     """A draft head re-laid out per shard (tp_draft="shard") with its group count computes the same
     logits and hidden state (random heads: attention and MLP both contribute)."""
     import jax.numpy as jnp
-    from flax import nnx
 
     from jeagle.config import DraftConfig
-    from jeagle.models.common import AttnInputs
     from jeagle.models.eagle import random_draft
-    from jeagle.sharding import interleave
 
     eagle3 = kind == "eagle3"
     cfg = DraftConfig(kind=kind, hidden_size=32, intermediate_size=48, num_layers=1, num_heads=4, num_kv_heads=2,
                       head_dim=8, vocab_size=64, dtype="float32", draft_vocab_size=32 if eagle3 else 0,
                       target_hidden_size=32 if eagle3 else 0, aux_layer_ids=(0, 1, 1) if eagle3 else ())
     head = random_draft(cfg, 3)
-    graphdef, state = nnx.split(head)
-    nnx.replace_by_pure_dict(state, interleave(nnx.to_pure_dict(state), cfg, 2))
-    relaid = nnx.merge(graphdef, state)
-    relaid.tp_groups = 2
+    relaid = _relaid(head, cfg)
     t = 5
-    pos = jnp.arange(t, dtype=jnp.int32)[None]
-    attn = AttnInputs(positions=pos, write_slots=pos + 1, kv_slots=pos + 1, kv_len=jnp.asarray([t], jnp.int32))
-    z = jnp.zeros((1, 8, 2, 8))
+    attn, z = _prefill_inputs(t)
     rng = np.random.default_rng(0)
     embed = jnp.asarray(rng.normal(size=(64, 32)), jnp.float32)
     feature = jnp.asarray(rng.normal(size=(1, t, 96 if eagle3 else 32)), jnp.float32)
