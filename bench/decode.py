@@ -96,7 +96,7 @@ def median_run(fn, repeats: int) -> tuple[float, dict]:
 
 
 def jeagle_rows(target_dir, head_dir, prompts_ids, batches, max_new, repeats, tier, systems=JEAGLE_SYSTEMS,
-                adaptive_config=None) -> list[dict]:
+                adaptive_config=None, engine_config: dict | None = None) -> list[dict]:
     from jeagle.adaptive import AdaptiveConfig
     from jeagle.checkpoint import load_draft, load_model
     from jeagle.engine import Engine, EngineConfig
@@ -108,7 +108,7 @@ def jeagle_rows(target_dir, head_dir, prompts_ids, batches, max_new, repeats, ti
     head = load_draft(head_dir, target=model.cfg)
     longest = max(len(p) for p in prompts_ids)
     ec = EngineConfig(max_batch_size=max(batches), batch_buckets=tuple(sorted(set(batches))),
-                      max_context=longest + max_new + 16)
+                      max_context=longest + max_new + 16, **(engine_config or {}))
     adaptive = AdaptiveConfig.from_json(adaptive_config) if adaptive_config else AdaptiveConfig()
     make = {"jeagle": lambda: Engine(model, ec),
             "jeagle-eagle": lambda: SpecEngine(model, head, ec, SpecConfig(*tier)),
@@ -243,6 +243,8 @@ def main(argv=None) -> dict:
     p.add_argument("--systems", default=",".join(JEAGLE_SYSTEMS), help="jeagle systems to run")
     p.add_argument("--adaptive-config", default=None,
                    help="JSON file for jeagle-adaptive (default: the policy's defaults)")
+    p.add_argument("--engine-config", default=None, metavar="JSON",
+                   help='more EngineConfig fields for every jeagle system, e.g. \'{"verify_done_wait": "dataflow"}\'')
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json-out", default=None)
@@ -266,17 +268,24 @@ def main(argv=None) -> dict:
     texts = read_prompts(args.prompts, "Write a short story about a robot who learns to paint.")
     prompts_ids = [tok.encode_chat([{"role": "user", "content": t}]) for t in texts]
     batches = [int(b) for b in args.batch_sizes.split(",")]
+    engine_config = json.loads(args.engine_config) if args.engine_config else {}
+    from jeagle.engine import EngineConfig
+
+    if not isinstance(engine_config, dict):
+        p.error(f"--engine-config: a JSON object of EngineConfig fields, got {args.engine_config}")
+    if bad := sorted(set(engine_config) - set(EngineConfig.__dataclass_fields__)):
+        p.error(f"--engine-config: not EngineConfig fields: {bad}")
     tier = tuple(int(x) for x in args.tier.split(","))
     dev = jax.devices()[0]
     doc = {"bench": "decode", "model": target_dir.name, "draft": str(head_dir), "prompts": args.prompts or "one prompt",
            "max_new_tokens": args.max_new_tokens, "device": getattr(dev, "device_kind", dev.platform),
            "jax": jax.__version__, "python": platform.python_version(), "commit": git_commit(),
-           "peers_not_run": {"eagle-llm": EAGLE_LLM_WHY}, "rows": []}
+           "engine_config": engine_config, "peers_not_run": {"eagle-llm": EAGLE_LLM_WHY}, "rows": []}
     systems = [x for x in args.systems.split(",") if x]
     if unknown := sorted(set(systems) - set(JEAGLE_SYSTEMS)):
         p.error(f"--systems: unknown {unknown} (known: {', '.join(JEAGLE_SYSTEMS)})")
     doc["rows"] += jeagle_rows(target_dir, head_dir, prompts_ids, batches, args.max_new_tokens, args.repeats, tier,
-                               systems, args.adaptive_config)
+                               systems, args.adaptive_config, engine_config)
     hf_batches = [int(b) for b in args.hf_batch_sizes.split(",") if b.strip()]
     if hf_batches:
         if args.target is not None:

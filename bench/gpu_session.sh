@@ -118,6 +118,16 @@ if [[ "$steps" == *" bench "* ]]; then  # issue 9: jeagle target-only / EAGLE-3 
     --hf-batch-sizes "${HF_BATCHES:-1,16}" --json-out "$OUT/decode.json" --plot "$OUT/decode.png" 2>&1 \
     | grep -v '^{"bench"' | tee "$OUT/decode.log"
 fi
+if [[ "$steps" == *" ab "* ]]; then  # issue 9: batch-1 engine settings, A/B in one call (each a fresh process)
+  for cfg in ${AB_CONFIGS:-'{}' '{"compile_workers":1}' '{"verify_done_wait":"dataflow"}' '{"unroll_layers":true}' \
+      '{"unroll_layers":true,"verify_done_wait":"dataflow"}'}; do
+    echo "engine config $cfg" | tee -a "$OUT/decode_ab.log"
+    python3 bench/decode.py --prompts .data/mtbench.jsonl --batch-sizes "${AB_BATCHES:-1}" --hf-batch-sizes "" \
+      --systems jeagle,jeagle-eagle --engine-config "$cfg" 2>&1 | grep '^{"bench"' >> "$OUT/decode_ab.jsonl"
+    tail -1 "$OUT/decode_ab.jsonl" | python3 -c "import json,sys; d=json.load(sys.stdin); [print(r) for r in d['rows']]" \
+      | tee -a "$OUT/decode_ab.log"
+  done
+fi
 if [[ "$steps" == *" eaglepeer "* ]]; then  # issue 9: eagle-llm (official EAGLE-1 code) vs jeagle on one EAGLE-1 head
   RUN1="${RUN1:-$HOME/run_eagle1}"
   [ -d "$RUN1/head" ] || python3 -m jeagle.train_draft --out "$RUN1" --data "$HOME/data0.npz" --kind eagle1 \

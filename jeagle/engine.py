@@ -158,7 +158,7 @@ def pick_bucket(buckets: tuple[int, ...], n: int) -> int:
 class EngineConfig:
     max_batch_size: int = 16  # rows = max running requests
     max_context: int | None = None  # default: the model's max_position_embeddings, capped at 8192
-    max_total_tokens: int | None = None  # KV slots; default max_batch_size * max_context (CPU) ...
+    max_total_tokens: int | None = None  # KV slots; default max_batch_size * (max_context + tree slots) (CPU) ...
     mem_fraction_static: float | None = None  # ... or this fraction of GPU memory
     max_prefill_tokens: int = 8192  # padded tokens per prefill call (a longer single prompt still runs)
     decode_steps: int = 1  # tokens per decode dispatch (lax.fori_loop inside one executable)
@@ -250,7 +250,9 @@ class Engine:
             weight_bytes = sum(x.nbytes for x in jax.tree.leaves(self.params))
             num_slots = slots_for_memory_fraction(mc, config.mem_fraction_static, weight_bytes)
         else:
-            num_slots = (config.max_total_tokens or self.max_reqs * self.max_ctx) + 1
+            # Default: every row can hold a full context (plus a speculative engine's tree slots).
+            per_request = max(self.max_ctx, self._slots_needed(self.max_ctx, 1))
+            num_slots = (config.max_total_tokens or self.max_reqs * per_request) + 1
         self.allocator = SlotAllocator(num_slots)
         self.cache = self._alloc(lambda: init_cache(mc, num_slots=num_slots, max_reqs=self.max_reqs,
                                                     max_ctx=self.max_ctx))

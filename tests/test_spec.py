@@ -110,6 +110,18 @@ def test_eos_and_max_new_tokens_inside_an_accepted_run(target, prompts):
     assert engine.allocator.free_count == engine.allocator.num_slots - 1
 
 
+def test_default_pool_holds_a_full_context_per_row(target, prompts):
+    """Without --max-total-tokens the pool gives every row a full context plus the tree's slots: a request
+    that fills the context runs (it needed more slots than max_batch_size * max_context: OutOfSlots)."""
+    cfg = EngineConfig(max_batch_size=1, max_context=48)
+    engine = SpecEngine(target, signed_identity_head(target, +1.0), cfg, SpecConfig(5, 4, 8))
+    sp = SamplingParams(max_new_tokens=1000, ignore_eos=True)  # capped to what the context leaves
+    (got,) = engine.generate(prompts[:1], sp)
+    assert len(prompts[0]) + len(got.token_ids) == 48 - engine._context_reserve
+    (want,) = Engine(target, cfg).generate(prompts[:1], sp)
+    assert got.token_ids == want.token_ids[:len(got.token_ids)]
+
+
 def test_committed_kv_equals_target_only(target, heads, prompts):
     from tests.util import ragged_forward
 
