@@ -5,7 +5,10 @@ Random weights of a named shape (no checkpoint needed), so the layout of the ste
 is measured. Prints per batch size: device ops per decode step, device-busy time per step against
 the wall time per step (the difference: the device idle, waiting on the host), and the top ops by
 total time; then one JSON line. `--spec S,K,N` profiles EAGLE-3 rounds instead (a random head shaped
-for the target, acceptance forced to `--simulate-accept` τ), normalised per round. When the trace names each
+for the target, acceptance forced to `--simulate-accept` τ), normalised per round. Every figure is of the
+steady state at a full batch: `batch` requests long enough that none finishes while measured, driven
+step by step after a warm-up, `--steps` calls timed untraced and then `--steps` traced (so only the
+full bucket's executables are compiled and run, and no prefill is timed). When the trace names each
 op's HLO module (GPU traces do), the prefill executables are left out of the per-step figures and the
 device's idle time between the decode executables' ops (the host gaps) is reported with the largest gaps.
 
@@ -153,32 +156,48 @@ def main(argv=None):
     unit = "round" if args.spec else "step"
     out = {"bench": "profile_decode", "shape": args.shape, "device": jax.devices()[0].device_kind,
            "spec": args.spec, "unroll": args.unroll, "simulate_accept": args.simulate_accept if args.spec else None, "rows": []}
+    warm_steps = 8
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
-        ec = EngineConfig(max_batch_size=batch, max_context=1024, decode_steps=args.decode_steps,
-                          unroll_layers=unroll)
+        # Steady state at a full batch: `batch` requests long enough that none finishes while measured,
+        # driven step by step (each step() dispatches one decode step or round for the whole batch), so
+        # the batch never shrinks into a smaller bucket and only the full bucket's executables run.
+        per_call = (tier.num_steps + 1) if args.spec else args.decode_steps  # most tokens one call emits
+        max_new = per_call * (warm_steps + 2 * args.steps + 8)
+        ec = EngineConfig(max_batch_size=batch, max_context=args.context + max_new + 64,
+                          decode_steps=args.decode_steps, unroll_layers=unroll)
         engine = SpecEngine(model, head, ec, tier) if args.spec else Engine(model, ec)
-        sp = SamplingParams(max_new_tokens=args.steps, ignore_eos=True)
-        engine.warmup(batch_sizes=range(1, batch + 1), prefill_lengths=[args.context], greedy=(True,),
-                      progress=False)  # every bucket the batch can shrink into
-        engine.generate([prompt] * batch, sp)
-        for attempt in range(3):  # a run that compiled (a shape the warm-up missed) is not a measurement
-            t0 = time.perf_counter()
-            engine.generate([prompt] * batch, sp)
-            wall = time.perf_counter() - t0
-            if not engine.last_stats.get("compile_s", 0.0):
-                break
-            print(f"batch {batch}: run {attempt + 1} compiled ({engine.last_stats['compile_s']:.1f} s); again", flush=True)
+        engine.warmup(batch_sizes=[batch], prefill_lengths=[args.context], greedy=(True,), progress=False)
+        sp = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
+        reqs = [engine.submit(prompt, sp) for _ in range(batch)]
+        while engine.num_waiting or engine.num_running < batch:
+            engine.step()
+        for _ in range(warm_steps):
+            engine.step()
+        compiled0, acc0 = engine.compile_seconds, len(getattr(engine, "accept_lengths", ()))
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            engine.step()
+        wall = time.perf_counter() - t0
         with tempfile.TemporaryDirectory() as d:
             t0 = time.perf_counter()
             with jax.profiler.trace(d, create_perfetto_trace=True):
-                engine.generate([prompt] * batch, sp)
+                for _ in range(args.steps):
+                    engine.step()
+                jax.block_until_ready(engine.cache)
             traced_wall = time.perf_counter() - t0
             ev_all = [e for evs in device_events_by_device(d, with_module=True).values() for e in evs]
-        if engine.last_stats.get("compile_s", 0.0):
-            print(f"batch {batch}: the traced run compiled ({engine.last_stats['compile_s']:.1f} s): its ops include "
-                  "compilation (autotuning) kernels", flush=True)
+        if engine.compile_seconds > compiled0:
+            print(f"batch {batch}: the measured steps compiled ({engine.compile_seconds - compiled0:.1f} s): the "
+                  "figures include compilation", flush=True)
+        if any(r.done for r in reqs):
+            raise RuntimeError(f"batch {batch}: a request finished while measured (max_new {max_new})")
+        accepted = list(getattr(engine, "accept_lengths", ()))[acc0:]  # request-rounds processed since acc0
+        for r in reqs:
+            engine.abort(r)
+        while engine.has_work:
+            engine.step()
         ev, prefill_excluded = decode_phase(ev_all)
-        n = engine.last_stats["rounds"] / batch if args.spec else args.steps  # rounds per request
+        n = args.steps  # decode calls (rounds) traced, each for the whole batch
         by_name = collections.defaultdict(lambda: [0, 0.0])
         for name, dur, *_ in ev:
             by_name[name][0] += 1
@@ -188,21 +207,21 @@ def main(argv=None):
         modules = collections.Counter()
         for e in ev_all:
             modules[e[3] or "?"] += e[1]
-        row = {"batch": batch, "unit": unit, "per_request": n, "wall_ms_per_step": 1e3 * wall / n,
+        row = {"batch": batch, "unit": unit, "traced": n, "wall_ms_per_step": 1e3 * wall / n,
                "device_ops_per_step": len(ev) / n, "device_busy_ms_per_step": busy_us / 1e3 / n,
                "prefill_excluded": prefill_excluded,
                "traced_wall_ms_per_step": 1e3 * traced_wall / n, "device_idle_ms_per_step": idle_us / 1e3 / n, "largest_gaps_us": [round(g, 1) for g in gaps],
                "busy_ms_by_module": {m: round(t / 1e3, 3) for m, t in modules.most_common(8)},
-               "accept_length": engine.last_stats.get("accept_length", 1.0),
+               "accept_length": sum(accepted) / len(accepted) if accepted else 1.0,
                "top": sorted(((name, c / n, t / n) for name, (c, t) in by_name.items()),
                              key=lambda x: -x[2])[: args.top]}
         out["rows"].append(row)
         scope = "decode executables only" if prefill_excluded else "prefill included"
-        print(f"\nbatch {batch}: wall {row['wall_ms_per_step']:.3f} ms/{unit} (whole run), device busy "
+        print(f"\nbatch {batch}: wall {row['wall_ms_per_step']:.3f} ms/{unit} (untraced, steady state), device busy "
               f"{row['device_busy_ms_per_step']:.3f} ms/{unit}; traced run (tracing slows the host): wall "
               f"{row['traced_wall_ms_per_step']:.3f}, idle between ops {row['device_idle_ms_per_step']:.3f} "
               f"ms/{unit} (largest gaps {row['largest_gaps_us']} us), {row['device_ops_per_step']:.0f} device ops/{unit} "
-              f"({n:.1f} {unit}s per request, accept {row['accept_length']:.2f}; {scope})")
+              f"({n} {unit}s at a full batch, accept {row['accept_length']:.2f}; {scope})")
         print("busy ms by executable:", row["busy_ms_by_module"])
         print(f"{'op':<70} {'per ' + unit:>9} {'us/' + unit:>9}")
         for name, c, t in row["top"]:

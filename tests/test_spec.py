@@ -75,6 +75,15 @@ def test_lossless_greedy_every_tier_and_batch(target, heads, prompts, greedy_ref
     assert engine.allocator.free_count == engine.allocator.num_slots - 1
 
 
+def test_lossless_with_every_layer_unrolled(target, heads, prompts, greedy_reference):
+    """The tier matrix above runs the default layer loop (3 layers per iteration); fully unrolled rounds
+    (EngineConfig.unroll_layers=True: aux features cut between inline layers) are lossless too."""
+    engine = SpecEngine(target, heads["eagle3-random"], EngineConfig(max_batch_size=8, max_context=128,
+                                                               unroll_layers=True), SpecConfig(5, 4, 8))
+    got = [o.token_ids for o in engine.generate(prompts, SamplingParams(max_new_tokens=17, ignore_eos=True))]
+    assert got == greedy_reference
+
+
 def test_oracle_accepts_every_step_and_adversary_one(target, prompts):
     sp = SamplingParams(max_new_tokens=25, ignore_eos=True)
     want = target_only(target, prompts, sp)
