@@ -84,7 +84,7 @@ def default_batch_buckets(max_batch: int) -> tuple[int, ...]:
     return tuple(sorted(set(out)))
 
 
-UNROLL_ALL_BYTES = 32 << 20  # per-layer weights above which the decode executables unroll every layer
+UNROLL_ALL_BYTES = 32 << 20  # one layer's weights per device above which the decode step unrolls every layer
 
 
 def layer_weight_bytes(cfg) -> int:
@@ -289,7 +289,9 @@ class Engine:
         if self.cfg.unroll_layers is None:
             if phase == "prefill":
                 return False
-            return True if phase == "step" and layer_weight_bytes(self.model_cfg) >= UNROLL_ALL_BYTES else 3
+            # Per device: a loop's slice copies are of each device's shard of the layer.
+            per_device = layer_weight_bytes(self.model_cfg) // self.cfg.tp
+            return True if phase == "step" and per_device >= UNROLL_ALL_BYTES else 3
         return self.cfg.unroll_layers
 
     # ---- tensor parallelism: placement of the device state on the mesh ------------------------------
@@ -310,10 +312,11 @@ class Engine:
 
         from jeagle.sharding import pool_sharding
 
-        pool_slots = self.allocator.num_slots
+        # The KV pools (the target's; a speculative engine's draft pools too) by their exact shapes.
+        pools = {tuple(x.shape) for x in (self.cache.k, getattr(self, "dk", None)) if x is not None}
 
         def one(x):
-            if x.ndim == 4 and x.shape[1] == pool_slots:
+            if tuple(x.shape) in pools:
                 return pool_sharding(self.mesh, x.shape)
             return NamedSharding(self.mesh, P())
 

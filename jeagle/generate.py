@@ -362,13 +362,12 @@ def run(args: GenerateArgs) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from jeagle.errors import USER_ERRORS
+    from jeagle.errors import USER_ERRORS, report
 
     try:
         run(args)
     except USER_ERRORS as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return report(e)
     return 0
 
 

@@ -176,6 +176,7 @@ class ExecutableStore:
         self.dir = Path(root) / fingerprint[:24]
         self.loaded = 0
         self.saved = 0
+        self._cpu_warned = False
 
     def _path(self, key: tuple, args):
         import hashlib
@@ -213,6 +214,14 @@ class ExecutableStore:
 
         from jax.experimental.serialize_executable import serialize
 
+        if jax.default_backend() == "cpu" and jax.config.jax_compilation_cache_dir:
+            # On XLA:CPU an executable the persistent compilation cache handed back serializes without
+            # its compiled functions: loaded later it fails at run time ("Function ... not found").
+            if not self._cpu_warned:
+                log.warning("executable store: not saving on CPU while JAX's compilation cache is on "
+                            "(XLA:CPU cannot serialize a cache-loaded executable); the cache still applies")
+                self._cpu_warned = True
+            return
         path = self._path(key, args)
         try:
             data = pickle.dumps(serialize(exe))

@@ -487,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--served-model-name", default=None, help="the model id clients name (default: the target's name)")
     a = p.parse_args(argv)
     check_args(p, a)
-    from jeagle.errors import USER_ERRORS
+    from jeagle.errors import USER_ERRORS, report
     from jeagle.fetch import resolve_target
     from jeagle.tokenizer import Tokenizer
 
@@ -497,8 +497,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer = Tokenizer.from_dir(target_dir)
         engine, load_s = build_engine(a, target_dir, None, adaptive)
     except USER_ERRORS as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return report(e)
     if a.warmup:
         engine.warmup(progress=True)
     name = a.served_model_name or target_dir.name

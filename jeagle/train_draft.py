@@ -308,14 +308,13 @@ def run(args) -> dict:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
-    from jeagle.errors import USER_ERRORS
+    from jeagle.errors import TYPED_USER_ERRORS, USER_ERRORS, report
     from jeagle.train.data import DataError
 
     try:
         run(args)
     except (DataError, *USER_ERRORS) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        return report(e, (DataError, *TYPED_USER_ERRORS))
     return 0
 
 

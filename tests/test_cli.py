@@ -96,6 +96,20 @@ def test_prompt_longer_than_context_is_refused():
     assert proc.returncode == 2 and "the context holds 16" in proc.stderr
 
 
+def test_error_report_one_line_or_traceback(monkeypatch, capsys):
+    from jeagle.engine import PromptTooLong
+    from jeagle.errors import report
+
+    monkeypatch.delenv("JEAGLE_DEBUG", raising=False)
+    assert report(PromptTooLong("too long")) == 2
+    assert capsys.readouterr().err == "error: too long\n"
+    assert report(ValueError("shapes (3,) and (4,) differ")) == 2  # could be a bug: says how to see more
+    assert "JEAGLE_DEBUG=1" in capsys.readouterr().err
+    monkeypatch.setenv("JEAGLE_DEBUG", "1")
+    with pytest.raises(PromptTooLong):
+        report(PromptTooLong("too long"))
+
+
 @pytest.fixture(scope="module")
 def smollm2_head(smollm2_dir, tmp_path_factory):
     """A random-weight EAGLE-1 head for SmolLM2 in the official PyTorch format (converted on the fly)."""

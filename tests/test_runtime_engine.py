@@ -150,6 +150,20 @@ def test_warm_start_loads_every_executable_from_the_store(target, head, workload
     assert other._store.dir != warm._store.dir
 
 
+def test_store_skips_saving_on_cpu_with_the_compilation_cache(target, head, workload, tmp_path, caplog):
+    """The conftest turns JAX's compilation cache on; on XLA:CPU a cache-loaded executable serializes
+    without its functions, so the store saves nothing (with one warning) and the engine still runs."""
+    import jax
+
+    assert jax.config.jax_compilation_cache_dir and jax.default_backend() == "cpu"
+    prompts, params = workload
+    cfg = EngineConfig(max_batch_size=4, max_context=96, batch_buckets=(1, 2, 4), executable_cache_dir=str(tmp_path))
+    engine = SpecEngine(target, head, cfg, SpecConfig(3, 2, 5))
+    outs = engine.generate(prompts, params)
+    assert all(o.token_ids for o in outs) and engine._store.saved == 0 and engine.num_compiled > 1
+    assert caplog.text.count("not saving on CPU while JAX's compilation cache is on") == 1
+
+
 def test_cold_warmup_in_worker_processes(tmp_path, no_xla_cache):
     """Worker processes rebuild the engine abstractly (tiers included), compile the plan into the store,
     and the engine loads all of it: same executables (same store keys), same tokens as an engine that
