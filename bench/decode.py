@@ -22,6 +22,10 @@ the median of `--repeats`. Systems:
                   cannot load. Printed as such in the JSON (`peers_not_run`); bench/eagle_llm_peer.py runs
                   it against jeagle on one EAGLE-1 head instead.
 
+Every jeagle system's row says how many requests produced exactly target-only's tokens and the shortest
+common prefix (greedy speculation is lossless; in bf16 the verify's different batch shape can part from
+target-only at a near tie). `--engine-config JSON` sets more EngineConfig fields for every jeagle system.
+
 Prints a table, writes `--plot` (tokens/s vs batch, one line per system; needs matplotlib, else
 skipped with a message — `--plot-only JSON` draws it later), and prints one JSON line last.
 
@@ -84,6 +88,15 @@ def tier_rounds(stats: dict) -> dict:
     return out
 
 
+def token_agreement(got: list[list[int]], want: list[list[int]]) -> dict:
+    """How many requests equal target-only's tokens, and the shortest common prefix (bf16 greedy output
+    may part at a near tie: the target's two best logits within rounding of each other)."""
+    prefixes = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+                for a, b in zip(got, want)]
+    same = sum(a == b for a, b in zip(got, want))
+    return {"same_tokens_as_target_only": f"{same}/{len(want)}", "shortest_common_prefix": min(prefixes)}
+
+
 def median_run(fn, repeats: int) -> tuple[float, dict]:
     """fn() -> (new tokens, info); returns (tokens/s, info) of the median run."""
     runs = []
@@ -118,6 +131,7 @@ def jeagle_rows(target_dir, head_dir, prompts_ids, batches, max_new, repeats, ti
     rows = []
     for batch in batches:
         ids = batch_of(prompts_ids, batch)
+        tokens: dict[str, list[list[int]]] = {}
         for name, eng in engines.items():
             # Compile every executable this batch can reach (the smaller buckets it shrinks into as
             # requests finish, every KV bucket, every tier of jeagle-adaptive), then a warm-up run.
@@ -131,16 +145,20 @@ def jeagle_rows(target_dir, head_dir, prompts_ids, batches, max_new, repeats, ti
                 outs = eng.generate(ids, sp)
                 if eng.last_stats.get("compile_s", 0.0):
                     raise RuntimeError(f"{name}: the timed run compiled")
-                return sum(len(o.token_ids) for o in outs), dict(eng.last_stats)
+                return sum(len(o.token_ids) for o in outs), dict(eng.last_stats) | {"tokens": [o.token_ids for o in outs]}
 
             tps, stats = median_run(once, repeats)
             row = {"system": name, "batch": batch, "tokens_per_s": round(tps, 1)}
+            tokens[name] = stats["tokens"]
             if name == "jeagle-eagle":
                 row |= {"accept_length": round(stats["accept_length"], 3), "tier": list(tier)}
             elif name == "jeagle-adaptive":
                 row |= {"accept_length": round(stats["accept_length"], 3), "tiers": stats["tiers"],
                         "dispatches_per_tier": tier_rounds(stats)}
             rows.append(row)
+        for row in rows[-len(engines):]:  # greedy: lossless up to bf16 near ties, per request
+            if "jeagle" in tokens and row["system"] != "jeagle":
+                row |= token_agreement(tokens[row["system"]], tokens["jeagle"])
             print(json.dumps(row), flush=True)
     return rows
 
@@ -268,13 +286,18 @@ def main(argv=None) -> dict:
     texts = read_prompts(args.prompts, "Write a short story about a robot who learns to paint.")
     prompts_ids = [tok.encode_chat([{"role": "user", "content": t}]) for t in texts]
     batches = [int(b) for b in args.batch_sizes.split(",")]
-    engine_config = json.loads(args.engine_config) if args.engine_config else {}
+    try:
+        engine_config = json.loads(args.engine_config) if args.engine_config else {}
+    except json.JSONDecodeError as e:
+        p.error(f"--engine-config: not JSON ({e})")
     from jeagle.engine import EngineConfig
 
     if not isinstance(engine_config, dict):
         p.error(f"--engine-config: a JSON object of EngineConfig fields, got {args.engine_config}")
     if bad := sorted(set(engine_config) - set(EngineConfig.__dataclass_fields__)):
         p.error(f"--engine-config: not EngineConfig fields: {bad}")
+    if fixed := sorted(set(engine_config) & {"max_batch_size", "batch_buckets", "max_context"}):
+        p.error(f"--engine-config: {fixed} follow from --batch-sizes and the prompts")
     tier = tuple(int(x) for x in args.tier.split(","))
     dev = jax.devices()[0]
     doc = {"bench": "decode", "model": target_dir.name, "draft": str(head_dir), "prompts": args.prompts or "one prompt",

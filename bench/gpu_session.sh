@@ -124,8 +124,18 @@ if [[ "$steps" == *" ab "* ]]; then  # issue 9: batch-1 engine settings, A/B in 
     echo "engine config $cfg" | tee -a "$OUT/decode_ab.log"
     python3 bench/decode.py --prompts .data/mtbench.jsonl --batch-sizes "${AB_BATCHES:-1}" --hf-batch-sizes "" \
       --systems jeagle,jeagle-eagle --engine-config "$cfg" 2>&1 | grep '^{"bench"' >> "$OUT/decode_ab.jsonl"
-    tail -1 "$OUT/decode_ab.jsonl" | python3 -c "import json,sys; d=json.load(sys.stdin); [print(r) for r in d['rows']]" \
+    tail -1 "$OUT/decode_ab.jsonl" | python3 -c "import json,sys; d=json.load(sys.stdin); print(d['engine_config']); [print(r) for r in d['rows']]" \
       | tee -a "$OUT/decode_ab.log"
+  done
+fi
+if [[ "$steps" == *" splitab "* ]]; then  # paged attention with split prefixes: compiled check, then decode A/B
+  python3 -m pytest -q -m gpu tests/kernels/test_paged_attention.py 2>&1 | tail -3 | tee "$OUT/pytest_paged_split_gpu.log"
+  for splits in ${SPLIT_CHOICES:-1 auto}; do
+    echo "JEAGLE_PAGED_ATTENTION_SPLITS=$splits" | tee -a "$OUT/decode_split.log"
+    JEAGLE_PAGED_ATTENTION_SPLITS=$splits python3 bench/decode.py --prompts .data/mtbench.jsonl \
+      --batch-sizes "${SPLIT_BATCHES:-1,4,16}" --hf-batch-sizes "" --systems jeagle,jeagle-eagle 2>&1 \
+      | grep '^{"bench"' | tee -a "$OUT/decode_split.jsonl" | python3 -c "import json,sys; [print(r) for r in json.load(sys.stdin)['rows']]" \
+      | tee -a "$OUT/decode_split.log"
   done
 fi
 if [[ "$steps" == *" eaglepeer "* ]]; then  # issue 9: eagle-llm (official EAGLE-1 code) vs jeagle on one EAGLE-1 head
@@ -140,7 +150,7 @@ if [[ "$steps" == *" eaglepeer "* ]]; then  # issue 9: eagle-llm (official EAGLE
     --json-out "$OUT/eagle_llm.json" 2>&1 | grep -v '^{"bench' | tee "$OUT/eagle_llm.log"
 fi
 if [[ "$steps" == *" profile "* ]]; then  # issue 9: rounds (and target-only steps) at a full batch of 1 and 48, per op
-  # The 8B shape at batch 48 compiles one decode executable for 3.4 min (session 8): batch 1 unless asked.
+  # The 8B shape at batch 48: one decode executable compiled for 3.4 min in session 8's warm-up; batch 1 unless asked.
   for shape in ${PROFILE_SHAPES:-smollm2 llama8b}; do
     tau=4.68; batches="${PROFILE_8B_BATCHES:-1}"
     [ "$shape" = smollm2 ] && tau=3.15 && batches="${PROFILE_BATCHES:-1,48}"  # tau: the shipped head on MT-bench

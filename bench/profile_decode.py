@@ -169,14 +169,20 @@ def main(argv=None):
         engine.warmup(batch_sizes=[batch], prefill_lengths=[args.context], greedy=(True,), progress=False)
         sp = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
         reqs = [engine.submit(prompt, sp) for _ in range(batch)]
-        while engine.num_waiting or engine.num_running < batch:
+        for _ in range(batch + 4):  # admission (prefill groups), normally one step
+            if not engine.num_waiting and engine.num_running == batch:
+                break
             engine.step()
+        if engine.num_waiting or engine.num_running < batch or any(r.done for r in reqs):
+            raise RuntimeError(f"batch {batch}: could not get every request running")
         for _ in range(warm_steps):
             engine.step()
         compiled0, acc0 = engine.compile_seconds, len(getattr(engine, "accept_lengths", ()))
+        jax.block_until_ready(engine.cache)
         t0 = time.perf_counter()
         for _ in range(args.steps):
             engine.step()
+        jax.block_until_ready(engine.cache)
         wall = time.perf_counter() - t0
         with tempfile.TemporaryDirectory() as d:
             t0 = time.perf_counter()
@@ -191,7 +197,7 @@ def main(argv=None):
                   "figures include compilation", flush=True)
         if any(r.done for r in reqs):
             raise RuntimeError(f"batch {batch}: a request finished while measured (max_new {max_new})")
-        accepted = list(getattr(engine, "accept_lengths", ()))[acc0:]  # request-rounds processed since acc0
+        accepted = list(getattr(engine, "accept_lengths", ()))[acc0:]  # request-rounds of both windows
         for r in reqs:
             engine.abort(r)
         while engine.has_work:

@@ -19,14 +19,23 @@ the kernel (the reference: a uniform average); such queries are padding whose ou
 the loop updates in place, and the kernel reads layer `layer` through pointer arithmetic (64-bit
 offsets once a pool passes 4 GiB, which the Triton lowering switches to by itself).
 
+Split prefixes (flash-decoding's split-K). One program per (request, KV head) is 3 programs at batch 1
+for SmolLM2 (3 KV heads) on a GPU with 132 SMs. With `JEAGLE_PAGED_ATTENTION_SPLITS` = `auto` (or a
+count) a third grid axis splits each prefix into that many contiguous runs of blocks, sized on the
+device from the request's own length; each program writes its unnormalised (max, sum, accumulator)
+and the wrapper merges them (one small XLA fusion). `1`, the default, is the single-pass kernel; the
+split is off by default until measured on the GPU (bench/RESULTS.md).
+
 Layers, as in JAX's own Pallas ops: `_kernel`, `_pallas` (wrapper: queries regrouped per KV head and
-padded to Triton's power-of-two tiles), `paged_attention` (public: validates, asks the backend
-switch) and `paged_attention_reference`.
+padded to Triton's power-of-two tiles; the merge of split prefixes), `paged_attention` (public:
+validates, asks the backend switch) and `paged_attention_reference`.
 """
 
 from __future__ import annotations
 
 import functools
+import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -36,10 +45,30 @@ from jax.experimental.pallas import triton as plgpu
 
 from jeagle.kernels.backend import backend
 
-__all__ = ["paged_attention", "paged_attention_reference", "dense_attention", "kernel_serves"]
+__all__ = ["paged_attention", "paged_attention_reference", "dense_attention", "kernel_serves", "prefix_splits"]
 
 BLOCK = 64  # prefix positions per loop iteration
 _NEG = -1e30  # finite "minus infinity": exp(_NEG - _NEG) stays defined in the online softmax
+SPLITS_ENV = "JEAGLE_PAGED_ATTENTION_SPLITS"
+MAX_SPLITS = 16
+TARGET_PROGRAMS = 128  # `auto`: split until (requests x KV heads x splits) reaches about this many programs
+
+
+def prefix_splits(b: int, hkv: int, s_cols: int) -> int:
+    """How many runs each prefix is split into (static: part of the executable), from
+    JEAGLE_PAGED_ATTENTION_SPLITS: `1`/unset (no split), `auto`, or a count; never more than the
+    table's blocks."""
+    choice = os.environ.get(SPLITS_ENV, "1").strip().lower() or "1"
+    most = max(1, math.ceil(s_cols / BLOCK))
+    if choice == "auto":
+        return max(1, min(MAX_SPLITS, TARGET_PROGRAMS // max(1, b * hkv), most))
+    try:
+        n = int(choice)
+    except ValueError:
+        raise ValueError(f"{SPLITS_ENV}={choice!r}: expected auto or a count >= 1") from None
+    if n < 1:
+        raise ValueError(f"{SPLITS_ENV}={choice!r}: expected auto or a count >= 1")
+    return min(n, most)
 
 
 def kernel_serves(head_dim: int) -> bool:
@@ -83,11 +112,11 @@ def paged_attention_reference(q, k_pool, v_pool, layer, kv_slots, kv_len, extra_
     return dense_attention(q, k_pool[layer, slots], v_pool[layer, slots], visible)
 
 
-def _kernel(layer_ref, len_ref, q_ref, tbl_ref, k_ref, v_ref, *rest, s_cols, has_extra, scale):
+def _kernel(layer_ref, len_ref, q_ref, tbl_ref, k_ref, v_ref, *rest, s_cols, has_extra, scale, splits):
     if has_extra:
-        xslot_ref, xmask_ref, o_ref = rest
+        xslot_ref, xmask_ref, *out_refs = rest
     else:
-        (o_ref,) = rest
+        out_refs = rest
     b, h = pl.program_id(0), pl.program_id(1)
     layer, n = layer_ref[0], len_ref[b]
     q = q_ref[0, 0, :, :]  # [TG, D]: the queries of KV head h, row = t * G + g
@@ -119,15 +148,31 @@ def _kernel(layer_ref, len_ref, q_ref, tbl_ref, k_ref, v_ref, *rest, s_cols, has
     # Loop carries start as traced values (the Triton lowering needs typed loop-carried values).
     zero = jnp.zeros((tg,), jnp.float32) + (n * 0).astype(jnp.float32)
     carry = (zero + _NEG, zero, jnp.zeros((tg, d), jnp.float32) + zero[:, None])
-    carry = jax.lax.fori_loop(0, (n + BLOCK - 1) // BLOCK, block, carry)
+    blocks = (n + BLOCK - 1) // BLOCK
+    if splits == 1:
+        first, last, owner = 0, blocks, True
+    else:  # this program's contiguous run of the request's own blocks (empty past its end)
+        part = pl.program_id(2)
+        run = (blocks + splits - 1) // splits
+        first = jnp.minimum(part * run, blocks)
+        last = jnp.minimum(first + run, blocks)
+        owner = part == 0  # the extra (tree) keys are merged in once, by the first run
+    carry = jax.lax.fori_loop(first, last, block, carry)
     if has_extra:
         slots = xslot_ref[0, :]
-        visible = xmask_ref[0, :, :] != 0  # [TG, Ep]
+        visible = (xmask_ref[0, :, :] != 0) & owner  # [TG, Ep]
         k = k_ref[layer, slots, h, :]
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
         carry = update(carry, jnp.where(visible, s, _NEG), visible, slots)
-    _, l, acc = carry
-    o_ref[0, 0, :, :] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
+    m, l, acc = carry
+    if splits == 1:
+        (o_ref,) = out_refs
+        o_ref[0, 0, :, :] = (acc / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
+    else:
+        m_ref, l_ref, acc_ref = out_refs
+        m_ref[0, 0, 0, :] = m
+        l_ref[0, 0, 0, :] = l
+        acc_ref[0, 0, 0, :, :] = acc
 
 
 def _pallas(q, k_pool, v_pool, layer, kv_slots, kv_len, extra_slots, extra_mask, *, interpret):
@@ -136,12 +181,13 @@ def _pallas(q, k_pool, v_pool, layer, kv_slots, kv_len, extra_slots, extra_mask,
     g = hq // hkv
     tg = t * g
     tgp = max(16, pl.next_power_of_2(tg))
+    splits = prefix_splits(b, hkv, kv_slots.shape[1])
     # [B, T, Hkv, G, D] → [B, Hkv, T·G, D]: one program's queries are contiguous rows of one tile.
     qh = q.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, tg, d)
     qh = jnp.pad(qh, ((0, 0), (0, 0), (0, tgp - tg), (0, 0)))
     has_extra = extra_slots is not None
     inputs = [jnp.reshape(layer, (1,)).astype(jnp.int32), kv_len, qh, kv_slots, k_pool, v_pool]
-    specs = [pl.no_block_spec, pl.no_block_spec, pl.BlockSpec((1, 1, tgp, d), lambda i, j: (i, j, 0, 0)),
+    specs = [pl.no_block_spec, pl.no_block_spec, pl.BlockSpec((1, 1, tgp, d), lambda i, j, *_: (i, j, 0, 0)),
              pl.no_block_spec, pl.no_block_spec, pl.no_block_spec]
     if has_extra:
         e = extra_slots.shape[1]
@@ -150,17 +196,35 @@ def _pallas(q, k_pool, v_pool, layer, kv_slots, kv_len, extra_slots, extra_mask,
         inputs.append(jnp.pad(extra_slots, ((0, 0), (0, ep - e))))
         mask = jnp.repeat(extra_mask.astype(jnp.int8), g, axis=1)  # [B, T·G, E], row = t * G + g
         inputs.append(jnp.pad(mask, ((0, 0), (0, tgp - tg), (0, ep - e))))
-        specs += [pl.BlockSpec((1, ep), lambda i, j: (i, 0)), pl.BlockSpec((1, tgp, ep), lambda i, j: (i, 0, 0))]
+        specs += [pl.BlockSpec((1, ep), lambda i, j, *_: (i, 0)), pl.BlockSpec((1, tgp, ep), lambda i, j, *_: (i, 0, 0))]
+    if splits == 1:
+        grid = (b, hkv)
+        out_specs = pl.BlockSpec((1, 1, tgp, d), lambda i, j: (i, j, 0, 0))
+        out_shape = jax.ShapeDtypeStruct((b, hkv, tgp, d), q.dtype)
+    else:  # per run: the running max, the sum of exponentials and the unnormalised accumulator, fp32
+        grid = (b, hkv, splits)
+        out_specs = [pl.BlockSpec((1, 1, 1, tgp), lambda i, j, r: (i, j, r, 0)),
+                     pl.BlockSpec((1, 1, 1, tgp), lambda i, j, r: (i, j, r, 0)),
+                     pl.BlockSpec((1, 1, 1, tgp, d), lambda i, j, r: (i, j, r, 0, 0))]
+        out_shape = [jax.ShapeDtypeStruct((b, hkv, splits, tgp), jnp.float32),
+                     jax.ShapeDtypeStruct((b, hkv, splits, tgp), jnp.float32),
+                     jax.ShapeDtypeStruct((b, hkv, splits, tgp, d), jnp.float32)]
     out = pl.pallas_call(
-        functools.partial(_kernel, s_cols=kv_slots.shape[1], has_extra=has_extra, scale=1.0 / float(np.sqrt(d))),
-        grid=(b, hkv),
+        functools.partial(_kernel, s_cols=kv_slots.shape[1], has_extra=has_extra, scale=1.0 / float(np.sqrt(d)),
+                          splits=splits),
+        grid=grid,
         in_specs=specs,
-        out_specs=pl.BlockSpec((1, 1, tgp, d), lambda i, j: (i, j, 0, 0)),
-        out_shape=jax.ShapeDtypeStruct((b, hkv, tgp, d), q.dtype),
+        out_specs=out_specs,
+        out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=2),
         interpret=interpret,
         name="paged_attention",
     )(*inputs)
+    if splits > 1:  # merge the runs: rescale each to the common max, sum, normalise
+        m, l, acc = out
+        w = jnp.exp(m - jnp.max(m, axis=2, keepdims=True))  # runs with no key: l = acc = 0, any weight
+        total = jnp.sum(w * l, axis=2)
+        out = (jnp.sum(w[..., None] * acc, axis=2) / jnp.where(total > 0, total, 1.0)[..., None]).astype(q.dtype)
     out = out[:, :, :tg].reshape(b, hkv, t, g, d).transpose(0, 2, 1, 3, 4)
     return out.reshape(b, t, hq, d)
 

@@ -190,6 +190,11 @@ ENGINE_SCRIPT = textwrap.dedent('''
         got = [o.token_ids for o in spec.generate(prompts, params)]
         assert got == ref, ("spec", tp, got, ref)
         assert spec.last_stats["accept_length"] > 1.0
+        from jeagle.sharding import pool_sharding  # the rounds' outputs keep every pool where it was placed
+        for pool in (spec.cache.k, spec.cache.v, spec.dk, spec.dv):
+            assert pool.sharding.spec == pool_sharding(spec.mesh, pool.shape).spec, (tp, pool.shape, pool.sharding)
+        split = [tuple(x.sharding.spec)[2:3] == ("tp",) for x in (spec.cache.k, spec.dk)]
+        assert split == [True, tp == 2], (tp, split)  # the head's 2 KV heads split over 2, not over 4
         print("engine tp", tp, "ok", spec.last_stats["accept_length"], flush=True)
     # The draft split like a target layer: an EAGLE-1 head with the vocabulary replicated, an EAGLE-3
     # head (own lm_head split by rows) with it split.

@@ -1,6 +1,7 @@
 """The paged-attention kernel: interpreted on CPU and compiled with -m gpu, against its pure-jnp
 reference on random pools and slot tables. Cases cover prefixes of 0, under one block, exact blocks
-and several blocks; grouped and ungrouped heads; with and without extra (tree) keys; padded queries."""
+and several blocks; grouped and ungrouped heads; with and without extra (tree) keys; padded queries;
+prefixes split into runs (JEAGLE_PAGED_ATTENTION_SPLITS) and merged."""
 
 from __future__ import annotations
 
@@ -8,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jeagle.kernels.paged_attention import BLOCK, kernel_serves, paged_attention, paged_attention_reference
+from jeagle.kernels.paged_attention import (BLOCK, kernel_serves, paged_attention, paged_attention_reference,
+                                            prefix_splits)
 from tests.kernels.lowering import lower_for_h100
 
 
@@ -56,6 +58,29 @@ def test_interpreted_matches_reference(monkeypatch, case):
     check("interpret", monkeypatch, inputs(*case, seed=sum(case)), tol=2e-5)
 
 
+@pytest.mark.parametrize("splits", ["2", "auto"])
+@pytest.mark.parametrize("case", [CASES[1], CASES[3]], ids=["decode", "tree"])
+def test_split_prefixes_match_reference(monkeypatch, case, splits):
+    """Runs of a split prefix (some empty: past the request's end) merge to the reference, the tree keys
+    counted once; lengths 0..300 over 5 table blocks."""
+    monkeypatch.setenv("JEAGLE_PAGED_ATTENTION_SPLITS", splits)
+    args = inputs(*case, seed=sum(case))
+    assert prefix_splits(case[0], case[3], args[4].shape[1]) > 1
+    check("interpret", monkeypatch, args, tol=2e-5)
+
+
+def test_prefix_splits_choice(monkeypatch):
+    monkeypatch.delenv("JEAGLE_PAGED_ATTENTION_SPLITS", raising=False)
+    assert prefix_splits(1, 3, 2048) == 1  # off unless asked
+    monkeypatch.setenv("JEAGLE_PAGED_ATTENTION_SPLITS", "auto")
+    assert prefix_splits(1, 3, 2048) == 16 and prefix_splits(48, 3, 2048) == 1 and prefix_splits(1, 3, 100) == 2
+    monkeypatch.setenv("JEAGLE_PAGED_ATTENTION_SPLITS", "8")
+    assert prefix_splits(64, 8, 2048) == 8 and prefix_splits(1, 1, 64) == 1
+    monkeypatch.setenv("JEAGLE_PAGED_ATTENTION_SPLITS", "0")
+    with pytest.raises(ValueError, match="auto or a count"):
+        prefix_splits(1, 1, 64)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CASES)
 def test_compiled_matches_reference(monkeypatch, case):
@@ -63,13 +88,17 @@ def test_compiled_matches_reference(monkeypatch, case):
 
 
 @pytest.mark.gpu
-def test_compiled_bf16_smollm2_shape(monkeypatch):
+@pytest.mark.parametrize("splits", ["1", "auto"])
+def test_compiled_bf16_smollm2_shape(monkeypatch, splits):
+    monkeypatch.setenv("JEAGLE_PAGED_ATTENTION_SPLITS", splits)
     check("pallas", monkeypatch, inputs(16, 8, 9, 3, 64, 8, seed=5, dtype=jnp.bfloat16, slots=5000, cols=2048),
           tol=3e-2)
 
 
-def test_lowers_for_h100(monkeypatch):
+@pytest.mark.parametrize("splits", ["1", "auto"])
+def test_lowers_for_h100(monkeypatch, splits):
     monkeypatch.setenv("JEAGLE_KERNELS", "pallas")
+    monkeypatch.setenv("JEAGLE_PAGED_ATTENTION_SPLITS", splits)
     for e in (0, 8):
         lower_for_h100(paged_attention, *inputs(2, 8, 9, 3, 64, e, seed=1, dtype=jnp.bfloat16))
 
