@@ -158,7 +158,7 @@ def test_store_skips_saving_on_cpu_with_the_compilation_cache(target, head, work
     if jax.default_backend() != "cpu" or not jax.config.jax_compilation_cache_dir:
         pytest.skip("the guard is for XLA:CPU with the compilation cache on (the conftest's default on CPU)")
     prompts, params = workload
-    cfg = EngineConfig(max_batch_size=4, max_context=96, batch_buckets=(1, 2, 4), executable_cache_dir=str(tmp_path))
+    cfg = EngineConfig(max_batch_size=4, max_context=96, batch_buckets=(4,), executable_cache_dir=str(tmp_path))
     engine = SpecEngine(target, head, cfg, SpecConfig(3, 2, 5))
     outs = engine.generate(prompts, params)
     assert all(o.token_ids for o in outs) and engine._store.saved == 0 and engine.num_compiled > 1

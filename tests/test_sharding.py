@@ -202,9 +202,6 @@ ENGINE_SCRIPT = textwrap.dedent('''
     from jeagle.models.eagle import random_draft
     from tests.spec_models import draft_config
     eagle3 = random_draft(draft_config(cfg, "eagle3"), seed=4)
-    ref3 = [o.token_ids for o in SpecEngine(target, eagle3, EngineConfig(max_batch_size=4, max_context=64),
-                                            SpecConfig(3, 2, 4)).generate(prompts, params)]
-    assert ref3 == ref
     for draft, vocab in ((head, "replicate"), (eagle3, "shard")):
         ec = EngineConfig(max_batch_size=4, max_context=64, tp=2, tp_draft="shard", tp_vocab=vocab)
         spec = SpecEngine(target, draft, ec, SpecConfig(num_steps=3, topk=2, num_draft_tokens=4))

@@ -58,8 +58,7 @@ def test_interpreted_matches_reference(monkeypatch, case):
     check("interpret", monkeypatch, inputs(*case, seed=sum(case)), tol=2e-5)
 
 
-@pytest.mark.parametrize("splits", ["2", "auto"])
-@pytest.mark.parametrize("case", [CASES[1], CASES[3]], ids=["decode", "tree"])
+@pytest.mark.parametrize("case,splits", [(CASES[1], "auto"), (CASES[3], "2")], ids=["decode-auto", "tree-2"])
 def test_split_prefixes_match_reference(monkeypatch, case, splits):
     """Runs of a split prefix (some empty: past the request's end) merge to the reference, the tree keys
     counted once; lengths 0..300 over 5 table blocks."""
