@@ -2,7 +2,7 @@
 # One GPU session's work, run on the device machine from the repo root (see bench/RESULTS.md).
 # The SmolLM2 GGUF (98.4 MB) travels in three parts (a call carries 64 MiB, the repo ~21 MB of it):
 #   .stage1 = smolpart.aa + data0.npz.xz + data.tar.xz (the prompt files, .data/), .stage2 = smolpart.ab,
-#   .stage3 = smolpart.ac. Calls, back to back while the machine is warm:
+#   .stage3 = smolpart.ac (+ eagle1_head.tar from an earlier eaglepeer, optional). Calls, back to back while warm:
 #   carry .stage1: `bash bench/gpu_session.sh stage`; carry .stage2: `bash bench/gpu_session.sh stage`;
 #   carry .stage3 + .whl: `bash bench/gpu_session.sh run STEPS...` (later calls: carry .whl only).
 # Random-weight steps (tp, profile, kerneltests, kernelbench, kernelround, specbench, overhead, warmup, cmdbuf, adaptive, autotune) need no staging: `bash bench/gpu_session.sh run kerneltests kernelbench kernelround`.
@@ -14,6 +14,9 @@ stage_in() {  # whatever staged parts this call carries -> $HOME/stage; unpack t
   [ -f "$HOME/stage/data0.npz.xz" ] && [ ! -f "$HOME/data0.npz" ] && xz -dc "$HOME/stage/data0.npz.xz" > "$HOME/data0.npz"
   [ -f "$HOME/stage/data.tar.xz" ] && [ ! -d "$HOME/.data" ] && tar xJf "$HOME/stage/data.tar.xz" -C "$HOME"
   [ -d .data ] || { [ -d "$HOME/.data" ] && ln -s "$HOME/.data" .data; }
+  # An EAGLE-1 head from an earlier `eaglepeer` (its eagle1_head.tar in a staged part): no retraining.
+  [ -f "$HOME/stage/eagle1_head.tar" ] && [ ! -d "$HOME/run_eagle1/head" ] && mkdir -p "$HOME/run_eagle1" \
+    && tar xf "$HOME/stage/eagle1_head.tar" -C "$HOME/run_eagle1"
   return 0
 }
 stage_in
