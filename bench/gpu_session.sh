@@ -121,24 +121,24 @@ if [[ "$steps" == *" bench "* ]]; then  # issue 9: jeagle target-only / EAGLE-3 
     --hf-batch-sizes "${HF_BATCHES:-1,16}" --json-out "$OUT/decode.json" --plot "$OUT/decode.png" 2>&1 \
     | grep -v '^{"bench"' | tee "$OUT/decode.log"
 fi
+decode_variant() {  # STEM LABEL ARGS...: one bench/decode.py run (jeagle systems only); JSON to STEM.jsonl, rows to STEM.log
+  local stem="$1" label="$2"; shift 2
+  echo "$label" | tee -a "$OUT/$stem.log"
+  python3 bench/decode.py --prompts .data/mtbench.jsonl --hf-batch-sizes "" --systems jeagle,jeagle-eagle "$@" 2>&1 \
+    | grep '^{"bench"' | tee -a "$OUT/$stem.jsonl" \
+    | python3 -c "import json,sys; [print(r) for r in json.load(sys.stdin)['rows']]" | tee -a "$OUT/$stem.log"
+}
 if [[ "$steps" == *" ab "* ]]; then  # issue 9: batch-1 engine settings, A/B in one call (each a fresh process)
   for cfg in ${AB_CONFIGS:-'{}' '{"compile_workers":1}' '{"verify_done_wait":"dataflow"}' '{"unroll_layers":true}' \
       '{"unroll_layers":true,"verify_done_wait":"dataflow"}'}; do
-    echo "engine config $cfg" | tee -a "$OUT/decode_ab.log"
-    python3 bench/decode.py --prompts .data/mtbench.jsonl --batch-sizes "${AB_BATCHES:-1}" --hf-batch-sizes "" \
-      --systems jeagle,jeagle-eagle --engine-config "$cfg" 2>&1 | grep '^{"bench"' >> "$OUT/decode_ab.jsonl"
-    tail -1 "$OUT/decode_ab.jsonl" | python3 -c "import json,sys; d=json.load(sys.stdin); print(d['engine_config']); [print(r) for r in d['rows']]" \
-      | tee -a "$OUT/decode_ab.log"
+    decode_variant decode_ab "engine config $cfg" --batch-sizes "${AB_BATCHES:-1}" --engine-config "$cfg"
   done
 fi
 if [[ "$steps" == *" splitab "* ]]; then  # paged attention with split prefixes: compiled check, then decode A/B
   python3 -m pytest -q -m gpu tests/kernels/test_paged_attention.py 2>&1 | tail -3 | tee "$OUT/pytest_paged_split_gpu.log"
   for splits in ${SPLIT_CHOICES:-1 auto}; do
-    echo "JEAGLE_PAGED_ATTENTION_SPLITS=$splits" | tee -a "$OUT/decode_split.log"
-    JEAGLE_PAGED_ATTENTION_SPLITS=$splits python3 bench/decode.py --prompts .data/mtbench.jsonl \
-      --batch-sizes "${SPLIT_BATCHES:-1,4,16}" --hf-batch-sizes "" --systems jeagle,jeagle-eagle 2>&1 \
-      | grep '^{"bench"' | tee -a "$OUT/decode_split.jsonl" | python3 -c "import json,sys; [print(r) for r in json.load(sys.stdin)['rows']]" \
-      | tee -a "$OUT/decode_split.log"
+    JEAGLE_PAGED_ATTENTION_SPLITS=$splits decode_variant decode_split "JEAGLE_PAGED_ATTENTION_SPLITS=$splits" \
+      --batch-sizes "${SPLIT_BATCHES:-1,4,16}"
   done
 fi
 if [[ "$steps" == *" eaglepeer "* ]]; then  # issue 9: eagle-llm (official EAGLE-1 code) vs jeagle on one EAGLE-1 head

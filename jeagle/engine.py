@@ -295,6 +295,10 @@ class Engine:
         return self.cfg.unroll_layers
 
     # ---- tensor parallelism: placement of the device state on the mesh ------------------------------
+    def _kv_pools(self) -> tuple:
+        """The device KV pools an executable returns (split by KV heads under a mesh)."""
+        return (self.cache.k, self.cache.v)
+
     def _place_pools(self, k, v):
         from jeagle.sharding import shard_pools
 
@@ -312,8 +316,7 @@ class Engine:
 
         from jeagle.sharding import pool_sharding
 
-        # The KV pools (the target's; a speculative engine's draft pools too) by their exact shapes.
-        pools = {tuple(x.shape) for x in (self.cache.k, getattr(self, "dk", None)) if x is not None}
+        pools = {tuple(x.shape) for x in self._kv_pools()}  # told apart from other outputs by exact shape
 
         def one(x):
             if tuple(x.shape) in pools:

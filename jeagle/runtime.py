@@ -131,8 +131,8 @@ def enable_compile_cache(path) -> None:
 def code_fingerprint(description: str) -> str:
     """A hash of everything that decides the compiled code besides argument shapes: jeagle's source
     (package and kernels), the JAX/jaxlib versions, the device kind and driver, the kernel backend
-    and paged-attention split, XLA_FLAGS, JAX's matmul precision and x64 settings, and `description` (the engine's static
-    configuration: model, draft and tier configs, layer unrolling, ...)."""
+    and paged-attention split, XLA_FLAGS, JAX's matmul precision and x64 settings, and `description`
+    (the engine's static configuration: model, draft and tier configs, layer unrolling, ...)."""
     import hashlib
     from pathlib import Path
 
@@ -141,6 +141,7 @@ def code_fingerprint(description: str) -> str:
     import jeagle
     import jeagle.kernels
     from jeagle.kernels.backend import backend
+    from jeagle.kernels.paged_attention import SPLITS_ENV
 
     h = hashlib.sha256()
     for pkg in (jeagle, jeagle.kernels):
@@ -151,7 +152,7 @@ def code_fingerprint(description: str) -> str:
     dev = jax.devices()[0]
     for part in (jax.__version__, jaxlib.__version__, dev.platform, dev.device_kind,
                  getattr(dev.client, "platform_version", ""), backend(), os.environ.get("XLA_FLAGS", ""),
-                 os.environ.get("JEAGLE_PAGED_ATTENTION_SPLITS", ""),
+                 os.environ.get(SPLITS_ENV, ""),
                  str(jax.config.jax_default_matmul_precision), str(jax.config.jax_enable_x64), description):
         h.update(b"\0" + str(part).encode())
     return h.hexdigest()

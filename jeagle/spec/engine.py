@@ -108,6 +108,9 @@ class SpecEngine(Engine):
     def _positions(self, prompt_len: int, max_new: int) -> int:
         return min(prompt_len + max_new + self.layout.num_steps + 1, self.max_ctx)
 
+    def _kv_pools(self) -> tuple:
+        return (*super()._kv_pools(), self.dk, self.dv)
+
     def _prefix_bound(self, prompt_len: int, max_new: int) -> int:
         # Dispatch bounds L by tokens received + (S+1) per unread round: two with overlap, one without.
         return min(prompt_len + max_new + (self.layout.num_steps + 1) * (2 if self.cfg.overlap else 1), self.max_ctx)
