@@ -86,35 +86,49 @@ def timed(engine, prompt, batch: int, max_new: int, repeats: int) -> tuple[float
         outs = engine.generate([prompt] * batch, sp)
         if engine.last_stats.get("compile_s", 0.0):
             raise RuntimeError("the timed run compiled")
-        return sum(len(o.token_ids) for o in outs), dict(engine.last_stats)
+        st = dict(engine.last_stats)
+        # the decode phase alone: tokens after each request's first, over the time after the last first token
+        ttft = max(o.time_to_first_token_s for o in outs)
+        st["ttft_s"] = ttft
+        st["decode_tokens_per_s"] = (st["new_tokens"] - len(outs)) / max(st["wall_s"] - ttft, 1e-9)
+        return sum(len(o.token_ids) for o in outs), st
 
     return median_run(once, repeats)
 
 
 def collective_share(run) -> dict:
-    """Trace `run()`; per GPU: device-busy µs, µs in collectives, their share, the top collectives and
-    the top ops overall (what to look at when tp 2 is slower than tp 1)."""
+    """Trace `run()`; per GPU and per phase ("prefill": the prompt executables, "decode": the decode
+    steps or rounds, told apart by the HLO module each op ran in): device-busy µs, µs in collectives,
+    their share, the top collectives and the top ops overall (what to look at when tp 2 is slower than
+    tp 1). A collective's time includes its wait for the slower GPU (NCCL kernels spin until both
+    arrive), so a GPU that runs ahead shows more of it."""
     import jax
     from profile_decode import device_events_by_device
 
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d, create_perfetto_trace=True):
             run()
-        per_dev = device_events_by_device(d)
-    out = {}
-    for dev, ev in sorted(per_dev.items()):
+        per_dev = device_events_by_device(d, with_module=True)
+
+    def summary(ev):
         busy = sum(t for _, t in ev)
-        coll = collections.Counter()
+        coll, ops = collections.Counter(), collections.Counter()
         for name, t in ev:
+            ops[name] += t
             if COLLECTIVE.search(name):
                 coll[name] += t
         c = sum(coll.values())
-        ops = collections.Counter()
-        for name, t in ev:
-            ops[name] += t
-        out[dev] = {"busy_us": round(busy), "collective_us": round(c), "collective_share": round(c / busy, 4) if busy else 0,
-                    "top_collectives": [(n, round(t)) for n, t in coll.most_common(4)],
-                    "top_ops": [(n[:80], round(t)) for n, t in ops.most_common(10)]}
+        return {"busy_us": round(busy), "collective_us": round(c), "collective_share": round(c / busy, 4) if busy else 0,
+                "top_collectives": [(n, round(t)) for n, t in coll.most_common(4)],
+                "top_ops": [(n[:80], round(t)) for n, t in ops.most_common(10)]}
+
+    out = {}
+    for dev, ev in sorted(per_dev.items()):
+        phases = {"all": [(n, t) for n, t, _, _ in ev]}
+        if any(m for *_, m in ev):  # the trace names each op's module
+            phases["prefill"] = [(n, t) for n, t, _, m in ev if "prefill" in m]
+            phases["decode"] = [(n, t) for n, t, _, m in ev if m and "prefill" not in m]
+        out[dev] = {k: summary(v) for k, v in phases.items()}
     return out
 
 
@@ -191,11 +205,13 @@ def main(argv=None) -> dict:
             for name, eng in engines.items():
                 tps, stats = timed(eng, prompt, batch, args.max_new_tokens, args.repeats)
                 row = {"tp": tp, **placement, "batch": batch, "system": name, "tokens_per_s": round(tps, 1),
+                       "decode_tokens_per_s": round(stats["decode_tokens_per_s"], 1), "ttft_s": round(stats["ttft_s"], 4),
                        "accept_length": round(stats.get("accept_length", 1.0), 3),  # realised (τ is a mean)
                        "compile_s": round(getattr(eng, "compile_seconds", 0.0), 1)}
                 if name == "target-only":  # the bound is a target step's; a round also runs the draft
                     row |= {"bytes_per_step": int(step_bytes), "bandwidth_bound_tokens_per_s": round(bound, 1),
-                            "fraction_of_bound": round(tps / bound, 3)}
+                            "fraction_of_bound": round(tps / bound, 3),
+                            "decode_fraction_of_bound": round(stats["decode_tokens_per_s"] / bound, 3)}
                 doc["rows"].append(row)
                 print(json.dumps(row), flush=True)
         if args.profile:
@@ -206,10 +222,12 @@ def main(argv=None) -> dict:
                 doc["profiles"].append({"tp": tp, **placement, "batch": batch, "system": name, "per_device": prof})
                 print(json.dumps(doc["profiles"][-1]), flush=True)
         del engines
-    print(f"\n{'tp':>3} {'vocab:draft':<19} {'batch':>5} {'system':<18} {'tokens/s':>9} {'bound':>9} {'accept':>7}")
+    print(f"\n{'tp':>3} {'vocab:draft':<19} {'batch':>5} {'system':<18} {'tokens/s':>9} {'decode':>9} {'ttft s':>7} "
+          f"{'bound':>9} {'accept':>7}")
     for r in doc["rows"]:
         where = f"{r['tp_vocab']}:{r['tp_draft']}" if "tp_vocab" in r else "-"
         print(f"{r['tp']:>3} {where:<19} {r['batch']:>5} {r['system']:<18} {r['tokens_per_s']:>9.1f} "
+              f"{r['decode_tokens_per_s']:>9.1f} {r['ttft_s']:>7.3f} "
               f"{r.get('bandwidth_bound_tokens_per_s', float('nan')):>9.1f} {r['accept_length']:>7.2f}")
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(doc, indent=1))
