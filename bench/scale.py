@@ -38,7 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # SGLang's published single-H100 Llama-3.1-8B figures (issue 9): tokens/s at batch 1.
 SGLANG_H100 = {"target_only": 158.3, "eagle3_tau_4.68": 361.7, "eagle3_mtbench": 373.3}
-COLLECTIVE = re.compile(r"all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all|nccl|allreduce|allgather",
+# NCCL kernels, and XLA's own collective kernels (Triton one-shot all-reduce: "all_reduce_96_0_fusion_1")
+COLLECTIVE = re.compile(r"all[-_]?reduce|all[-_]?gather|reduce[-_]scatter|collective[-_]permute|all[-_]to[-_]all|nccl",
                         re.I)
 
 
@@ -144,7 +145,7 @@ def main(argv=None) -> dict:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--tp-variants", default="shard:replicate",
                    help="tp > 1 placements, VOCAB:DRAFT comma list (vocab shard|replicate, draft replicate|shard)")
-    p.add_argument("--profile", action="store_true", help="trace each tp's largest batch: collectives' share")
+    p.add_argument("--profile", action="store_true", help="trace each tp and batch: collectives' share per phase")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
 
@@ -215,12 +216,12 @@ def main(argv=None) -> dict:
                 doc["rows"].append(row)
                 print(json.dumps(row), flush=True)
         if args.profile:
-            batch = max(batches)
             sp = SamplingParams(max_new_tokens=32, ignore_eos=True)
-            for name, eng in engines.items():
-                prof = collective_share(lambda: eng.generate([prompt] * batch, sp))
-                doc["profiles"].append({"tp": tp, **placement, "batch": batch, "system": name, "per_device": prof})
-                print(json.dumps(doc["profiles"][-1]), flush=True)
+            for batch in batches:
+                for name, eng in engines.items():
+                    prof = collective_share(lambda: eng.generate([prompt] * batch, sp))
+                    doc["profiles"].append({"tp": tp, **placement, "batch": batch, "system": name, "per_device": prof})
+                    print(json.dumps(doc["profiles"][-1]), flush=True)
         del engines
     print(f"\n{'tp':>3} {'vocab:draft':<19} {'batch':>5} {'system':<18} {'tokens/s':>9} {'decode':>9} {'ttft s':>7} "
           f"{'bound':>9} {'accept':>7}")

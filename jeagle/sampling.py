@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 import jax
 import jax.numpy as jnp
 
+from jeagle.sharding import whole_vocab
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -48,13 +50,13 @@ def sample(logits, seeds, positions, temperature, top_k, top_p, *, all_greedy: b
     if all_greedy:
         return greedy_tok
     v = logits.shape[-1]
-    x = logits / jnp.maximum(temperature, 1e-6)[:, None]
+    x = whole_vocab(logits / jnp.maximum(temperature, 1e-6)[:, None])  # whole rows under a tp mesh
     order = jnp.argsort(-x, axis=-1)
     sorted_x = jnp.take_along_axis(x, order, axis=-1)
     rank = jnp.arange(v)[None, :]
     keep = (top_k[:, None] <= 0) | (rank < top_k[:, None])
     sorted_x = jnp.where(keep, sorted_x, -jnp.inf)
-    probs = jax.nn.softmax(sorted_x, axis=-1)
+    probs = whole_vocab(jax.nn.softmax(sorted_x, axis=-1))
     # top-p keeps the smallest prefix whose mass reaches p: a token stays if the mass before it < p.
     before = jnp.cumsum(probs, axis=-1) - probs
     sorted_x = jnp.where((before < top_p[:, None]) | (rank == 0), sorted_x, -jnp.inf)

@@ -169,13 +169,30 @@ def shard_pools(k_pool, v_pool, mesh: Mesh):
     return jax.device_put(k_pool, s), jax.device_put(v_pool, s)
 
 
+def _context_tp() -> int:
+    """The `tp` size of the mesh being traced under (1 without one)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return 1 if mesh.empty or TP not in mesh.axis_names else mesh.shape[TP]
+
+
+def whole_vocab(x):
+    """`x` (logits or probabilities [..., V]) replicated when traced under a tp mesh; as is otherwise.
+    The samplers sort and cumsum along the vocabulary. Left to propagation, vocabulary-split logits
+    keep the cumsum split by vocabulary, and XLA:GPU then runs that scan as a sequential loop, one
+    iteration per vocabulary entry of a shard (64,128 for Llama-3 at tp 2: 1.58 s to the first token
+    at batch 16 against 0.10 s at tp 1, 2 x H200, bench/RESULTS.md session 9). Gathering [B, V] is
+    cheap next to that; each device then samples the whole rows."""
+    if _context_tp() == 1:
+        return x
+    return jax.lax.with_sharding_constraint(x, P())
+
+
 def over_kv_heads(fn, q, k_pool, v_pool, *rest):
     """`fn(q, k_pool, v_pool, *rest)` (paged attention: q [B,T,Hq,D], pools [L,slots,Hkv,D], the rest
     replicated bookkeeping) per tensor-parallel shard of the heads, when traced under a mesh with a
     `tp` axis > 1 that divides the KV heads; otherwise as is. Query head h reads KV head h // (Hq/Hkv),
     so splitting both head axes into `tp` contiguous blocks keeps every shard's groups whole."""
-    mesh = jax.sharding.get_abstract_mesh()
-    tp = 1 if mesh.empty or TP not in mesh.axis_names else mesh.shape[TP]
+    tp = _context_tp()
     if tp == 1 or k_pool.shape[2] % tp or q.shape[2] % tp:
         return fn(q, k_pool, v_pool, *rest)
     heads = P(None, None, TP, None)

@@ -22,6 +22,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from jeagle.sharding import whole_vocab
+
 
 def _walk(candidates, next_token, next_sibling, num_steps, try_child):
     """Shared walk. try_child(state, node, child) -> (accepted [B] bool, state); returns
@@ -137,7 +139,7 @@ def sample_residual(q, resid, coin):
     """Inverse-CDF draw from relu(q - resid) normalised; falls back to q if nothing is left."""
     r = jnp.maximum(q - resid, 0.0)
     total = r.sum(-1, keepdims=True)
-    r = jnp.where(total > 0, r, q)
+    r = whole_vocab(jnp.where(total > 0, r, q))  # whole rows under a tp mesh (the cumsum below)
     cdf = jnp.cumsum(r, -1)
     u = coin[:, None] * cdf[:, -1:]
     tok = jnp.sum(cdf <= u, -1)  # first index whose cdf exceeds u
@@ -150,13 +152,13 @@ def target_probs(logits, temperature, top_k, top_p):
     """Softmax of [B, N, V] logits after temperature, top-k and top-p (per request [B])."""
     b, n, v = logits.shape
     t = jnp.maximum(temperature, 1e-6)[:, None, None]
-    x = logits / t
+    x = whole_vocab(logits / t)  # whole rows under a tp mesh (the sort and cumsum below)
     order = jnp.argsort(-x, axis=-1)
     sx = jnp.take_along_axis(x, order, axis=-1)
     rank = jnp.arange(v)
     keep = (top_k[:, None, None] <= 0) | (rank < top_k[:, None, None])
     sx = jnp.where(keep, sx, -jnp.inf)
-    p = jax.nn.softmax(sx, -1)
+    p = whole_vocab(jax.nn.softmax(sx, -1))
     before = jnp.cumsum(p, -1) - p
     sx = jnp.where((before < top_p[:, None, None]) | (rank == 0), sx, -jnp.inf)
     p = jax.nn.softmax(sx, -1)
