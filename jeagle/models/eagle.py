@@ -31,6 +31,7 @@ from flax import nnx
 from jeagle.config import DraftConfig
 from jeagle.models.common import (AttnInputs, abstract_module, attention_sublayer, mlp_sublayer, random_module,
                                    rms_norm, rope_cos_sin)
+from jeagle.sharding import embed_rows
 
 
 class Buffer(nnx.Variable):
@@ -94,12 +95,13 @@ class EagleHead(nnx.Module):
         v_pool: jax.Array,
         *,
         embed: jax.Array,  # [V, H] the target's embedding
+        embed_split: bool = False,  # the target's embedding is split by vocabulary rows on the mesh
         lm_head: jax.Array | None = None,  # [V, H] the target's head (EAGLE-1)
         logits_index: jax.Array | None = None,
     ) -> DraftOut:
         cfg = self.cfg
         eps = cfg.rms_norm_eps
-        e = embed[tokens].astype(cfg.dtype)
+        e = embed_rows(embed, tokens, embed_split).astype(cfg.dtype)
         feature = feature.astype(cfg.dtype)
         cos, sin = rope_cos_sin(attn.positions, cfg.head_dim, cfg.rope_theta, None)
 

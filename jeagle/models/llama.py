@@ -29,6 +29,7 @@ from flax import nnx
 from jeagle.config import ModelConfig
 from jeagle.models.common import (AttnInputs, abstract_module, attention_sublayer, mlp_sublayer, random_module,
                                    rms_norm, rope_cos_sin)
+from jeagle.sharding import embed_rows
 
 # The per-layer weights, in the order a layer uses them.
 LAYER_PARAMS = ("attn_norm", "wqkv", "bqkv", "q_norm", "k_norm", "wo", "bo", "mlp_norm", "w_gate_up", "w_down")
@@ -47,6 +48,7 @@ class ForwardOut:
 class Llama(nnx.Module):
     # Tensor-parallel shards the fused q|k|v and gate|up columns are laid out for (jeagle/sharding.py).
     tp_groups: int = 1
+    vocab_split: bool = False  # embed / lm_head split by vocabulary rows on the mesh
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
@@ -103,7 +105,7 @@ class Llama(nnx.Module):
         cfg = self.cfg
         w = {name: (getattr(self, name)[...] if getattr(self, name) is not None else None) for name in LAYER_PARAMS}
         embed = self.embed[...]
-        h = embed[tokens]
+        h = embed_rows(embed, tokens, self.vocab_split)
         cos, sin = rope_cos_sin(attn.positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
 
         def run_layers(start, stop, h, kp, vp):

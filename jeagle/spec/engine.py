@@ -139,7 +139,8 @@ class SpecEngine(Engine):
         ext_tok = jnp.where(pos == last[:, None], first[:, None], nxt)
         feature = out.hidden if head.cfg.kind == "eagle1" else out.aux_hidden
         lm_head = target.embed[...] if target.lm_head is None else target.lm_head[...]
-        dout = head(ext_tok, feature, attn, dk, dv, embed=target.embed[...], lm_head=lm_head, logits_index=last)
+        dout = head(ext_tok, feature, attn, dk, dv, embed=target.embed[...], embed_split=target.vocab_split,
+                    lm_head=lm_head, logits_index=last)
         topk_p, topk_id = draft_topk(head, dout.logits, self.layout.topk)
         finished = jnp.any(first[:, None] == stop_ids, -1) | (max_new <= 1)
         new = SpecRows(root=first, seq_len=lengths, topk_p=topk_p, topk_id=topk_id,

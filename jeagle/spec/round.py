@@ -182,7 +182,7 @@ def draft_tree(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, row
         attn = AttnInputs(positions=jnp.broadcast_to((L + i - 1)[:, None], (b, K)),
                           write_slots=scratch_slots[:, entry], kv_slots=prefix_slots, kv_len=L,
                           extra_slots=scratch_slots, extra_mask=anc)
-        out = head(beam_tok, beam_feat, attn, dk, dv, embed=embed, lm_head=lm_head_t)
+        out = head(beam_tok, beam_feat, attn, dk, dv, embed=embed, embed_split=target.vocab_split, lm_head=lm_head_t)
         dk, dv = out.k, out.v
         p, ids = draft_topk(head, out.logits, K)  # [B, K, K]
         expand = (beam_scores[:, :, None] * p).reshape(b, K * K)
@@ -257,7 +257,7 @@ def verify_commit(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, 
     last = jnp.take_along_axis(path, acc[:, None], 1)[:, 0]
     ext_tok = jnp.where(predict >= 0, predict, tree.tokens)  # accepted nodes: the token that follows them
     feature = tout.hidden if head.cfg.kind == "eagle1" else tout.aux_hidden
-    dout = head(ext_tok, feature, tree_attn, dk, dv, embed=embed, lm_head=lm_head_t, logits_index=last)
+    dout = head(ext_tok, feature, tree_attn, dk, dv, embed=embed, embed_split=target.vocab_split, lm_head=lm_head_t, logits_index=last)
     dk, dv = dout.k, dout.v
     topk_p, topk_id = draft_topk(head, dout.logits, r.topk_p.shape[1])  # as wide as the rows: any tier next
     new_feature = dout.hidden[ar, last]
