@@ -21,6 +21,9 @@ operands whole onto every device, KV pools included. The paged-attention kernel 
 `shard_map` per KV-head shard (`over_kv_heads`): each device attends its own heads over its own part
 of the pools, and nothing is communicated. The other kernels read only replicated bookkeeping (the
 slot table, the tree, argmax tokens) and run replicated as they are.
+Two places where the partitioner's own choice measured slow on GPUs are written out by hand:
+`embed_rows` (Megatron's vocabulary-parallel embedding lookup) and `whole_vocab` (the samplers' sort
+and cumsum on whole vocabulary rows).
 The draft head is replicated by default (`EngineConfig.tp_draft = "replicate"`) or split like a target
 layer ("shard": its q|k|v, o, gate|up and down by heads / the intermediate dimension; fc and norms
 replicated; an EAGLE-3 head's own lm_head follows `tp_vocab`); its pools split by KV heads when they
