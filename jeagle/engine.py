@@ -182,7 +182,7 @@ class EngineConfig:
     min_prefill_bucket: int = 64
     tp: int = 1  # tensor parallelism: devices the target is split over (jeagle/sharding.py)
     tp_vocab: str = "shard"  # lm_head / embedding rows split over the devices, or "replicate"
-    tp_draft: str = "replicate"  # the draft head replicated, or "shard" (split like a target layer)
+    tp_draft: str = "auto"  # the draft head split like a target layer when it divides; "replicate" | "shard"
 
 
 @jax.tree_util.register_dataclass
@@ -386,7 +386,7 @@ class Engine:
 
         # (tp placements too: the store is off under a mesh, and at tp 1 they change nothing)
         runtime_only = dict(overlap=True, verify_done_wait=None, executable_cache_dir=None, compile_workers=None,
-                            compile_processes=None, tp_vocab="shard", tp_draft="replicate")
+                            compile_processes=None, tp_vocab="shard", tp_draft="auto")
         options = sorted(self._compiler_options(("decode",)).items()) + sorted(self._compiler_options(("prefill",)).items())
         return repr((type(self).__name__, self.model_cfg, dataclasses.replace(self.cfg, **runtime_only), options))
 

@@ -53,7 +53,7 @@ class GenerateArgs:
     compile_workers: int | None = None
     tp: int = 1
     tp_vocab: str = "shard"
-    tp_draft: str = "replicate"
+    tp_draft: str = "auto"
 
 
 def build_parser(prog: str = "python -m jeagle.generate", prompts: bool = True,
@@ -112,8 +112,9 @@ def build_parser(prog: str = "python -m jeagle.generate", prompts: bool = True,
                          "KV pools by KV heads); outputs equal --tp 1")
     rt.add_argument("--tp-vocab", choices=["shard", "replicate"], default="shard",
                     help="with --tp: the lm_head/embedding rows split over the devices (default) or replicated")
-    rt.add_argument("--tp-draft", choices=["replicate", "shard"], default="replicate",
-                    help="with --tp: the EAGLE head replicated (default) or split like a target layer")
+    rt.add_argument("--tp-draft", choices=["auto", "replicate", "shard"], default="auto",
+                    help="with --tp: the EAGLE head split like a target layer when its heads divide (auto, the "
+                         "default), always replicated, or always split")
     rt.add_argument("--compile-workers", type=int, default=None,
                     help="threads that load and compile executables during --warmup (default: min(16, CPUs))")
     spec = p.add_argument_group("speculative decoding (EAGLE)")

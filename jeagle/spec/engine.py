@@ -60,18 +60,21 @@ class SpecEngine(Engine):
         self.fused_round = fused_round
         self._context_reserve = self.layout.num_steps + 1
         super().__init__(model, config, abstract=abstract)
-        if self.mesh is not None and config.tp_draft == "shard":
-            from jeagle.sharding import shard_draft
+        self.draft_split = False  # the draft head split over the mesh (EngineConfig.tp_draft)
+        if self.mesh is not None:
+            from jeagle.sharding import shard_draft, split_draft
 
-            draft = shard_draft(draft, self.mesh, config.tp_vocab)
+            self.draft_split = split_draft(draft.cfg, config.tp, config.tp_draft, config.tp_vocab)
+            if self.draft_split:
+                draft = shard_draft(draft, self.mesh, config.tp_vocab)
         self.draft_graphdef, self.draft_params = nnx.split(draft)
         self.draft_cfg = draft.cfg
         self.kv_buckets = kv_buckets(self.max_ctx, config, (model.cfg.head_dim, draft.cfg.head_dim))
         self.dk, self.dv = self._alloc(lambda: init_pools(draft.cfg, num_slots=self.allocator.num_slots))
         self.srows = self._alloc(lambda: init_rows(self.max_reqs + 1, self.layout, draft.cfg.hidden_size,
                                                    jnp.dtype(draft.cfg.dtype)))
-        if self.mesh is not None:  # pools split like the target's; the draft replicated unless tp_draft="shard"
-            if config.tp_draft != "shard":
+        if self.mesh is not None:  # pools split like the target's; the draft replicated unless split above
+            if not self.draft_split:
                 self.draft_params = self._replicated(self.draft_params)
             self.dk, self.dv = self._place_pools(self.dk, self.dv)
             self.srows = self._replicated(self.srows)
