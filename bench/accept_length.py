@@ -14,17 +14,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import chat_ids, device_kind, read_prompts
 
 
 def read_dataset(spec: str) -> tuple[str, list[str]]:
+    """NAME=FILE.jsonl[:N] -> (NAME, the first N prompts of FILE)."""
     name, rest = spec.split("=", 1)
     path, _, n = rest.partition(":")
-    rows = [json.loads(line)["prompt"] for line in open(path) if line.strip()]
+    rows = read_prompts(path, "")
     return name, rows[: int(n)] if n else rows
 
 
@@ -60,7 +60,7 @@ def main() -> None:
     tiers = [tuple(int(x) for x in t.split(",")) for t in args.tiers.split(":")]
     buckets = tuple(int(x) for x in args.buckets.split(","))
     datasets = [read_dataset(s) for s in args.dataset]
-    doc = {"device": str(jax.devices()[0].device_kind), "head": head_src, "max_new_tokens": args.max_new_tokens,
+    doc = {"device": device_kind(), "head": head_src, "max_new_tokens": args.max_new_tokens,
            "results": [], "lossless": []}
 
     def engine_for(model, head, tier, batch):
@@ -72,7 +72,7 @@ def main() -> None:
     model = load_model(target_dir)
     head = load_draft(resolve_draft(head_src, target_dir), target=model.cfg)
     for name, prompts in ([] if args.lossless_only else datasets):
-        ids = [tok.encode_chat([{"role": "user", "content": t}]) for t in prompts]
+        ids = chat_ids(tok, prompts)
         for tier in tiers:
             eng = engine_for(model, head, tier, args.batch)
             t0 = time.perf_counter()
@@ -90,7 +90,7 @@ def main() -> None:
         # one-token decode differently, and near ties flip (that is numerics, not the algorithm).
         jax.config.update("jax_default_matmul_precision", "highest")
         name, prompts = datasets[0]
-        ids = [tok.encode_chat([{"role": "user", "content": t}]) for t in prompts[: args.lossless]]
+        ids = chat_ids(tok, prompts[: args.lossless])
         m32 = load_model(target_dir, dtype="float32")
         h32 = load_draft(resolve_draft(head_src, target_dir), target=m32.cfg, dtype="float32")
         params = SamplingParams(max_new_tokens=args.lossless_tokens)

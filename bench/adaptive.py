@@ -25,57 +25,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import device_kind, git_commit, phased_models
 
 
 def tiers_arg(text: str):
     return tuple(tuple(int(x) for x in t.split(",")) for t in text.split(":"))
-
-
-def phased_models(shape: str, mid_noise: float, seed: int = 0):
-    """(target, {phase: head params}, head graph) as the module docstring describes."""
-    import jax.numpy as jnp
-    import numpy as np
-    from flax import nnx
-
-    from jeagle.config import DraftConfig, ModelConfig
-    from jeagle.models.eagle import random_draft
-    from jeagle.models.llama import random_model
-    from profile_decode import SHAPES
-
-    # Untied: lm_head = the embedding rows permuted, so the next token is perm⁻¹(token) (a tied head
-    # would make every token its own successor). The step reads the same bytes as a tied head.
-    cfg = ModelConfig(**{**SHAPES[shape], "tie_word_embeddings": False})
-    target = random_model(cfg, seed)
-    e = np.asarray(target.embed[...], np.float32)
-    e /= np.sqrt((e * e).mean(-1, keepdims=True))
-    target.embed[...] = jnp.asarray(e, target.embed[...].dtype)
-    target.lm_head[...] = jnp.asarray(e[np.random.default_rng(seed).permutation(len(e))], target.lm_head[...].dtype)
-    target.wo[...] = jnp.zeros_like(target.wo[...])
-    target.w_down[...] = jnp.zeros_like(target.w_down[...])
-
-    dcfg = DraftConfig(kind="eagle1", hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                       num_layers=1, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                       vocab_size=cfg.vocab_size, fc_bias=False, dtype=cfg.dtype)
-    h = cfg.hidden_size
-    params = {}
-    graph = None
-    for phase, (sign, noise) in {"high": (1.0, 0.0), "mid": (1.0, mid_noise), "low": (-1.0, 0.0)}.items():
-        head = random_draft(dcfg, seed + 1)
-        fc = np.zeros((2 * h, h), np.float32)
-        fc[:h] = sign * np.eye(h)
-        fc += noise * np.random.default_rng(seed + 2).standard_normal(fc.shape).astype(np.float32)
-        head.fc_w[...] = jnp.asarray(fc, head.fc_w[...].dtype)
-        head.wo[...] = jnp.zeros_like(head.wo[...])
-        head.w_down[...] = jnp.zeros_like(head.w_down[...])
-        graph, params[phase] = nnx.split(head)
-    return target, params, nnx.merge(graph, params["high"])
 
 
 def main(argv=None):
@@ -92,7 +49,6 @@ def main(argv=None):
     p.add_argument("--repeats", type=int, default=3, help="whole-workload repeats (per-phase figures: medians)")
     args = p.parse_args(argv)
 
-    import jax
     import numpy as np
 
     from jeagle.adaptive import AdaptiveConfig
@@ -177,8 +133,8 @@ def main(argv=None):
         print(f"{'overall':>10} " + " ".join(f"{overall[n]:>18.1f}" for n in names)
               + f" {overall['adaptive'] / max(v for n, v in overall.items() if n != 'adaptive'):>13.3f}")
         summary.append({"batch": key[0], "tiers": key[1], "phase": "overall", "tokens_per_s": overall})
-    print(json.dumps({"bench": "adaptive", "shape": args.shape, "device": jax.devices()[0].device_kind,
-                      "commit": os.environ.get("JEAGLE_COMMIT", "unknown"), "phases": phases,
+    print(json.dumps({"bench": "adaptive", "shape": args.shape, "device": device_kind(),
+                      "commit": git_commit(), "phases": phases,
                       "phase_tokens": args.phase_tokens, "mid_noise": args.mid_noise,
                       "adaptive_config": adaptive_cfg.__dict__, "switches_last_repeat": switches, "summary": summary,
                       "rows": rows}, default=list))

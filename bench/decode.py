@@ -37,35 +37,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import platform
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from common import chat_ids, device_kind, emit, git_commit, median_run, plain_hf_model, read_prompts
 
 EAGLE_LLM_WHY = ("eagle-llm 1.2.1 (eagle.model.cnets.Model) implements EAGLE-1/2 heads (fc over [embedding | "
                  "feature], the target's lm_head); the shipped head is EAGLE-3 (three-layer features, own "
                  "8k-vocabulary lm_head, d2t), which it cannot load")
-
-
-def git_commit() -> str:
-    if os.environ.get("JEAGLE_COMMIT"):  # the GPU runner gets a copy of the tree without .git
-        return os.environ["JEAGLE_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
-
-
-def read_prompts(path: str | None, fallback: str) -> list[str]:
-    if not path:
-        return [fallback]
-    rows = [json.loads(line) for line in open(path, encoding="utf-8") if line.strip()]
-    return [r["prompt"] if isinstance(r, dict) else str(r) for r in rows]
 
 
 def batch_of(prompts_ids: list[list[int]], batch: int) -> list[list[int]]:
@@ -95,17 +74,6 @@ def token_agreement(got: list[list[int]], want: list[list[int]]) -> dict:
                 for a, b in zip(got, want)]
     same = sum(a == b for a, b in zip(got, want))
     return {"same_tokens_as_target_only": f"{same}/{len(want)}", "shortest_common_prefix": min(prefixes)}
-
-
-def median_run(fn, repeats: int) -> tuple[float, dict]:
-    """fn() -> (new tokens, info); returns (tokens/s, info) of the median run."""
-    runs = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        n, info = fn()
-        runs.append((n / (time.perf_counter() - t0), info))
-    runs.sort(key=lambda r: r[0])
-    return runs[len(runs) // 2]
 
 
 def jeagle_rows(target_dir, head_dir, prompts_ids, batches, max_new, repeats, tier, systems=JEAGLE_SYSTEMS,
@@ -161,21 +129,6 @@ def jeagle_rows(target_dir, head_dir, prompts_ids, batches, max_new, repeats, ti
                 row |= token_agreement(tokens[row["system"]], tokens["jeagle"])
             print(json.dumps(row), flush=True)
     return rows
-
-
-def plain_hf_model(gguf: Path, dtype: str = "bfloat16"):
-    """SmolLM2 from its GGUF as a plain (unquantized) transformers model: dequantised on load, then the
-    same weights in a model without the GGUF quantization config (which blocks save_pretrained, needed by
-    eagle_llm_peer.py; both peers then run the very same model object type and weights)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=getattr(torch, dtype))
-    config = loaded.config
-    config.__dict__.pop("quantization_config", None)
-    plain = type(loaded)(config).to(getattr(torch, dtype))
-    plain.load_state_dict(loaded.state_dict())
-    return plain
 
 
 def hf_rows(gguf: Path, prompts_ids, batches, max_new, repeats, pad_id: int, device: str = "cuda") -> list[dict]:
@@ -284,7 +237,7 @@ def main(argv=None) -> dict:
     head_dir = resolve_draft(args.draft or str(default_head_dir()), target_dir, quiet=True)
     tok = Tokenizer.from_dir(target_dir)
     texts = read_prompts(args.prompts, "Write a short story about a robot who learns to paint.")
-    prompts_ids = [tok.encode_chat([{"role": "user", "content": t}]) for t in texts]
+    prompts_ids = chat_ids(tok, texts)
     batches = [int(b) for b in args.batch_sizes.split(",")]
     try:
         engine_config = json.loads(args.engine_config) if args.engine_config else {}
@@ -299,9 +252,8 @@ def main(argv=None) -> dict:
     if fixed := sorted(set(engine_config) & {"max_batch_size", "batch_buckets", "max_context"}):
         p.error(f"--engine-config: {fixed} follow from --batch-sizes and the prompts")
     tier = tuple(int(x) for x in args.tier.split(","))
-    dev = jax.devices()[0]
     doc = {"bench": "decode", "model": target_dir.name, "draft": str(head_dir), "prompts": args.prompts or "one prompt",
-           "max_new_tokens": args.max_new_tokens, "device": getattr(dev, "device_kind", dev.platform),
+           "max_new_tokens": args.max_new_tokens, "device": device_kind(),
            "jax": jax.__version__, "python": platform.python_version(), "commit": git_commit(),
            "engine_config": engine_config, "peers_not_run": {"eagle-llm": EAGLE_LLM_WHY}, "rows": []}
     systems = [x for x in args.systems.split(",") if x]
@@ -334,11 +286,9 @@ def main(argv=None) -> dict:
               f"{r.get('vs_hf', ''):>6} {r.get('accept_length', ''):>7}")
     for peer, why in doc["peers_not_run"].items():
         print(f"not run: {peer}: {why}")
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(doc, indent=1))
     if args.plot:
         plot(doc, args.plot)
-    print(json.dumps(doc))
+    emit(doc, args.json_out)
     return doc
 
 

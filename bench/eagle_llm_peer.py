@@ -37,17 +37,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from decode import git_commit, read_prompts  # noqa: E402
+from common import chat_ids, device_kind, emit, git_commit, plain_hf_model, read_prompts
 
 
 def patch_eagle_llm() -> None:
@@ -140,8 +136,6 @@ def load_eagle_llm(base_dir: Path, head_dir: Path, device: str, dtype):
 def smollm2_hf_dir(out: Path) -> Path:
     """SmolLM2-135M-Instruct as a transformers dir: its GGUF dequantised to bf16 (what the hf peer of
     decode.py runs)."""
-    from decode import plain_hf_model
-
     from jeagle.fetch import smollm2_gguf_path
 
     plain_hf_model(smollm2_gguf_path(quiet=True)).save_pretrained(out)
@@ -193,15 +187,14 @@ def main(argv=None) -> dict:
     if args.prompts:
         tok = Tokenizer.from_dir(target_dir)
         texts = read_prompts(args.prompts, "")[: args.num_prompts]
-        prompts = [tok.encode_chat([{"role": "user", "content": t}]) for t in texts]
+        prompts = chat_ids(tok, texts)
     else:  # a code-path check without a tokenizer
         rng = np.random.default_rng(0)
         prompts = [rng.integers(4, model.cfg.vocab_size, 12).tolist() for _ in range(args.num_prompts)]
     n_new = args.max_new_tokens
-    dev = jax.devices()[0]
     doc = {"bench": "eagle_llm_peer", "model": target_dir.name, "dtype": args.dtype, "head": str(args.head), "prompts": args.prompts,
            "num_prompts": len(prompts), "max_new_tokens": n_new, "batch": 1,
-           "device": getattr(dev, "device_kind", dev.platform), "jax": jax.__version__, "torch": torch.__version__,
+           "device": device_kind(), "jax": jax.__version__, "torch": torch.__version__,
            "commit": git_commit(), "rows": []}
 
     # jeagle: the target alone, then the same head at each tier; batch 1, one prompt after another.
@@ -280,9 +273,7 @@ def main(argv=None) -> dict:
         r["vs_jeagle_target_only"] = round(r["tokens_per_s"] / base_tps, 2)
         print(f"{r['system']:<26} {r['tokens_per_s']:>9.1f} {r['vs_jeagle_target_only']:>9} {r.get('accept_length', ''):>7}  "
               f"{r['common_prefix_with_jeagle_target_only']}")
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(doc, indent=1))
-    print(json.dumps(doc))
+    emit(doc, args.json_out)
     return doc
 
 

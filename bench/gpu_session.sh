@@ -47,18 +47,18 @@ if [[ "$steps" == *" spectests "* ]]; then
   python3 -m pytest -q -x tests/test_spec.py -k "hand or oracle or eos or committed or split" 2>&1 | tail -5 | tee "$OUT/pytest_spec_on_gpu.log"
 fi
 if [[ "$steps" == *" specbench "* ]]; then
-  python3 bench/spec_round.py --shape smollm2 --batch-sizes 1,16 --tiers 5,4,8:3,1,4 2>&1 | tee "$OUT/spec_round.log"
+  python3 bench/probes/spec_round.py --shape smollm2 --batch-sizes 1,16 --tiers 5,4,8:3,1,4 2>&1 | tee "$OUT/spec_round.log"
 fi
 if [[ "$steps" == *" kerneltests "* ]]; then
   python3 -m pytest -q -m gpu ${KTESTS:-tests/kernels/} 2>&1 | tail -15 | tee "$OUT/pytest_kernels_gpu.log"
 fi
 if [[ "$steps" == *" kernelbench "* ]]; then
-  python3 bench/kernels.py --kernels "${KBENCH:-}" 2>&1 | tee "$OUT/kernels.log"
+  python3 bench/probes/kernels.py --kernels "${KBENCH:-}" 2>&1 | tee "$OUT/kernels.log"
 fi
 if [[ "$steps" == *" kernelround "* ]]; then
   for temp in ${KROUND_TEMPS:-0 0.8}; do
     for kern in ${KROUND_KERNELS:-reference pallas}; do
-      JEAGLE_KERNELS=$kern python3 bench/spec_round.py --shape smollm2 --batch-sizes 1,16,64 --tiers 5,4,8 \
+      JEAGLE_KERNELS=$kern python3 bench/probes/spec_round.py --shape smollm2 --batch-sizes 1,16,64 --tiers 5,4,8 \
         --rounds-as fused --temperature $temp 2>&1 | tee "$OUT/spec_round_${kern}_t${temp}.log"
     done
   done
@@ -66,15 +66,15 @@ fi
 if [[ "$steps" == *" cmdbuf "* ]]; then  # XLA command buffers: default, off, and with WHILE/CONDITIONAL
   for flags in "" "--xla_gpu_enable_command_buffer=" "--xla_gpu_enable_command_buffer=+WHILE,+CONDITIONAL"; do
     echo "XLA_FLAGS=$flags" | tee -a "$OUT/cmdbuf.log"
-    XLA_FLAGS="$flags" python3 bench/spec_round.py --shape smollm2 --batch-sizes 1,16,48 --tiers 5,4,8 \
+    XLA_FLAGS="$flags" python3 bench/probes/spec_round.py --shape smollm2 --batch-sizes 1,16,48 --tiers 5,4,8 \
       --rounds-as fused 2>&1 | tee -a "$OUT/cmdbuf.log"
   done
 fi
 if [[ "$steps" == *" overhead "* ]]; then
-  python3 bench/overhead.py --batch-sizes "${OVERHEAD_BATCHES:-1,16,48}" 2>&1 | tee "$OUT/overhead.log"
+  python3 bench/probes/overhead.py --batch-sizes "${OVERHEAD_BATCHES:-1,16,48}" 2>&1 | tee "$OUT/overhead.log"
 fi
 if [[ "$steps" == *" warmup "* ]]; then
-  python3 bench/warmup.py 2>&1 | grep -v "^warm-up" | tee "$OUT/warmup.log"
+  python3 bench/probes/warmup.py 2>&1 | grep -v "^warm-up" | tee "$OUT/warmup.log"
 fi
 if [[ "$steps" == *" adaptive "* ]]; then  # adaptive vs static tiers on the phased workload (chain and tree tiers)
   python3 bench/adaptive.py --batch "${ADAPTIVE_BATCHES:-1,16}" --tree-tiers "${TREE_TIERS:-1,4,3:3,4,8:6,4,16}" \
@@ -83,8 +83,8 @@ fi
 if [[ "$steps" == *" autotune "* ]]; then  # XLA GEMM autotuning off: cold warm-up time and round speed, A/B
   for opts in '{}' '{"xla_gpu_autotune_level": 0}'; do
     echo "JEAGLE_XLA_OPTIONS=$opts" | tee -a "$OUT/autotune.log"
-    JEAGLE_XLA_OPTIONS="$opts" python3 bench/warmup.py ${WARMUP_ARGS:-} 2>&1 | grep -v "^warm-up" | tee -a "$OUT/autotune.log"
-    JEAGLE_XLA_OPTIONS="$opts" python3 bench/spec_round.py --shape smollm2 --batch-sizes 1,16,48 --tiers 5,4,8 \
+    JEAGLE_XLA_OPTIONS="$opts" python3 bench/probes/warmup.py ${WARMUP_ARGS:-} 2>&1 | grep -v "^warm-up" | tee -a "$OUT/autotune.log"
+    JEAGLE_XLA_OPTIONS="$opts" python3 bench/probes/spec_round.py --shape smollm2 --batch-sizes 1,16,48 --tiers 5,4,8 \
       --rounds-as fused 2>&1 | tee -a "$OUT/autotune.log"
   done
 fi

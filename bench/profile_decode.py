@@ -20,74 +20,10 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
-import gzip
-import json
-import os
-import sys
 import tempfile
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-SHAPES = {
-    # SmolLM2-135M-Instruct
-    "smollm2": dict(arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
-                    num_heads=9, num_kv_heads=3, head_dim=64, rope_theta=100000.0, tie_word_embeddings=True,
-                    max_position_embeddings=8192, rms_norm_eps=1e-5),
-    # Llama-3.1-8B
-    "llama8b": dict(arch="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
-                    num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=500000.0, max_position_embeddings=8192,
-                    rms_norm_eps=1e-5),
-    # a CPU smoke-test shape for the bench scripts (numbers meaningless)
-    "tiny": dict(arch="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                 num_kv_heads=2, head_dim=16, rope_theta=10000.0, tie_word_embeddings=True,
-                 max_position_embeddings=2048, rms_norm_eps=1e-5),
-}
-
-
-def random_target_and_head(shape: str):
-    """A random-weight target of a named shape and a random one-layer EAGLE-1 head for it: what the
-    speculative benches time (a round's cost depends on shapes, not weights)."""
-    from jeagle.config import DraftConfig, ModelConfig
-    from jeagle.models.eagle import random_draft
-    from jeagle.models.llama import random_model
-
-    cfg = ModelConfig(**SHAPES[shape])
-    head = random_draft(DraftConfig(kind="eagle1", hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                                    num_layers=1, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
-                                    head_dim=cfg.head_dim, vocab_size=cfg.vocab_size, fc_bias=True), seed=1)
-    return random_model(cfg), head
-
-
-def device_events(trace_dir: str):
-    """(name, duration_us) of every op the trace puts on a GPU stream."""
-    return [e for evs in device_events_by_device(trace_dir).values() for e in evs]
-
-
-def device_events_by_device(trace_dir: str, with_module: bool = False) -> dict[str, list[tuple]]:
-    """{device process name: [(name, duration_us), ...]} of the ops the trace puts on GPU streams;
-    with_module: [(name, duration_us, start_us, hlo module or "")] (the module: which executable ran it)."""
-    files = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
-    files += glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
-    if not files:
-        raise RuntimeError(f"no trace json under {trace_dir}")
-    with gzip.open(sorted(files)[-1]) as f:
-        doc = json.load(f)
-    events = doc["traceEvents"] if isinstance(doc, dict) else doc
-    gpu_pids = {e["pid"]: str(e["args"]["name"]) for e in events if e.get("ph") == "M"
-                and e.get("name") == "process_name" and "gpu" in str(e.get("args", {}).get("name", "")).lower()}
-    out: dict[str, list[tuple]] = {name: [] for name in gpu_pids.values()}
-    for e in events:
-        if e.get("ph") == "X" and e.get("pid") in gpu_pids:
-            dur = float(e.get("dur", 0))
-            if with_module:
-                args = e.get("args") or {}
-                out[gpu_pids[e["pid"]]].append((e["name"], dur, float(e.get("ts", 0)), str(args.get("hlo_module", ""))))
-            else:
-                out[gpu_pids[e["pid"]]].append((e["name"], dur))
-    return out
+from common import SHAPES, device_events_by_device, device_kind, emit, random_eagle3_head
 
 
 def decode_phase(events: list[tuple]) -> tuple[list[tuple], bool]:
@@ -146,7 +82,6 @@ def main(argv=None):
     if args.spec:
         from jeagle.spec.engine import SpecEngine
         from jeagle.spec.round import SpecConfig
-        from scale import random_eagle3_head
 
         head = random_eagle3_head(cfg)
         tier = SpecConfig(*(int(x) for x in args.spec.split(",")), simulate_accept=args.simulate_accept)
@@ -154,7 +89,7 @@ def main(argv=None):
     unroll = {"auto": None, "all": True}.get(args.unroll, args.unroll)
     prompt = list(range(100, 100 + args.context))
     unit = "round" if args.spec else "step"
-    out = {"bench": "profile_decode", "shape": args.shape, "device": jax.devices()[0].device_kind,
+    out = {"bench": "profile_decode", "shape": args.shape, "device": device_kind(),
            "spec": args.spec, "unroll": args.unroll, "simulate_accept": args.simulate_accept if args.spec else None, "rows": []}
     warm_steps = 8
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
@@ -232,7 +167,7 @@ def main(argv=None):
         print(f"{'op':<70} {'per ' + unit:>9} {'us/' + unit:>9}")
         for name, c, t in row["top"]:
             print(f"{name[:70]:<70} {c:>9.1f} {t:>9.1f}")
-    print(json.dumps(out))
+    emit(out)
 
 
 if __name__ == "__main__":

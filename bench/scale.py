@@ -28,13 +28,10 @@ import collections
 import json
 import os
 import re
-import sys
 import tempfile
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import SHAPES, device_events_by_device, emit, git_commit, median_run, random_eagle3_head
 
 # SGLang's published single-H100 Llama-3.1-8B figures (issue 9): tokens/s at batch 1.
 SGLANG_H100 = {"target_only": 158.3, "eagle3_tau_4.68": 361.7, "eagle3_mtbench": 373.3}
@@ -60,24 +57,8 @@ def copy_bandwidth(n_bytes: int = 2 << 30, repeats: int = 20) -> float:
     return 2 * n_bytes / sorted(times)[len(times) // 2]
 
 
-def random_eagle3_head(cfg, seed: int = 1):
-    """A one-layer EAGLE-3 head shaped for `cfg` (32k draft vocabulary, as the published 8B heads)."""
-    from jeagle.config import DraftConfig
-    from jeagle.models.eagle import random_draft
-
-    n = cfg.num_layers
-    return random_draft(DraftConfig(kind="eagle3", hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
-                                    num_layers=1, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
-                                    head_dim=cfg.head_dim, vocab_size=cfg.vocab_size,
-                                    draft_vocab_size=min(32000, cfg.vocab_size), target_hidden_size=cfg.hidden_size,
-                                    aux_layer_ids=(min(2, n - 1), n // 2, max(n - 3, 0)), rope_theta=cfg.rope_theta,
-                                    rms_norm_eps=cfg.rms_norm_eps), seed=seed)
-
-
 def timed(engine, prompt, batch: int, max_new: int, repeats: int) -> tuple[float, dict]:
     """(tokens/s, stats) of the median of `repeats` timed runs after a warm-up (decode.py's timing)."""
-    from decode import median_run
-
     from jeagle.sampling import SamplingParams
 
     sp = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
@@ -104,7 +85,6 @@ def collective_share(run) -> dict:
     tp 1). A collective's time includes its wait for the slower GPU (NCCL kernels spin until both
     arrive), so a GPU that runs ahead shows more of it."""
     import jax
-    from profile_decode import device_events_by_device
 
     with tempfile.TemporaryDirectory() as d:
         with jax.profiler.trace(d, create_perfetto_trace=True):
@@ -163,7 +143,6 @@ def main(argv=None) -> dict:
     from jeagle.sampling import SamplingParams
     from jeagle.spec.engine import SpecEngine
     from jeagle.spec.round import SpecConfig
-    from profile_decode import SHAPES
 
     cfg = ModelConfig(**{**SHAPES[args.shape], "tie_word_embeddings": False})
     batches = [int(b) for b in args.batch_sizes.split(",")]
@@ -181,7 +160,7 @@ def main(argv=None) -> dict:
     prompt = list(range(100, 100 + args.context))
     max_ctx = args.context + args.max_new_tokens + 64
     doc = {"bench": "scale", "shape": args.shape, "device": jax.devices()[0].device_kind, "devices": len(jax.devices()),
-           "jax": jax.__version__, "commit": os.environ.get("JEAGLE_COMMIT", "unknown"),
+           "jax": jax.__version__, "commit": git_commit(),
            "kernels": os.environ.get("JEAGLE_KERNELS", "default"), "copy_bandwidth_GBps": round(bw / 1e9, 1),
            "weight_GB_read_per_step": round(weight_bytes / 1e9, 3), "tier": [s, k, n], "max_new_tokens": args.max_new_tokens,
            "context": args.context, "sglang_h100_llama8b": SGLANG_H100, "rows": [], "profiles": []}
@@ -230,9 +209,7 @@ def main(argv=None) -> dict:
         print(f"{r['tp']:>3} {where:<19} {r['batch']:>5} {r['system']:<18} {r['tokens_per_s']:>9.1f} "
               f"{r['decode_tokens_per_s']:>9.1f} {r['ttft_s']:>7.3f} "
               f"{r.get('bandwidth_bound_tokens_per_s', float('nan')):>9.1f} {r['accept_length']:>7.2f}")
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(doc, indent=1))
-    print(json.dumps(doc))
+    emit(doc, args.json_out)
     return doc
 
 

@@ -2,9 +2,9 @@
 and without EAGLE.
 
 `jeagle.serve`'s app in this process (uvicorn on 127.0.0.1), the engine warmed up first. No trained
-head exists yet (issue 8), so the models come from `bench/adaptive.py`: a SmolLM2-shaped target whose
-next token is a permutation of the current one (a step costs what SmolLM2's does) and EAGLE-1 heads
-that accept every draft ("oracle") or none ("rejecting"), bracketing what a real head does; a
+head exists yet (issue 8), so the models are bench/adaptive.py's (`common.phased_models`): a
+SmolLM2-shaped target whose next token is a permutation of the current one (a step costs what
+SmolLM2's does) and EAGLE-1 heads that accept every draft ("oracle") or none ("rejecting"), bracketing what a real head does; a
 word-level tokenizer with one token per id (prompts are sent as token ids). Per configuration and
 concurrency c: `--requests-per-client` × c streamed completions of `--prompt-len` random token ids
 and `--max-tokens` new tokens (greedy, EOS ignored), c clients at a time. Reports request/s, output
@@ -19,15 +19,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import socket
-import sys
 import threading
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import device_kind, git_commit, phased_models
 
 
 def id_tokenizer(vocab: int):
@@ -84,11 +80,9 @@ def main(argv=None):
     p.add_argument("--configs", default="target-only,eagle-oracle,eagle-rejecting")
     args = p.parse_args(argv)
 
-    import jax
     import numpy as np
     import uvicorn
 
-    from adaptive import phased_models
     from jeagle.engine import Engine, EngineConfig
     from jeagle.serve import create_app
     from jeagle.spec.engine import SpecEngine
@@ -143,8 +137,8 @@ def main(argv=None):
         t, lt = r["ttft_ms"], r["latency_ms"]
         print(f"{r['config']:>16} {r['concurrency']:>4} {r['requests_per_s']:>7.2f} {r['output_tokens_per_s']:>8.0f} "
               f"{t[50]:>7.1f}/{t[90]:>6.1f}/{t[99]:>7.1f} {lt[50]:>8.1f}/{lt[90]:>7.1f}/{lt[99]:>7.1f}")
-    print(json.dumps({"bench": "serve", "shape": args.shape, "device": jax.devices()[0].device_kind,
-                      "commit": os.environ.get("JEAGLE_COMMIT", "unknown"), "prompt_len": args.prompt_len,
+    print(json.dumps({"bench": "serve", "shape": args.shape, "device": device_kind(),
+                      "commit": git_commit(), "prompt_len": args.prompt_len,
                       "max_tokens": args.max_tokens, "rows": rows}))
 
 

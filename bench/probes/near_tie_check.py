@@ -7,7 +7,7 @@ dtype and in fp32. A difference far under bf16's rounding (~0.1 logit here) mean
 rounding difference between the decode step's and the verify forward's matmul shapes, not a
 lossless bug. fp32 runs must not part at all: the exit status is 1 if one does.
 
-    python bench/near_tie_check.py --prompts .data/mtbench.jsonl --num-prompts 3 --max-new-tokens 48
+    python bench/probes/near_tie_check.py --prompts .data/mtbench.jsonl --num-prompts 3 --max-new-tokens 48
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ import argparse
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common puts the repo root on the path
+
+from common import chat_ids, read_prompts  # noqa: E402
 
 
 def next_logits(model, ids: list[int]):
@@ -46,8 +47,6 @@ def main(argv=None) -> int:
     p.add_argument("--tier", default="5,4,8")
     args = p.parse_args(argv)
 
-    from decode import read_prompts
-
     from jeagle.checkpoint import load_draft, load_model
     from jeagle.engine import Engine, EngineConfig
     from jeagle.fetch import resolve_draft, resolve_target
@@ -61,7 +60,7 @@ def main(argv=None) -> int:
     head_dir = resolve_draft(args.draft or str(default_head_dir()), target_dir, quiet=True)
     tok = Tokenizer.from_dir(target_dir)
     texts = read_prompts(args.prompts, "Write a short story about a robot who learns to paint.")[:args.num_prompts]
-    prompts = [tok.encode_chat([{"role": "user", "content": t}]) for t in texts]
+    prompts = chat_ids(tok, texts)
     sp = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     fp32 = load_model(target_dir, dtype="float32")
     parted_fp32 = 0

@@ -5,7 +5,7 @@ Random SmolLM2-shaped target and EAGLE-1 head, `--context`-token prompts, warm (
 timing). Per batch size: wall ms of one prefill call (dispatch to result on the host), device-busy ms
 in the trace, and the top device ops. Prints a table, then one JSON line.
 
-    python bench/profile_prefill.py --batch-sizes 1,4,16 --context 128
+    python bench/probes/profile_prefill.py --batch-sizes 1,4,16 --context 128
 """
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common puts the repo root on the path
+
+from common import device_events, device_kind, git_commit, random_target_and_head  # noqa: E402
 
 
 def main(argv=None):
@@ -36,16 +36,15 @@ def main(argv=None):
     import jax
     import numpy as np
 
-    from jeagle.engine import Engine, EngineConfig, _Request
+    from jeagle.engine import Engine, EngineConfig
     from jeagle.sampling import SamplingParams
     from jeagle.spec.engine import SpecEngine
     from jeagle.spec.round import SpecConfig
-    from profile_decode import device_events, random_target_and_head
 
     model, head = random_target_and_head(args.shape)
     rng = np.random.default_rng(0)
-    out = {"bench": "profile_prefill", "shape": args.shape, "device": jax.devices()[0].device_kind,
-           "commit": os.environ.get("JEAGLE_COMMIT", "unknown"), "rows": []}
+    out = {"bench": "profile_prefill", "shape": args.shape, "device": device_kind(),
+           "commit": git_commit(), "rows": []}
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
         cfg = EngineConfig(max_batch_size=batch, max_context=args.context + 600, batch_buckets=(batch,))
         eng = Engine(model, cfg) if args.target_only else SpecEngine(model, head, cfg, SpecConfig(5, 4, 8))

@@ -11,7 +11,7 @@ the whole `Engine.warmup_plan()`, compiled for real (no projection).
     warm  a fresh process with the store the cold run filled: every executable loads from it.
 Each runs in its own process (as a real start-up does); prints a table, then one JSON line.
 
-    python bench/warmup.py --max-batch 48 --workers 8
+    python bench/probes/warmup.py --max-batch 48 --workers 8
 """
 
 from __future__ import annotations
@@ -25,15 +25,15 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common puts the repo root on the path
+
+from common import device_kind, random_target_and_head  # noqa: E402
 
 
 def child(args):
     from jeagle.engine import EngineConfig
     from jeagle.spec.engine import SpecEngine
     from jeagle.spec.round import SpecConfig
-    from profile_decode import random_target_and_head
 
     t0 = time.perf_counter()
     model, head = random_target_and_head(args.shape)
@@ -81,9 +81,7 @@ def main(argv=None):
         if out.returncode:
             sys.exit(f"{name} run failed:\n{out.stderr[-4000:]}")
         runs[name] = json.loads(out.stdout.strip().splitlines()[-1])
-    import jax
-
-    dev = jax.devices()[0].device_kind
+    dev = device_kind()
     c, w = runs["cold"], runs["warm"]
     print(f"device {dev}; plan: {c['executables']} executables ({c['prefill']} prefill, {c['rounds']} round); "
           f"buckets {c['buckets']}")

@@ -4,7 +4,7 @@ Random SmolLM2-shaped target and EAGLE-1 head, `--batch` requests of `--context`
 5,4,8, greedy, overlap on (dataflow wait unless --sync). Prints the wall ms per round and the top
 functions by own time and by cumulative time, per round; then one JSON line.
 
-    python bench/host_profile.py --batch 1 --tokens 256
+    python bench/probes/host_profile.py --batch 1 --tokens 256
 """
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
-import os
 import pstats
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common puts the repo root on the path
+
+from common import device_kind, git_commit, random_target_and_head  # noqa: E402
 
 
 def main(argv=None):
@@ -32,14 +32,12 @@ def main(argv=None):
     p.add_argument("--top", type=int, default=25)
     args = p.parse_args(argv)
 
-    import jax
     import numpy as np
 
     from jeagle.engine import EngineConfig
     from jeagle.sampling import SamplingParams
     from jeagle.spec.engine import SpecEngine
     from jeagle.spec.round import SpecConfig
-    from profile_decode import random_target_and_head
 
     model, head = random_target_and_head(args.shape)
     rng = np.random.default_rng(0)
@@ -68,8 +66,8 @@ def main(argv=None):
         for r in sorted(rows, key=lambda r: -r[key])[: args.top]:
             print(f"{r['function'][:70]:<70} {r['calls_per_round']:>6.1f} {r['own_us_per_round']:>8.1f} "
                   f"{r['cum_us_per_round']:>8.1f}")
-    print(json.dumps({"bench": "host_profile", "shape": args.shape, "device": jax.devices()[0].device_kind,
-                      "commit": os.environ.get("JEAGLE_COMMIT", "unknown"), "batch": args.batch,
+    print(json.dumps({"bench": "host_profile", "shape": args.shape, "device": device_kind(),
+                      "commit": git_commit(), "batch": args.batch,
                       "ms_per_round": 1e3 * wall / rounds,
                       "top_own": sorted(rows, key=lambda r: -r["own_us_per_round"])[: args.top]}))
 

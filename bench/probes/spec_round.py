@@ -5,7 +5,7 @@ computes, only how many tokens it yields), greedy unless `--temperature`, warm. 
 `--rounds` rounds of a batch, and the target-only decode step in the same run for scale. Prints a
 table, then one JSON line.
 
-    python bench/spec_round.py --shape smollm2 --batch-sizes 1,16 --tiers 5,4,8:3,1,4
+    python bench/probes/spec_round.py --shape smollm2 --batch-sizes 1,16 --tiers 5,4,8:3,1,4
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common puts the repo root on the path
+
+from common import device_kind, git_commit, random_target_and_head  # noqa: E402
 
 
 def main(argv=None):
@@ -32,13 +33,10 @@ def main(argv=None):
     p.add_argument("--rounds-as", default="fused,split", help="fused (one executable), split (two), or both")
     args = p.parse_args(argv)
 
-    import jax
-
     from jeagle.engine import Engine, EngineConfig
     from jeagle.sampling import SamplingParams
     from jeagle.spec.engine import SpecEngine
     from jeagle.spec.round import SpecConfig
-    from profile_decode import random_target_and_head
 
     model, head = random_target_and_head(args.shape)
     prompt = list(range(100, 100 + args.context))
@@ -69,8 +67,8 @@ def main(argv=None):
     for r in rows:
         print(f"{r['batch']:>5} {','.join(map(str, r['tier'])):>8} {'fused' if r['fused'] else 'split':>6} "
               f"{r['ms_per_round']:>9.3f} {r['target_decode_ms']:>10.3f} {r['accept_length']:>7.2f} {r['compile_s']:>9.1f}")
-    print(json.dumps({"bench": "spec_round", "shape": args.shape, "device": jax.devices()[0].device_kind,
-                      "commit": os.environ.get("JEAGLE_COMMIT", "unknown"), "rows": rows}))
+    print(json.dumps({"bench": "spec_round", "shape": args.shape, "device": device_kind(),
+                      "commit": git_commit(), "rows": rows}))
 
 
 if __name__ == "__main__":

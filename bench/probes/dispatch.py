@@ -9,7 +9,7 @@ Random SmolLM2-shaped target and EAGLE-1 head, tier 5,4,8, warm. Per batch size:
 Run it under different XLA_FLAGS / JEAGLE_XLA_OPTIONS, or with --unroll all (layers unrolled: no while
 loop in the executable) or --unroll k (k layers per loop iteration), to see what the launch path costs. Prints a table, then one JSON line.
 
-    python bench/dispatch.py --batch-sizes 1,16
+    python bench/probes/dispatch.py --batch-sizes 1,16
 """
 
 from __future__ import annotations
@@ -22,8 +22,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common puts the repo root on the path
+
+from common import device_events, device_kind, git_commit, random_target_and_head  # noqa: E402
 
 
 def main(argv=None):
@@ -41,7 +42,6 @@ def main(argv=None):
     from jeagle.sampling import SamplingParams
     from jeagle.spec.engine import SpecEngine
     from jeagle.spec.round import SpecConfig
-    from profile_decode import device_events, random_target_and_head
 
     model, head = random_target_and_head(args.shape)
     rows = []
@@ -92,8 +92,8 @@ def main(argv=None):
     for r in rows:
         print(f"{r['batch']:>5} {r['dispatch_ms']:>11.3f} {r['chained_ms']:>10.3f} {r['trace_busy_ms']:>13.3f} "
               f"{r['device_ops_per_round']:>9.0f} {r['warm_compile_s']:>9.1f}")
-    print(json.dumps({"bench": "dispatch", "shape": args.shape, "device": jax.devices()[0].device_kind,
-                      "commit": os.environ.get("JEAGLE_COMMIT", "unknown"), "flags": flags.strip(), "rows": rows}))
+    print(json.dumps({"bench": "dispatch", "shape": args.shape, "device": device_kind(),
+                      "commit": git_commit(), "flags": flags.strip(), "rows": rows}))
 
 
 if __name__ == "__main__":

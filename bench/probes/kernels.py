@@ -11,7 +11,7 @@ holding a single call (median of `--samples` executions each, after warm-up), so
 of dispatch that a lone jitted call costs on the runner cancels out. Prints a table, then one JSON
 line.
 
-    python bench/kernels.py
+    python bench/probes/kernels.py
 """
 
 from __future__ import annotations
@@ -19,12 +19,13 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common puts the repo root on the path
+
+from common import device_kind, git_commit  # noqa: E402
 
 VOCAB = 49152
 INTERPRET = False  # --interpret: a CPU smoke run of this script, timings meaningless
@@ -150,8 +151,8 @@ def main(argv=None):
                          "speedup": round(r_us / max(k_us, 0.1), 2)})
             print(f"{name:<26} {b:>4} {str(n or '-'):>4} {r_us:>10.1f} {k_us:>10.1f} {r_us / max(k_us, 0.1):>8.2f}",
                   flush=True)
-    print(json.dumps({"bench": "kernels", "device": jax.devices()[0].device_kind, "vocab": VOCAB,
-                      "commit": os.environ.get("JEAGLE_COMMIT", "unknown"), "rows": rows}))
+    print(json.dumps({"bench": "kernels", "device": device_kind(), "vocab": VOCAB,
+                      "commit": git_commit(), "rows": rows}))
 
 
 if __name__ == "__main__":

@@ -15,20 +15,20 @@ Per mode and batch size:
   GPU idle share        1 - device ms / wall ms
 Prints a table, then one JSON line.
 
-    python bench/overhead.py --batch-sizes 1,16,48
+    python bench/probes/overhead.py --batch-sizes 1,16,48
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common puts the repo root on the path
+
+from common import device_kind, git_commit, random_target_and_head  # noqa: E402
 
 MODES = {"no-overlap": (False, "sync"), "overlap+sync": (True, "sync"), "overlap+dataflow": (True, "dataflow")}
 
@@ -79,7 +79,6 @@ def main(argv=None):
     from jeagle.sampling import SamplingParams
     from jeagle.spec.engine import SpecEngine
     from jeagle.spec.round import SpecConfig
-    from profile_decode import random_target_and_head
 
     model, head = random_target_and_head(args.shape)
     s, k, n = (int(x) for x in args.tier.split(","))
@@ -109,8 +108,8 @@ def main(argv=None):
             r = rows[-1]
             print(f"{batch:>5} {mode:>17} {wall_ms:>9.3f} {hb['mean']:>8.3f} {hb['p50']:>8.3f} {hb['p99']:>8.3f} "
                   f"{device_ms:>9.3f} {r['gpu_idle_share']:>6.1%}", flush=True)
-    print(json.dumps({"bench": "overhead", "shape": args.shape, "tier": [s, k, n], "device": jax.devices()[0].device_kind,
-                      "commit": os.environ.get("JEAGLE_COMMIT", "unknown"), "rows": rows}))
+    print(json.dumps({"bench": "overhead", "shape": args.shape, "tier": [s, k, n], "device": device_kind(),
+                      "commit": git_commit(), "rows": rows}))
 
 
 if __name__ == "__main__":
