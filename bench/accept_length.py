@@ -46,11 +46,10 @@ def main() -> None:
     import jax
 
     from jeagle.checkpoint import load_draft, load_model
-    from jeagle.engine import Engine, EngineConfig
+    from jeagle.engine import EngineConfig, speculative, target_only
     from jeagle.fetch import resolve_draft, resolve_target
     from jeagle.heads import default_head_dir
     from jeagle.sampling import SamplingParams
-    from jeagle.spec.engine import SpecEngine
     from jeagle.spec.round import SpecConfig
     from jeagle.tokenizer import Tokenizer
 
@@ -67,7 +66,7 @@ def main() -> None:
         s, k, n = tier
         cfg = EngineConfig(max_batch_size=batch, max_context=args.max_new_tokens + 1024,
                            batch_buckets=tuple(sorted({b for b in buckets if b < batch} | {batch})))
-        return SpecEngine(model, head, cfg, SpecConfig(num_steps=s, topk=k, num_draft_tokens=n))
+        return speculative(model, head, cfg, SpecConfig(num_steps=s, topk=k, num_draft_tokens=n))
 
     model = load_model(target_dir)
     head = load_draft(resolve_draft(head_src, target_dir), target=model.cfg)
@@ -77,7 +76,7 @@ def main() -> None:
             eng = engine_for(model, head, tier, args.batch)
             t0 = time.perf_counter()
             outs = eng.generate(ids, SamplingParams(max_new_tokens=args.max_new_tokens))
-            st = eng.last_stats
+            st = eng.last_stats.to_dict()
             row = {"dataset": name, "prompts": len(ids), "tier": list(tier), "accept_length": round(st["accept_length"], 3),
                    "new_tokens": sum(len(o.token_ids) for o in outs), "wall_s": round(time.perf_counter() - t0, 1),
                    "histogram": st.get("accept_length_histogram")}
@@ -95,7 +94,7 @@ def main() -> None:
         h32 = load_draft(resolve_draft(head_src, target_dir), target=m32.cfg, dtype="float32")
         params = SamplingParams(max_new_tokens=args.lossless_tokens)
         n = min(len(ids), 16)
-        plain = Engine(m32, EngineConfig(max_batch_size=n, max_context=args.lossless_tokens + 1024)).generate(ids, params)
+        plain = target_only(m32, EngineConfig(max_batch_size=n, max_context=args.lossless_tokens + 1024)).generate(ids, params)
         for tier in tiers:
             outs = engine_for(m32, h32, tier, n).generate(ids, params)
             same = sum(a.token_ids == b.token_ids for a, b in zip(outs, plain))

@@ -52,9 +52,8 @@ def main(argv=None):
     import numpy as np
 
     from jeagle.adaptive import AdaptiveConfig
-    from jeagle.engine import EngineConfig
+    from jeagle.engine import EngineConfig, speculative
     from jeagle.sampling import SamplingParams
-    from jeagle.spec.engine import SpecEngine
     from jeagle.spec.round import SpecConfig
 
     phases = args.phases.split(",")
@@ -70,10 +69,10 @@ def main(argv=None):
         max_ctx = args.context + args.phase_tokens + 64
         ecfg = EngineConfig(max_batch_size=batch, max_context=max_ctx, batch_buckets=(batch,))
         for set_name, tiers in tier_sets.items():
-            engines = {f"static {s},{k},{n}": SpecEngine(target, head, ecfg, SpecConfig(s, k, n)) for s, k, n in tiers}
+            engines = {f"static {s},{k},{n}": speculative(target, head, ecfg, SpecConfig(s, k, n)) for s, k, n in tiers}
             ad = AdaptiveConfig(**{**adaptive_cfg.__dict__, "candidate_tiers": tiers})
             mid = tiers[len(tiers) // 2]
-            engines["adaptive"] = SpecEngine(target, head, ecfg, SpecConfig(*mid), adaptive=ad)
+            engines["adaptive"] = speculative(target, head, ecfg, SpecConfig(*mid), adaptive=ad)
             for name, eng in engines.items():
                 t0 = time.perf_counter()
                 eng.warmup(batch_sizes=[batch], prefill_lengths=[args.context], greedy=(True,), progress=False)
@@ -94,7 +93,7 @@ def main(argv=None):
                         t0 = time.perf_counter()
                         eng.last_outputs = eng.generate(prompts, sp)
                         wall = time.perf_counter() - t0
-                        st = eng.last_stats
+                        st = eng.last_stats.to_dict()
                         assert st["compilations"] == 0, (name, st["compilations"])
                         outs = eng.last_outputs
                         first = max(o.time_to_first_token_s for o in outs)

@@ -6,8 +6,8 @@ template applied, the same token ids for every system), after a warm-up run of t
 compiles everything the timed run uses; tokens/s = batch × new tokens ÷ wall time (prefill included),
 the median of `--repeats`. Systems:
 
-    jeagle        target-only (`Engine`)
-    jeagle-eagle  EAGLE-3 with the shipped head (`SpecEngine`, `--tier`, default (5,4,8)); its accept
+    jeagle        target-only (`target_only`)
+    jeagle-eagle  EAGLE-3 with the shipped head (`speculative`, `--tier`, default (5,4,8)); its accept
                   length is reported
     jeagle-adaptive  the same head with the adaptive controller (`--speculative-adaptive`: the default
                   tiers for the base `--tier`, or `--adaptive-config`); the accept length and the tiers
@@ -80,9 +80,8 @@ def jeagle_rows(target_dir, head_dir, prompts_ids, batches, max_new, repeats, ti
                 adaptive_config=None, engine_config: dict | None = None) -> list[dict]:
     from jeagle.adaptive import AdaptiveConfig
     from jeagle.checkpoint import load_draft, load_model
-    from jeagle.engine import Engine, EngineConfig
+    from jeagle.engine import EngineConfig, speculative, target_only
     from jeagle.sampling import SamplingParams
-    from jeagle.spec.engine import SpecEngine
     from jeagle.spec.round import SpecConfig
 
     model = load_model(target_dir)
@@ -91,9 +90,9 @@ def jeagle_rows(target_dir, head_dir, prompts_ids, batches, max_new, repeats, ti
     ec = EngineConfig(max_batch_size=max(batches), batch_buckets=tuple(sorted(set(batches))),
                       max_context=longest + max_new + 16, **(engine_config or {}))
     adaptive = AdaptiveConfig.from_json(adaptive_config) if adaptive_config else AdaptiveConfig()
-    make = {"jeagle": lambda: Engine(model, ec),
-            "jeagle-eagle": lambda: SpecEngine(model, head, ec, SpecConfig(*tier)),
-            "jeagle-adaptive": lambda: SpecEngine(model, head, ec, SpecConfig(*tier), adaptive=adaptive)}
+    make = {"jeagle": lambda: target_only(model, ec),
+            "jeagle-eagle": lambda: speculative(model, head, ec, SpecConfig(*tier)),
+            "jeagle-adaptive": lambda: speculative(model, head, ec, SpecConfig(*tier), adaptive=adaptive)}
     engines = {name: make[name]() for name in systems}
     sp = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
     rows = []
@@ -111,9 +110,9 @@ def jeagle_rows(target_dir, head_dir, prompts_ids, batches, max_new, repeats, ti
                 if name == "jeagle-adaptive":
                     eng.reset_tier()  # every run starts from the initial tier with a fresh EMA
                 outs = eng.generate(ids, sp)
-                if eng.last_stats.get("compile_s", 0.0):
+                if eng.last_stats.compile_s:
                     raise RuntimeError(f"{name}: the timed run compiled")
-                return sum(len(o.token_ids) for o in outs), dict(eng.last_stats) | {"tokens": [o.token_ids for o in outs]}
+                return sum(len(o.token_ids) for o in outs), eng.last_stats.to_dict() | {"tokens": [o.token_ids for o in outs]}
 
             tps, stats = median_run(once, repeats)
             row = {"system": name, "batch": batch, "tokens_per_s": round(tps, 1)}

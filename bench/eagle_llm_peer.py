@@ -169,10 +169,9 @@ def main(argv=None) -> dict:
     import torch
 
     from jeagle.checkpoint import load_draft, load_model
-    from jeagle.engine import Engine, EngineConfig
+    from jeagle.engine import EngineConfig, speculative, target_only
     from jeagle.fetch import resolve_draft, resolve_target
     from jeagle.sampling import SamplingParams
-    from jeagle.spec.engine import SpecEngine
     from jeagle.spec.round import SpecConfig
     from jeagle.tokenizer import Tokenizer
 
@@ -200,10 +199,10 @@ def main(argv=None) -> dict:
     # jeagle: the target alone, then the same head at each tier; batch 1, one prompt after another.
     ec = EngineConfig(max_batch_size=1, batch_buckets=(1,), max_context=max(map(len, prompts)) + n_new + 256)
     sp = SamplingParams(max_new_tokens=n_new, ignore_eos=True)
-    systems = {"jeagle": (Engine(model, ec), None)}
+    systems = {"jeagle": (target_only(model, ec), None)}
     for t in args.tiers.split(":"):
         tier = tuple(int(x) for x in t.split(","))
-        systems[f"jeagle-eagle1 {tier}"] = (SpecEngine(model, head, ec, SpecConfig(*tier)), tier)
+        systems[f"jeagle-eagle1 {tier}"] = (speculative(model, head, ec, SpecConfig(*tier)), tier)
     reference = None
     for name, (eng, tier) in systems.items():
         eng.warmup(batch_sizes=[1], greedy=(True,), progress=False)  # every prefill length and KV bucket
@@ -213,10 +212,10 @@ def main(argv=None) -> dict:
             t0 = time.perf_counter()
             out = eng.generate([ids], sp)[0].token_ids
             secs += time.perf_counter() - t0
-            if eng.last_stats.get("compile_s", 0.0):
+            if eng.last_stats.compile_s:
                 raise RuntimeError(f"{name}: a timed run compiled")
             outs.append(out)
-            acc.append(eng.last_stats.get("accept_length", 1.0))
+            acc.append(eng.last_stats.accept_length)
         row = {"system": name, "tokens_per_s": round(len(prompts) * n_new / secs, 1)}
         if tier:
             row |= {"tier": list(tier), "accept_length": round(statistics.mean(acc), 3)}

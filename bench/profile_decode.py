@@ -72,7 +72,7 @@ def main(argv=None):
     import jax
 
     from jeagle.config import ModelConfig
-    from jeagle.engine import Engine, EngineConfig
+    from jeagle.engine import EngineConfig, speculative, target_only
     from jeagle.models.llama import random_model
     from jeagle.sampling import SamplingParams
 
@@ -80,11 +80,10 @@ def main(argv=None):
     model = random_model(cfg)
     head = None
     if args.spec:
-        from jeagle.spec.engine import SpecEngine
         from jeagle.spec.round import SpecConfig
 
         head = random_eagle3_head(cfg)
-        tier = SpecConfig(*(int(x) for x in args.spec.split(",")), simulate_accept=args.simulate_accept)
+        tier = SpecConfig(*(int(x) for x in args.spec.split(",")))
     # (A bare --unroll once meant "all"; False, the old default, overrode the engine's own choice.)
     unroll = {"auto": None, "all": True}.get(args.unroll, args.unroll)
     prompt = list(range(100, 100 + args.context))
@@ -100,7 +99,8 @@ def main(argv=None):
         max_new = per_call * (warm_steps + 2 * args.steps + 8)
         ec = EngineConfig(max_batch_size=batch, max_context=args.context + max_new + 64,
                           decode_steps=args.decode_steps, unroll_layers=unroll)
-        engine = SpecEngine(model, head, ec, tier) if args.spec else Engine(model, ec)
+        engine = (speculative(model, head, ec, tier, simulate_accept=args.simulate_accept) if args.spec
+                  else target_only(model, ec))
         engine.warmup(batch_sizes=[batch], prefill_lengths=[args.context], greedy=(True,), progress=False)
         sp = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
         reqs = [engine.submit(prompt, sp) for _ in range(batch)]

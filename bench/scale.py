@@ -4,8 +4,8 @@ bandwidth bound measured in the same run; optionally the share of device time in
 
 What is timed: greedy generation of `--max-new-tokens` tokens (EOS ignored) for `batch` copies of a
 `--context`-token prompt, after a warm-up run that compiles every executable the timed run uses
-(`Engine.generate`, prefill included; the median of `--repeats`). Acceptance cannot come from random
-weights, so the speculative runs force it: `SpecConfig.simulate_accept = τ` accepts τ tokens per round
+(`generate`, prefill included; the median of `--repeats`). Acceptance cannot come from random
+weights, so the speculative runs force it: `speculative(..., simulate_accept=τ)` accepts τ tokens per round
 on average (bonus included) whatever the draft (SGLang's SGLANG_SIMULATE_ACC_LEN); everything a round
 does — draft steps, tree, verify forward, commit — runs as usual.
 
@@ -66,9 +66,9 @@ def timed(engine, prompt, batch: int, max_new: int, repeats: int) -> tuple[float
 
     def once():
         outs = engine.generate([prompt] * batch, sp)
-        if engine.last_stats.get("compile_s", 0.0):
+        if engine.last_stats.compile_s:
             raise RuntimeError("the timed run compiled")
-        st = dict(engine.last_stats)
+        st = engine.last_stats.to_dict()
         # the decode phase alone: tokens after each request's first, over the time after the last first token
         ttft = max(o.time_to_first_token_s for o in outs)
         st["ttft_s"] = ttft
@@ -138,10 +138,9 @@ def main(argv=None) -> dict:
     from flax import nnx
 
     from jeagle.config import ModelConfig
-    from jeagle.engine import Engine, EngineConfig
+    from jeagle.engine import EngineConfig, speculative, target_only
     from jeagle.models.llama import random_model
     from jeagle.sampling import SamplingParams
-    from jeagle.spec.engine import SpecEngine
     from jeagle.spec.round import SpecConfig
 
     cfg = ModelConfig(**{**SHAPES[args.shape], "tie_word_embeddings": False})
@@ -173,10 +172,10 @@ def main(argv=None) -> dict:
         ec = EngineConfig(max_batch_size=max(batches), batch_buckets=tuple(sorted(set(batches))), max_context=max_ctx,
                           max_total_tokens=max(batches) * max_ctx + 4096, tp=tp, **placement)
         # target-only depends on the vocabulary placement only: timed once per (tp, vocab)
-        engines = {} if (tp, vocab) in timed_target else {"target-only": Engine(model, ec)}
+        engines = {} if (tp, vocab) in timed_target else {"target-only": target_only(model, ec)}
         timed_target.add((tp, vocab))
         for tau in taus:
-            engines[f"eagle3 tau={tau:g}"] = SpecEngine(model, head, ec, SpecConfig(s, k, n, simulate_accept=tau))
+            engines[f"eagle3 tau={tau:g}"] = speculative(model, head, ec, SpecConfig(s, k, n), simulate_accept=tau)
         for batch in batches:
             avg_ctx = args.context + args.max_new_tokens / 2
             replicated = head_bytes * (tp - 1) / tp if vocab == "replicate" else 0.0  # the rest of the lm_head

@@ -83,9 +83,8 @@ def main(argv=None):
     import numpy as np
     import uvicorn
 
-    from jeagle.engine import Engine, EngineConfig
+    from jeagle.engine import EngineConfig, speculative, target_only
     from jeagle.serve import create_app
-    from jeagle.spec.engine import SpecEngine
     from jeagle.spec.round import SpecConfig
 
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -99,9 +98,9 @@ def main(argv=None):
     rows = []
     for name in args.configs.split(","):
         if name == "target-only":
-            engine = Engine(target, cfg)
+            engine = target_only(target, cfg)
         else:
-            engine = SpecEngine(target, head, cfg, SpecConfig(5, 4, 8))
+            engine = speculative(target, head, cfg, SpecConfig(5, 4, 8))
             engine.draft_params = head_params["high" if name == "eagle-oracle" else "low"]
         t0 = time.perf_counter()
         engine.warmup(prefill_lengths=[args.prompt_len], greedy=(True,), progress=False)

@@ -38,17 +38,16 @@ def main(argv=None):
     import jax
     import numpy as np
 
-    from jeagle.engine import EngineConfig
+    from jeagle.engine import EngineConfig, speculative
     from jeagle.sampling import SamplingParams
-    from jeagle.spec.engine import SpecEngine
     from jeagle.spec.round import SpecConfig
 
     model, head = random_target_and_head(args.shape)
     rows = []
     for b in [int(x) for x in args.batch_sizes.split(",")]:
         unroll = True if args.unroll == "all" else int(args.unroll)
-        eng = SpecEngine(model, head, EngineConfig(max_batch_size=b, max_context=1024, batch_buckets=(b,),
-                                                   unroll_layers=unroll), SpecConfig(5, 4, 8))
+        eng = speculative(model, head, EngineConfig(max_batch_size=b, max_context=1024, batch_buckets=(b,),
+                                                    unroll_layers=unroll), SpecConfig(5, 4, 8))
         t0 = time.perf_counter()
         eng.generate([list(range(100, 356))] * b, SamplingParams(max_new_tokens=32, ignore_eos=True))
         compile_s = time.perf_counter() - t0

@@ -34,9 +34,8 @@ def main(argv=None):
 
     import numpy as np
 
-    from jeagle.engine import EngineConfig
+    from jeagle.engine import EngineConfig, speculative
     from jeagle.sampling import SamplingParams
-    from jeagle.spec.engine import SpecEngine
     from jeagle.spec.round import SpecConfig
 
     model, head = random_target_and_head(args.shape)
@@ -44,13 +43,13 @@ def main(argv=None):
     prompts = [list(rng.integers(10, model.cfg.vocab_size, args.context)) for _ in range(args.batch)]
     cfg = EngineConfig(max_batch_size=args.batch, max_context=args.context + args.tokens + 64,
                        batch_buckets=(args.batch,), verify_done_wait="sync" if args.sync else "dataflow")
-    eng = SpecEngine(model, head, cfg, SpecConfig(5, 4, 8))
+    eng = speculative(model, head, cfg, SpecConfig(5, 4, 8))
     sp = SamplingParams(max_new_tokens=args.tokens, ignore_eos=True)
     eng.generate(prompts, sp)
     t0 = time.perf_counter()
     eng.generate(prompts, sp)
     wall = time.perf_counter() - t0
-    rounds = eng.last_stats["round_dispatches"]
+    rounds = eng.last_stats.speculative.round_dispatches
     prof = cProfile.Profile()
     prof.enable()
     eng.generate(prompts, sp)

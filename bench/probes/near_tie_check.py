@@ -48,11 +48,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
 
     from jeagle.checkpoint import load_draft, load_model
-    from jeagle.engine import Engine, EngineConfig
+    from jeagle.engine import EngineConfig, speculative, target_only
     from jeagle.fetch import resolve_draft, resolve_target
     from jeagle.heads import default_head_dir
     from jeagle.sampling import SamplingParams
-    from jeagle.spec.engine import SpecEngine
     from jeagle.spec.round import SpecConfig
     from jeagle.tokenizer import Tokenizer
 
@@ -68,8 +67,8 @@ def main(argv=None) -> int:
         model = fp32 if dtype == "float32" else load_model(target_dir, dtype=dtype)
         head = load_draft(head_dir, target=model.cfg, dtype=dtype)
         ec = EngineConfig(max_batch_size=1, batch_buckets=(1,), max_context=max(map(len, prompts)) + args.max_new_tokens + 16)
-        want = [o.token_ids for o in Engine(model, ec).generate(prompts, sp)]
-        got = [o.token_ids for o in SpecEngine(model, head, ec, SpecConfig(*map(int, args.tier.split(",")))).generate(prompts, sp)]
+        want = [o.token_ids for o in target_only(model, ec).generate(prompts, sp)]
+        got = [o.token_ids for o in speculative(model, head, ec, SpecConfig(*map(int, args.tier.split(",")))).generate(prompts, sp)]
         for i, (a, b) in enumerate(zip(want, got)):
             at = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), None)
             line = f"{dtype} prompt {i}: equal {a == b}"

@@ -75,9 +75,8 @@ def main(argv=None):
     enable_compile_cache(tempfile.mkdtemp(prefix="jeagle-xla-"))  # the modes share executables: compile once
     import jax
 
-    from jeagle.engine import EngineConfig, pick_bucket
+    from jeagle.engine import EngineConfig, pick_bucket, speculative
     from jeagle.sampling import SamplingParams
-    from jeagle.spec.engine import SpecEngine
     from jeagle.spec.round import SpecConfig
 
     model, head = random_target_and_head(args.shape)
@@ -91,11 +90,11 @@ def main(argv=None):
         device_ms = None
         for mode in args.modes.split(","):
             overlap, wait = MODES[mode]
-            eng = SpecEngine(model, head, EngineConfig(max_batch_size=batch, max_context=1024, overlap=overlap,
-                                                       verify_done_wait=wait), SpecConfig(s, k, n))
+            eng = speculative(model, head, EngineConfig(max_batch_size=batch, max_context=1024, overlap=overlap,
+                                                        verify_done_wait=wait), SpecConfig(s, k, n))
             eng.generate([prompt] * batch, sp)  # compiles
             eng.generate([prompt] * batch, sp)
-            st = eng.last_stats
+            st = eng.last_stats.to_dict()
             wall_ms = 1e3 * st["wall_s"] / st["steps"]
             if device_ms is None:
                 kv = pick_bucket(eng.kv_buckets, min(args.context + args.rounds + s + 1, eng.max_ctx))

@@ -36,9 +36,8 @@ def main(argv=None):
     import jax
     import numpy as np
 
-    from jeagle.engine import Engine, EngineConfig
+    from jeagle.engine import EngineConfig, speculative, target_only
     from jeagle.sampling import SamplingParams
-    from jeagle.spec.engine import SpecEngine
     from jeagle.spec.round import SpecConfig
 
     model, head = random_target_and_head(args.shape)
@@ -47,7 +46,7 @@ def main(argv=None):
            "commit": git_commit(), "rows": []}
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
         cfg = EngineConfig(max_batch_size=batch, max_context=args.context + 600, batch_buckets=(batch,))
-        eng = Engine(model, cfg) if args.target_only else SpecEngine(model, head, cfg, SpecConfig(5, 4, 8))
+        eng = target_only(model, cfg) if args.target_only else speculative(model, head, cfg, SpecConfig(5, 4, 8))
         prompts = [list(rng.integers(10, model.cfg.vocab_size, args.context)) for _ in range(batch)]
 
         def prefill():

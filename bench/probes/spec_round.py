@@ -33,9 +33,8 @@ def main(argv=None):
     p.add_argument("--rounds-as", default="fused,split", help="fused (one executable), split (two), or both")
     args = p.parse_args(argv)
 
-    from jeagle.engine import Engine, EngineConfig
+    from jeagle.engine import EngineConfig, speculative, target_only
     from jeagle.sampling import SamplingParams
-    from jeagle.spec.engine import SpecEngine
     from jeagle.spec.round import SpecConfig
 
     model, head = random_target_and_head(args.shape)
@@ -43,7 +42,7 @@ def main(argv=None):
     rows = []
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
         sp = SamplingParams(max_new_tokens=args.rounds, ignore_eos=True, temperature=args.temperature, seed=0)
-        ar = Engine(model, EngineConfig(max_batch_size=batch, max_context=1024))
+        ar = target_only(model, EngineConfig(max_batch_size=batch, max_context=1024))
         ar.generate([prompt] * batch, sp)
         t0 = time.perf_counter()
         ar.generate([prompt] * batch, sp)
@@ -51,17 +50,17 @@ def main(argv=None):
         for tier in args.tiers.split(":"):
             s, k, n = (int(x) for x in tier.split(","))
             for fused in [{"fused": True, "split": False}[x] for x in args.rounds_as.split(",")]:
-                eng = SpecEngine(model, head, EngineConfig(max_batch_size=batch, max_context=1024), SpecConfig(s, k, n),
-                                 fused_round=fused)
+                eng = speculative(model, head, EngineConfig(max_batch_size=batch, max_context=1024), SpecConfig(s, k, n),
+                                  fused_round=fused)
                 eng.generate([prompt] * batch, sp)
                 t0 = time.perf_counter()
                 eng.generate([prompt] * batch, sp)
                 wall = time.perf_counter() - t0
-                rounds = eng.last_stats["rounds"] / batch
+                rounds = eng.last_stats.speculative.rounds / batch
                 rows.append({"batch": batch, "tier": [s, k, n], "fused": fused, "rounds": rounds,
                              "temperature": args.temperature, "kernels": os.environ.get("JEAGLE_KERNELS", "default"),
                              "ms_per_round": round(1e3 * wall / rounds, 3), "target_decode_ms": round(1e3 * ar_step, 3),
-                             "accept_length": round(eng.last_stats["accept_length"], 3),
+                             "accept_length": round(eng.last_stats.accept_length, 3),
                              "compile_s": round(eng.compile_seconds, 1)})
     print(f"{'batch':>5} {'S,K,N':>8} {'round':>6} {'ms/round':>9} {'AR ms/step':>10} {'accept':>7} {'compile s':>9}")
     for r in rows:

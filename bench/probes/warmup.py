@@ -2,7 +2,7 @@
 
 Random SmolLM2-shaped target and EAGLE-1 head (compile time depends on shapes, not weights), the
 default buckets for `--max-batch` running requests, tier 5,4,8, greedy and sampled round variants:
-the whole `Engine.warmup_plan()`, compiled for real (no projection).
+the engine's whole `warmup_plan()`, compiled for real (no projection).
 
     cold  a fresh process, empty executable store and no JAX compilation cache: every executable is
           compiled by warm-up worker processes (`--processes`; the engine's auto: one per CPU up to 8
@@ -31,16 +31,15 @@ from common import device_kind, random_target_and_head  # noqa: E402
 
 
 def child(args):
-    from jeagle.engine import EngineConfig
-    from jeagle.spec.engine import SpecEngine
+    from jeagle.engine import EngineConfig, speculative
     from jeagle.spec.round import SpecConfig
 
     t0 = time.perf_counter()
     model, head = random_target_and_head(args.shape)
-    engine = SpecEngine(model, head, EngineConfig(max_batch_size=args.max_batch, max_context=args.max_context,
-                                                  executable_cache_dir=args.store, compile_workers=args.workers,
-                                                  compile_processes=args.processes),
-                        SpecConfig(5, 4, 8))
+    engine = speculative(model, head, EngineConfig(max_batch_size=args.max_batch, max_context=args.max_context,
+                                                   executable_cache_dir=args.store, compile_workers=args.workers,
+                                                   compile_processes=args.processes),
+                         SpecConfig(5, 4, 8))
     greedy = (True,) if args.greedy_only else (True, False)
     plan = engine.warmup_plan(greedy=greedy)
     seconds = engine.warmup(greedy=greedy, progress=False)
