@@ -24,6 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
+from checkpoints_conv.cache import converted_target
 from checkpoints_conv.common import read_config_json
 from jeagle.checkpoint import CheckpointError, save_checkpoint
 from jeagle.config import ConfigError, DraftConfig, ModelConfig, default_aux_layer_ids
@@ -177,11 +178,10 @@ def assemble_draft(cfg: DraftConfig, w: dict[str, np.ndarray], src: str) -> dict
 def convert_eagle(src, out, *, target, dtype: str = "bfloat16") -> Path:
     """Convert a PyTorch EAGLE head for the target `target` (a converted dir, HF dir or .gguf)."""
     from jeagle.checkpoint import load_config, load_model
-    from jeagle.fetch import resolve_target
 
     src, out = Path(src), Path(out)
     hf = read_config_json(src, "an EAGLE head dir")
-    target_dir = resolve_target(str(target), quiet=True)
+    target_dir = converted_target(str(target), quiet=True)
     target_cfg = load_config(target_dir)
     weights = read_eagle_weights(src)
     kind = detect_kind(weights)

