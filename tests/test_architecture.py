@@ -25,13 +25,10 @@ MAX_LINES = 500
 
 ENTRY_POINTS = ("jeagle.__main__", "jeagle.generate", "jeagle.serve", "jeagle.train_draft", "jeagle.cli")
 
-# Violations that wait on issue 26's restructuring, still in progress; anything else fails. Each
-# test that meets only these reports xfail; once they are gone it passes.
+# Cycles that wait on issue 26's restructuring, still in progress: met alone, they make the cycle
+# test xfail; any other cycle fails it, and once they are gone it passes.
 PENDING_CYCLES = {("jeagle.runtime.executables", "jeagle.runtime.warmup", "jeagle.runtime.executables"):
                   "jeagle.runtime is being split out of engine.py/runtime.py/warmup_workers.py (issue 26)"}
-PENDING_KERNEL_IMPORTS = {("jeagle.kernels.build_tree", "jeagle.spec.tree"),
-                          ("jeagle.kernels.tree_speculative_sampling", "jeagle.spec.verify"),
-                          ("jeagle.kernels.verify_tree_greedy", "jeagle.spec.verify")}
 
 # High to low: a module may import from its own layer's modules (where not independent) and lower
 # layers only, directly or through modules outside the layers. Entry points do not import one another
@@ -135,13 +132,11 @@ def test_kernels_import_nothing_else_from_the_project():
     graph = import_graph()
     assert "jeagle.kernels" in graph.modules, "jeagle/kernels/ not found"
     modules = ours(graph)
-    bad = [(m, x) for m in sorted(graph.find_descendants("jeagle.kernels") | {"jeagle.kernels"})
+    bad = [f"{m} (line {line(graph, m, x)}) imports {x}"
+           for m in sorted(graph.find_descendants("jeagle.kernels") | {"jeagle.kernels"})
            for x in sorted(graph.find_modules_directly_imported_by(m) & modules)
            if x != "jeagle.kernels" and not x.startswith("jeagle.kernels.")]
-    if bad and set(bad) <= PENDING_KERNEL_IMPORTS:
-        pytest.xfail("the kernels' references are moving from jeagle.spec.tree/verify into jeagle/kernels/ "
-                     f"(issue 26): {bad}")
-    assert not bad, "\n".join(f"{m} (line {line(graph, m, x)}) imports {x}" for m, x in bad)
+    assert not bad, "\n".join(bad)
 
 
 @pytest.mark.parametrize("importer,forbidden", [
