@@ -20,6 +20,7 @@ SCRIPT = textwrap.dedent('''
     import jax, jax.numpy as jnp, numpy as np
     jax.config.update("jax_default_matmul_precision", "highest")
     from jeagle.config import ModelConfig
+    from jeagle.kernels.settings import KernelSettings, use
     from jeagle.models.common import AttnInputs
     from jeagle.models.llama import random_model
     from jeagle.sharding import make_mesh, shard_pools, shard_target, replicate
@@ -48,15 +49,15 @@ SCRIPT = textwrap.dedent('''
         return [np.asarray(x) for x in (out.logits, out.k, out2.logits, out2.k, out2.v)]
 
     for kernels in ("reference", "interpret"):  # the paged-attention kernel runs per KV-head shard (shard_map)
-        os.environ["JEAGLE_KERNELS"] = kernels
-        ref = run(model, jnp.zeros(shape), jnp.zeros(shape))
+        with use(KernelSettings(backend=kernels)):
+            ref = run(model, jnp.zeros(shape), jnp.zeros(shape))
         for tp in (2, 4):
             mesh = make_mesh(tp)
             sm = shard_target(model, mesh)
             assert sm.wqkv[...].sharding.spec[-1] == "tp" and sm.tp_groups == tp
             k, v = shard_pools(jnp.zeros(shape), jnp.zeros(shape), mesh)
             for unroll in ((False, True) if kernels == "interpret" else (False,)):  # decode: loop and unrolled
-                with jax.set_mesh(mesh):
+                with jax.set_mesh(mesh), use(KernelSettings(backend=kernels)):
                     got = run(sm, k, v, unroll)
                 for a, b in zip(ref, got):
                     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
@@ -240,7 +241,8 @@ SAMPLER_SCRIPT = textwrap.dedent('''
     from jax.sharding import NamedSharding, PartitionSpec as P
     from jeagle.sampling import sample
     from jeagle.sharding import make_mesh
-    from jeagle.spec.verify import sample_residual, target_probs
+    from jeagle.kernels.tree_speculative_sampling import sample_residual
+    from jeagle.spec.verify import target_probs
     B, N, V = 3, 4, 256
     rng = np.random.default_rng(0)
     logits = jnp.asarray(rng.normal(size=(B, V)) * 3, jnp.float32)
@@ -304,10 +306,10 @@ SAMPLER_SCRIPT = textwrap.dedent('''
 
 def test_vocab_split_samplers_and_embedding():
     """Under a tp mesh with the vocabulary split (bench/RESULTS.md session 9, 2 x H200):
-    - the samplers (sampling.sample, verify.target_probs / sample_residual) give the single-device
-      draws and probabilities with every sort and cumsum on whole vocabulary rows (a vocabulary-split
-      cumsum became a sequential loop of V/tp iterations on the GPU: 1.58 s to first token at tp 2,
-      batch 16, Llama-3 shape);
+    - the samplers (sampling.sample, verify.target_probs, the tree walk's sample_residual) give the
+      single-device draws and probabilities with every sort and cumsum on whole vocabulary rows (a
+      vocabulary-split cumsum became a sequential loop of V/tp iterations on the GPU: 1.58 s to first
+      token at tp 2, batch 16, Llama-3 shape);
     - the embedding lookup is exact and communicates only the looked-up rows (left to the partitioner,
       a batch-1 decode step all-gathered the whole 1.05 GB table on the GPU)."""
     proc = _run_on_4_devices(SAMPLER_SCRIPT)

@@ -8,12 +8,13 @@ import numpy as np
 import pytest
 
 from jeagle.engine import Engine, EngineConfig
+from jeagle.kernels.build_tree import build_tree_reference
+from jeagle.kernels.tree_speculative_sampling import tree_speculative_sampling_reference
+from jeagle.kernels.verify_tree_greedy import verify_tree_greedy_reference
 from jeagle.models.eagle import random_draft
 from jeagle.sampling import SamplingParams
 from jeagle.spec.engine import SpecEngine
 from jeagle.spec.round import SpecConfig
-from jeagle.spec.tree import build_tree_reference
-from jeagle.spec.verify import tree_sampling_reference, verify_tree_greedy_reference
 from tests.spec_models import bigram_target, draft_config, signed_identity_head, target_config
 
 TIERS = [(1, 1, 2), (3, 1, 4), (5, 4, 8), (4, 8, 32)]
@@ -217,7 +218,7 @@ def test_sampling_verify_by_hand():
     probs[0, 2, 22], probs[0, 2, 23], probs[0, 2, 40] = 0.1, 0.1, 0.8
     coins = np.full((3, 7), 0.5, np.float32)
     coins[0, 0], coins[0, 2] = 0.6, 0.99
-    predict, accept_index, accept_length, bonus = tree_sampling_reference(
+    predict, accept_index, accept_length, bonus = tree_speculative_sampling_reference(
         tree.tokens, tree.retrieve_index, tree.retrieve_next_token, tree.retrieve_next_sibling, jnp.asarray(probs),
         jnp.asarray(coins), jnp.full((3,), 0.5), 3)
     assert accept_index[0].tolist() == [0, 2, -1] and accept_length[0] == 1 and bonus[0] == 40

@@ -54,7 +54,7 @@ class AttnInputs:
     extra_slots  [B, E] int32 and extra_mask [B, T, E] bool, optional: the decode form. Every query
                  sees the whole prefix j < kv_len plus the extra keys its mask row allows (decode:
                  the token's own slot; tree verify and drafting: the tree or beam nodes, each seeing
-                 its ancestors). This form goes through `kernels/paged_attention.py`, which reads each
+                 its ancestors). This form goes through `jeagle/kernels/paged_attention.py`, which reads each
                  request's own prefix length, so kv_slots may be the whole slot-table row.
     """
 
@@ -67,8 +67,9 @@ class AttnInputs:
     extra_mask: jax.Array | None = None
 
 
-def paged_attention_reference(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, attn: AttnInputs) -> jax.Array:
-    """q [B,T,Hq,D]; k_ctx/v_ctx [B,S,Hkv,D] gathered from the pool; returns [B,T,Hq,D]. Keys visible by
+def gathered_attention(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, attn: AttnInputs) -> jax.Array:
+    """Attention over a prefix already gathered from the pool (the forms without extra keys: prefill
+    and masked forwards). q [B,T,Hq,D]; k_ctx/v_ctx [B,S,Hkv,D]; returns [B,T,Hq,D]. Keys visible by
     `attn.mask`, else by the causal rule (j <= position and j < kv_len)."""
     if attn.mask is not None:
         visible = attn.mask
@@ -147,7 +148,7 @@ def attention_sublayer(x, wi: dict, layer, k_pool, v_pool, cos, sin, attn: AttnI
         o = over_kv_heads(paged_attention, q, k_pool, v_pool, layer, attn.kv_slots, attn.kv_len, attn.extra_slots,
                           attn.extra_mask)  # per KV-head shard under tensor parallelism
     else:
-        o = paged_attention_reference(q, k_pool[layer, attn.kv_slots], v_pool[layer, attn.kv_slots], attn)
+        o = gathered_attention(q, k_pool[layer, attn.kv_slots], v_pool[layer, attn.kv_slots], attn)
     return attention_output(o, wi, cfg), k_pool, v_pool
 
 

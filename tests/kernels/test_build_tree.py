@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from jeagle.kernels.build_tree import build_tree, build_tree_reference
+from jeagle.kernels.settings import KernelSettings, use
 from tests.kernels.trees import random_drafts
 
 CASES = [(b, n, k) for b, (n, k) in zip([1, 3, 64, 1, 3, 64, 1, 3, 64, 3, 64, 1, 3, 64, 3],
@@ -17,10 +18,11 @@ CASES = [(b, n, k) for b, (n, k) in zip([1, 3, 64, 1, 3, 64, 1, 3, 64, 3, 64, 1,
 FIELDS = ("tokens", "parent", "depth", "mask", "retrieve_index", "retrieve_next_token", "retrieve_next_sibling")
 
 
-def check(mode, monkeypatch, b, n, k, seed):
-    monkeypatch.setenv("JEAGLE_KERNELS", mode)
+def check(mode, b, n, k, seed):
     args, steps = random_drafts(b, n, k, seed=seed)
-    got, want = build_tree(*args, steps), build_tree_reference(*args, steps)
+    with use(KernelSettings(backend=mode)):
+        got = build_tree(*args, steps)
+    want = build_tree_reference(*args, steps)
     for name in FIELDS:
         np.testing.assert_array_equal(np.asarray(getattr(got, name)), np.asarray(getattr(want, name)),
                                       err_msg=f"{name} b={b} n={n} k={k}")
@@ -28,8 +30,8 @@ def check(mode, monkeypatch, b, n, k, seed):
 
 
 @pytest.mark.parametrize("b,n,k", CASES, ids=[f"B{b}-N{n}-K{k}" for b, n, k in CASES])
-def test_interpreted_kernel_matches_reference(monkeypatch, b, n, k):
-    tree = check("interpret", monkeypatch, b, n, k, seed=b * 1000 + n * 10 + k)
+def test_interpreted_kernel_matches_reference(b, n, k):
+    tree = check("interpret", b, n, k, seed=b * 1000 + n * 10 + k)
     depth = np.asarray(tree.depth)
     if k == 1:
         assert depth.max() == n - 1  # a chain
@@ -39,8 +41,8 @@ def test_interpreted_kernel_matches_reference(monkeypatch, b, n, k):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("b,n,k", CASES, ids=[f"B{b}-N{n}-K{k}" for b, n, k in CASES])
-def test_compiled_kernel_matches_reference(monkeypatch, b, n, k):
-    check("pallas", monkeypatch, b, n, k, seed=b * 1000 + n * 10 + k + 7)
+def test_compiled_kernel_matches_reference(b, n, k):
+    check("pallas", b, n, k, seed=b * 1000 + n * 10 + k + 7)
 
 
 def test_lowers_to_triton():

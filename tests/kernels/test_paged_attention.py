@@ -1,7 +1,7 @@
 """The paged-attention kernel: interpreted on CPU and compiled with -m gpu, against its pure-jnp
 reference on random pools and slot tables. Cases cover prefixes of 0, under one block, exact blocks
 and several blocks; grouped and ungrouped heads; with and without extra (tree) keys; padded queries;
-prefixes split into runs (JEAGLE_PAGED_ATTENTION_SPLITS) and merged."""
+prefixes split into runs (KernelSettings.paged_attention_splits) and merged."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 
 from jeagle.kernels.paged_attention import (BLOCK, kernel_serves, paged_attention, paged_attention_reference,
                                             prefix_splits)
+from jeagle.kernels.settings import KernelSettings, use
 from tests.kernels.lowering import lower_for_h100
 
 
@@ -31,9 +32,9 @@ def inputs(b, t, hq, hkv, d, e, seed, dtype=jnp.float32, layers=3, slots=700, co
     return q, kp, vp, jnp.int32(seed % layers), table, kv_len, *extra
 
 
-def check(mode, monkeypatch, args, tol):
-    monkeypatch.setenv("JEAGLE_KERNELS", mode)
-    got = np.asarray(paged_attention(*args), np.float32)
+def check(mode, args, tol, splits=None):
+    with use(KernelSettings(backend=mode, paged_attention_splits=splits)):
+        got = np.asarray(paged_attention(*args), np.float32)
     want = np.asarray(paged_attention_reference(*args), np.float32)
     sees = np.asarray(args[5]) > 0  # queries with no key at all are padding (kernel: zeros)
     if args[6] is not None:
@@ -54,62 +55,59 @@ CASES = [  # b, t, hq, hkv, d, e
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_interpreted_matches_reference(monkeypatch, case):
-    check("interpret", monkeypatch, inputs(*case, seed=sum(case)), tol=2e-5)
+def test_interpreted_matches_reference(case):
+    check("interpret", inputs(*case, seed=sum(case)), tol=2e-5)
 
 
-@pytest.mark.parametrize("case,splits", [(CASES[1], "auto"), (CASES[3], "2")], ids=["decode-auto", "tree-2"])
-def test_split_prefixes_match_reference(monkeypatch, case, splits):
+@pytest.mark.parametrize("case,splits", [(CASES[1], "auto"), (CASES[3], 2)], ids=["decode-auto", "tree-2"])
+def test_split_prefixes_match_reference(case, splits):
     """Runs of a split prefix (some empty: past the request's end) merge to the reference, the tree keys
     counted once; lengths 0..300 over 5 table blocks."""
-    monkeypatch.setenv("JEAGLE_PAGED_ATTENTION_SPLITS", splits)
     args = inputs(*case, seed=sum(case))
-    assert prefix_splits(case[0], case[3], args[4].shape[1]) > 1
-    check("interpret", monkeypatch, args, tol=2e-5)
+    with use(KernelSettings(paged_attention_splits=splits)):
+        assert prefix_splits(case[0], case[3], args[4].shape[1]) > 1
+    check("interpret", args, tol=2e-5, splits=splits)
 
 
-def test_prefix_splits_choice(monkeypatch):
-    monkeypatch.delenv("JEAGLE_PAGED_ATTENTION_SPLITS", raising=False)
+def test_prefix_splits_choice():
     assert prefix_splits(1, 3, 2048) == 1  # off unless asked
-    monkeypatch.setenv("JEAGLE_PAGED_ATTENTION_SPLITS", "auto")
-    assert prefix_splits(1, 3, 2048) == 16 and prefix_splits(48, 3, 2048) == 1 and prefix_splits(1, 3, 100) == 2
-    monkeypatch.setenv("JEAGLE_PAGED_ATTENTION_SPLITS", "8")
-    assert prefix_splits(64, 8, 2048) == 8 and prefix_splits(1, 1, 64) == 1
-    monkeypatch.setenv("JEAGLE_PAGED_ATTENTION_SPLITS", "0")
-    with pytest.raises(ValueError, match="auto or a count"):
-        prefix_splits(1, 1, 64)
+    with use(KernelSettings(paged_attention_splits="auto")):
+        assert prefix_splits(1, 3, 2048) == 16 and prefix_splits(48, 3, 2048) == 1 and prefix_splits(1, 3, 100) == 2
+    with use(KernelSettings(paged_attention_splits=8)):
+        assert prefix_splits(64, 8, 2048) == 8 and prefix_splits(1, 1, 64) == 1
+    with pytest.raises(ValueError, match="a count >= 1"):
+        KernelSettings(paged_attention_splits=0)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CASES)
-def test_compiled_matches_reference(monkeypatch, case):
-    check("pallas", monkeypatch, inputs(*case, seed=sum(case)), tol=2e-2)  # TF32-free fp32 dots; bf16 below
+def test_compiled_matches_reference(case):
+    check("pallas", inputs(*case, seed=sum(case)), tol=2e-2)  # TF32-free fp32 dots; bf16 below
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("splits", ["1", "auto"])
-def test_compiled_bf16_smollm2_shape(monkeypatch, splits):
-    monkeypatch.setenv("JEAGLE_PAGED_ATTENTION_SPLITS", splits)
-    check("pallas", monkeypatch, inputs(16, 8, 9, 3, 64, 8, seed=5, dtype=jnp.bfloat16, slots=5000, cols=2048),
-          tol=3e-2)
+@pytest.mark.parametrize("splits", [None, "auto"])
+def test_compiled_bf16_smollm2_shape(splits):
+    check("pallas", inputs(16, 8, 9, 3, 64, 8, seed=5, dtype=jnp.bfloat16, slots=5000, cols=2048), tol=3e-2,
+          splits=splits)
 
 
-@pytest.mark.parametrize("splits", ["1", "auto"])
-def test_lowers_for_h100(monkeypatch, splits):
-    monkeypatch.setenv("JEAGLE_KERNELS", "pallas")
-    monkeypatch.setenv("JEAGLE_PAGED_ATTENTION_SPLITS", splits)
-    for e in (0, 8):
-        lower_for_h100(paged_attention, *inputs(2, 8, 9, 3, 64, e, seed=1, dtype=jnp.bfloat16))
+@pytest.mark.parametrize("splits", [None, "auto"])
+def test_lowers_for_h100(splits):
+    with use(KernelSettings(backend="pallas", paged_attention_splits=splits)):
+        for e in (0, 8):
+            # A fresh function object: traces are cached by function, and the settings are read while tracing.
+            lower_for_h100(lambda *a: paged_attention(*a), *inputs(2, 8, 9, 3, 64, e, seed=1, dtype=jnp.bfloat16))
 
 
-def test_switch(monkeypatch):
-    monkeypatch.setenv("JEAGLE_KERNELS", "pallas")
-    assert kernel_serves(64) and kernel_serves(128)
-    assert not kernel_serves(8) and not kernel_serves(80)  # Triton tiles: power of two, >= 16
-    monkeypatch.setenv("JEAGLE_KERNELS", "interpret")
-    assert kernel_serves(8)
-    monkeypatch.setenv("JEAGLE_KERNELS", "reference")
-    assert not kernel_serves(64)
+def test_switch():
+    with use(KernelSettings(backend="pallas")):
+        assert kernel_serves(64) and kernel_serves(128)
+        assert not kernel_serves(8) and not kernel_serves(80)  # Triton tiles: power of two, >= 16
+    with use(KernelSettings(backend="interpret")):
+        assert kernel_serves(8)
+    with use(KernelSettings(backend="reference")):
+        assert not kernel_serves(64)
 
 
 def test_rejects_bad_shapes():

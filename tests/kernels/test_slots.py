@@ -12,36 +12,39 @@ import pytest
 
 from jeagle.kernels.assign_req_to_token_pool import assign_req_to_token_pool, assign_req_to_token_pool_reference
 from jeagle.kernels.commit_slots import commit_slots, commit_slots_reference
+from jeagle.kernels.settings import KernelSettings, use
 from tests.kernels.trees import assign_inputs, commit_inputs
 
 SIZES = [1, 3, 64]
 
 
-def check_assign(mode, monkeypatch, b, seed):
-    monkeypatch.setenv("JEAGLE_KERNELS", mode)
+def check_assign(mode, b, seed):
     args = assign_inputs(b, seed)
-    got, want = assign_req_to_token_pool(*args), assign_req_to_token_pool_reference(*args)
+    with use(KernelSettings(backend=mode)):
+        got = assign_req_to_token_pool(*args)
+    want = assign_req_to_token_pool_reference(*args)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert int((want != args[0]).sum()) > 0 or b == 1
 
 
-def check_commit(mode, monkeypatch, b, n, seed):
-    monkeypatch.setenv("JEAGLE_KERNELS", mode)
+def check_commit(mode, b, n, seed):
     args = commit_inputs(b, n, seed)
-    got, want = commit_slots(*args), commit_slots_reference(*args)
+    with use(KernelSettings(backend=mode)):
+        got = commit_slots(*args)
+    want = commit_slots_reference(*args)
     for name, x, y in zip(("req_to_token", "tree_slots"), got, want):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=f"{name} b={b} n={n}")
     return args, want
 
 
 @pytest.mark.parametrize("b", SIZES)
-def test_assign_interpreted_matches_reference(monkeypatch, b):
-    check_assign("interpret", monkeypatch, b, seed=b)
+def test_assign_interpreted_matches_reference(b):
+    check_assign("interpret", b, seed=b)
 
 
 @pytest.mark.parametrize("b,n", [(b, n) for b in SIZES for n in (2, 4, 8, 17, 64)])
-def test_commit_interpreted_matches_reference(monkeypatch, b, n):
-    (rt, tree, rows, seq_len, path, acc, commit), (new_rt, new_tree) = check_commit("interpret", monkeypatch, b, n,
+def test_commit_interpreted_matches_reference(b, n):
+    (rt, tree, rows, seq_len, path, acc, commit), (new_rt, new_tree) = check_commit("interpret", b, n,
                                                                                      seed=b * 100 + n)
     # A swap: the multiset of slots a request owns is unchanged.
     for i in range(b):
@@ -53,14 +56,14 @@ def test_commit_interpreted_matches_reference(monkeypatch, b, n):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("b", SIZES)
-def test_assign_compiled_matches_reference(monkeypatch, b):
-    check_assign("pallas", monkeypatch, b, seed=b + 7)
+def test_assign_compiled_matches_reference(b):
+    check_assign("pallas", b, seed=b + 7)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("b,n", [(b, n) for b in SIZES for n in (2, 4, 8, 17, 64)])
-def test_commit_compiled_matches_reference(monkeypatch, b, n):
-    check_commit("pallas", monkeypatch, b, n, seed=b * 100 + n + 7)
+def test_commit_compiled_matches_reference(b, n):
+    check_commit("pallas", b, n, seed=b * 100 + n + 7)
 
 
 def test_lower_to_triton():

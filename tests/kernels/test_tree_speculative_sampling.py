@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from jeagle.kernels.settings import KernelSettings, use
 from jeagle.kernels.tree_speculative_sampling import tree_speculative_sampling, tree_speculative_sampling_reference
 from tests.kernels.trees import random_sampling_inputs
 
@@ -17,12 +18,12 @@ CASES = [(b, n, k, v) for b, (n, k), v in zip(
     [37, 300, 64, 37, 300, 12, 37, 300, 37, 300, 37, 300, 37, 12, 300])]
 
 
-def check(mode, monkeypatch, b, n, k, v, seed, thresholds=(1.0, 1.0)):
-    monkeypatch.setenv("JEAGLE_KERNELS", mode)
+def check(mode, b, n, k, v, seed, thresholds=(1.0, 1.0)):
     args, steps = random_sampling_inputs(b, n, k, v, seed=seed)
     lengths = []
     for s in sorted({steps, min(steps, 3), 1}):
-        got = tree_speculative_sampling(*args, s, *thresholds)
+        with use(KernelSettings(backend=mode)):
+            got = tree_speculative_sampling(*args, s, *thresholds)
         want = tree_speculative_sampling_reference(*args, s, *thresholds)
         for name, x, y in zip(("predict", "accept_index", "accept_length", "bonus"), got, want):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y),
@@ -32,23 +33,22 @@ def check(mode, monkeypatch, b, n, k, v, seed, thresholds=(1.0, 1.0)):
 
 
 @pytest.mark.parametrize("b,n,k,v", CASES, ids=[f"B{b}-N{n}-K{k}-V{v}" for b, n, k, v in CASES])
-def test_interpreted_kernel_matches_reference(monkeypatch, b, n, k, v):
-    lengths = check("interpret", monkeypatch, b, n, k, v, seed=b * 1000 + n * 10 + k)
+def test_interpreted_kernel_matches_reference(b, n, k, v):
+    lengths = check("interpret", b, n, k, v, seed=b * 1000 + n * 10 + k)
     if n >= 8 and b >= 64:
         assert lengths.max() >= 1  # the random inputs do produce accepted walks
 
 
 @pytest.mark.parametrize("thresholds", [(0.3, 1.0), (1.0, 0.5), (0.5, 0.7)])
-def test_relaxed_thresholds(monkeypatch, thresholds):
-    check("interpret", monkeypatch, 8, 17, 4, 300, seed=11, thresholds=thresholds)
+def test_relaxed_thresholds(thresholds):
+    check("interpret", 8, 17, 4, 300, seed=11, thresholds=thresholds)
 
 
-def test_bonus_follows_the_residual(monkeypatch):
+def test_bonus_follows_the_residual():
     """Walks that reject every child draw the bonus from q minus those children: over many coins the
     kernel's bonus frequencies match the residual distribution."""
     import jax.numpy as jnp
 
-    monkeypatch.setenv("JEAGLE_KERNELS", "interpret")
     b, v = 4000, 5
     cand = jnp.tile(jnp.array([[0, 1, 2]], jnp.int32), (b, 1))  # root, two children (tokens 1, 2)
     ridx = jnp.arange(b * 3, dtype=jnp.int32).reshape(b, 3)
@@ -58,7 +58,8 @@ def test_bonus_follows_the_residual(monkeypatch):
     probs = jnp.broadcast_to(q, (b, 3, v))
     coins = jnp.ones((b, 3), jnp.float32)  # coin 1.0 > any partial mass: both children rejected
     final = jnp.asarray(np.random.default_rng(0).random(b), jnp.float32)
-    _, _, acc, bonus = tree_speculative_sampling(cand, ridx, nxt, sib, probs, coins, final, 3)
+    with use(KernelSettings(backend="interpret")):
+        _, _, acc, bonus = tree_speculative_sampling(cand, ridx, nxt, sib, probs, coins, final, 3)
     assert int(acc.max()) == 0
     freq = np.bincount(np.asarray(bonus), minlength=v) / b
     want = np.array([0.1, 0.0, 0.0, 0.15, 0.25]) / 0.5
@@ -67,13 +68,13 @@ def test_bonus_follows_the_residual(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("b,n,k,v", CASES, ids=[f"B{b}-N{n}-K{k}-V{v}" for b, n, k, v in CASES])
-def test_compiled_kernel_matches_reference(monkeypatch, b, n, k, v):
-    check("pallas", monkeypatch, b, n, k, v, seed=b * 1000 + n * 10 + k + 7)
+def test_compiled_kernel_matches_reference(b, n, k, v):
+    check("pallas", b, n, k, v, seed=b * 1000 + n * 10 + k + 7)
 
 
 @pytest.mark.gpu
-def test_compiled_kernel_large_vocab(monkeypatch):
-    check("pallas", monkeypatch, 64, 8, 4, 49152, seed=3)
+def test_compiled_kernel_large_vocab():
+    check("pallas", 64, 8, 4, 49152, seed=3)
 
 
 def test_bad_inputs_are_refused():
@@ -102,13 +103,12 @@ def test_lowers_to_triton(v):
 
 
 @pytest.mark.parametrize("mode", ["interpret", pytest.param("pallas", marks=pytest.mark.gpu)])
-def test_bonus_never_lands_on_a_token_without_mass(monkeypatch, mode):
+def test_bonus_never_lands_on_a_token_without_mass(mode):
     """Zero-mass holes at and around the block boundary (V = 3,000: blocks of 2,048, the last one
     overlapping): whatever the coin, the bonus is a token with mass; rows with no mass at all or NaN
     probabilities give what the reference gives."""
     import jax.numpy as jnp
 
-    monkeypatch.setenv("JEAGLE_KERNELS", mode)
     b, v = 512, 3000
     rng = np.random.default_rng(7)
     q = rng.random(v).astype(np.float32)
@@ -124,7 +124,8 @@ def test_bonus_never_lands_on_a_token_without_mass(monkeypatch, mode):
     coins = jnp.zeros((b, 1), jnp.float32)
     final = jnp.asarray(np.concatenate([[0.5, 0.5, 0.5], np.linspace(0, 1, b - 3, endpoint=False)]), jnp.float32)
     args = (cand, ridx, nxt, sib, jnp.asarray(probs), coins, final, 1)
-    bonus = np.asarray(tree_speculative_sampling(*args)[3])
+    with use(KernelSettings(backend=mode)):
+        bonus = np.asarray(tree_speculative_sampling(*args)[3])
     want = np.asarray(tree_speculative_sampling_reference(*args)[3])
     assert bonus[1] == want[1] == v - 1 and bonus[2] == want[2] == 0
     assert (q[bonus[3:]] > 0).all()

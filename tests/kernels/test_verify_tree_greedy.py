@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from jeagle.kernels.settings import KernelSettings, use
 from jeagle.kernels.verify_tree_greedy import verify_tree_greedy, verify_tree_greedy_reference
 from tests.kernels.trees import random_trees
 
@@ -14,11 +15,11 @@ CASES = [(b, n, k) for b, (n, k) in zip([1, 3, 64, 1, 3, 64, 1, 3, 64, 3, 64, 1,
                                          (17, 4), (17, 8), (64, 1), (64, 4), (64, 8), (64, 8)])]
 
 
-def check(mode, monkeypatch, b, n, k, seed):
-    monkeypatch.setenv("JEAGLE_KERNELS", mode)
+def check(mode, b, n, k, seed):
     args, steps = random_trees(b, n, k, seed=seed)
     for s in sorted({steps, min(steps, 3), 1}):
-        got = verify_tree_greedy(*args, s)
+        with use(KernelSettings(backend=mode)):
+            got = verify_tree_greedy(*args, s)
         want = verify_tree_greedy_reference(*args, s)
         for name, x, y in zip(("predict", "accept_index", "accept_length", "bonus"), got, want):
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=f"{name} b={b} n={n} k={k} s={s}")
@@ -26,16 +27,16 @@ def check(mode, monkeypatch, b, n, k, seed):
 
 
 @pytest.mark.parametrize("b,n,k", CASES, ids=[f"B{b}-N{n}-K{k}" for b, n, k in CASES])
-def test_interpreted_kernel_matches_reference(monkeypatch, b, n, k):
-    lengths = check("interpret", monkeypatch, b, n, k, seed=b * 1000 + n * 10 + k)
+def test_interpreted_kernel_matches_reference(b, n, k):
+    lengths = check("interpret", b, n, k, seed=b * 1000 + n * 10 + k)
     if n >= 8 and b > 1:
         assert lengths.max() >= (2 if k == 1 else 1)  # the random trees do produce accepted walks
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("b,n,k", CASES, ids=[f"B{b}-N{n}-K{k}" for b, n, k in CASES])
-def test_compiled_kernel_matches_reference(monkeypatch, b, n, k):
-    check("pallas", monkeypatch, b, n, k, seed=b * 1000 + n * 10 + k + 7)
+def test_compiled_kernel_matches_reference(b, n, k):
+    check("pallas", b, n, k, seed=b * 1000 + n * 10 + k + 7)
 
 
 def test_bad_inputs_are_refused():

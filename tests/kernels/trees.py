@@ -7,8 +7,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from jeagle.spec.tree import build_tree_reference
-from jeagle.spec.verify import verify_tree_greedy_reference
+from jeagle.kernels.build_tree import build_tree_reference
+from jeagle.kernels.verify_tree_greedy import verify_tree_greedy_reference
 
 
 def _i32(x):

@@ -20,11 +20,12 @@ the loop updates in place, and the kernel reads layer `layer` through pointer ar
 offsets once a pool passes 4 GiB, which the Triton lowering switches to by itself).
 
 Split prefixes (flash-decoding's split-K). One program per (request, KV head) is 3 programs at batch 1
-for SmolLM2 (3 KV heads) on a GPU with 132 SMs. With `JEAGLE_PAGED_ATTENTION_SPLITS` = `auto` (or a
-count) a third grid axis splits each prefix into that many contiguous runs of blocks, sized on the
-device from the request's own length; each program writes its unnormalised (max, sum, accumulator)
-and the wrapper merges them (one small XLA fusion). `1`, the default, is the single-pass kernel; the
-split is off by default until measured on the GPU (bench/RESULTS.md).
+for SmolLM2 (3 KV heads) on a GPU with 132 SMs. With `KernelSettings.paged_attention_splits` = `auto`
+or a count (`JEAGLE_PAGED_ATTENTION_SPLITS` through `KernelSettings.from_env`) a third grid axis
+splits each prefix into that many contiguous runs of blocks, sized on the device from the request's
+own length; each program writes its unnormalised (max, sum, accumulator) and the wrapper merges them
+(one small XLA fusion). None (= 1), the default, is the single-pass kernel; the split is off by
+default until measured on the GPU (bench/RESULTS.md).
 
 Layers, as in JAX's own Pallas ops: `_kernel`, `_pallas` (wrapper: queries regrouped per KV head and
 padded to Triton's power-of-two tiles; the merge of split prefixes), `paged_attention` (public:
@@ -35,7 +36,6 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 
 import jax
 import jax.numpy as jnp
@@ -44,31 +44,27 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jeagle.kernels.backend import backend
+from jeagle.kernels.settings import current
 
 __all__ = ["paged_attention", "paged_attention_reference", "dense_attention", "kernel_serves", "prefix_splits"]
 
 BLOCK = 64  # prefix positions per loop iteration
 _NEG = -1e30  # finite "minus infinity": exp(_NEG - _NEG) stays defined in the online softmax
-SPLITS_ENV = "JEAGLE_PAGED_ATTENTION_SPLITS"
 MAX_SPLITS = 16
 TARGET_PROGRAMS = 128  # `auto`: split until (requests x KV heads x splits) reaches about this many programs
 
 
 def prefix_splits(b: int, hkv: int, s_cols: int) -> int:
-    """How many runs each prefix is split into (static: part of the executable), from
-    JEAGLE_PAGED_ATTENTION_SPLITS: `1`/unset (no split), `auto`, or a count; never more than the
+    """How many runs each prefix is split into (static: part of the executable), from the current
+    settings' `paged_attention_splits`: None (no split), `auto`, or a count; never more than the
     table's blocks."""
-    choice = os.environ.get(SPLITS_ENV, "1").strip().lower() or "1"
+    choice = current().paged_attention_splits
     most = max(1, math.ceil(s_cols / BLOCK))
+    if choice is None:
+        return 1
     if choice == "auto":
         return max(1, min(MAX_SPLITS, TARGET_PROGRAMS // max(1, b * hkv), most))
-    try:
-        n = int(choice)
-    except ValueError:
-        raise ValueError(f"{SPLITS_ENV}={choice!r}: expected auto or a count >= 1") from None
-    if n < 1:
-        raise ValueError(f"{SPLITS_ENV}={choice!r}: expected auto or a count >= 1")
-    return min(n, most)
+    return min(choice, most)
 
 
 def kernel_serves(head_dim: int) -> bool:

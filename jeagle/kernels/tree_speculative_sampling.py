@@ -2,7 +2,14 @@
 
 Layers, as in JAX's own Pallas ops: `_kernel` (body), `_pallas` (the pallas_call wrapper),
 `tree_speculative_sampling` (public: validates inputs, asks the backend switch) and
-`tree_speculative_sampling_reference` (pure jnp, the specification, from jeagle.spec.verify).
+`tree_speculative_sampling_reference` (pure jnp, the specification; the walk and its outputs are
+verify_tree_greedy's).
+
+Sampling (lossless for thresholds 1.0): one uniform coin per visited node; walking the children in
+order, child x is accepted when coin <= (target mass of the children tried so far, x included) /
+threshold_acc, or when p(x) >= threshold_single; a rejected child's target probability moves into the
+residual, and the bonus is drawn from relu(p - residual), normalised, by inverse CDF. This is
+inverse-CDF sampling from p over the children in order, so each emitted token follows p exactly.
 
 Per request the kernel walks the tree from the root. At each node it draws nothing new: the node's
 coin `coins[cur]` is compared, child after child in sibling order, with the target mass of the
@@ -25,12 +32,57 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from jeagle.kernels.backend import dispatch
-from jeagle.kernels.verify_tree_greedy import tree_inputs
-from jeagle.spec.verify import tree_sampling_reference as tree_speculative_sampling_reference
+from jeagle.kernels.verify_tree_greedy import accept_outputs, reference_walk, tree_inputs
 
-__all__ = ["tree_speculative_sampling", "tree_speculative_sampling_reference"]
+__all__ = ["tree_speculative_sampling", "tree_speculative_sampling_reference", "sample_residual"]
 
 MAX_BLOCK = 2048
+
+
+def tree_speculative_sampling_reference(candidates, retrieve_index, retrieve_next_token, retrieve_next_sibling,
+                                        target_probs, coins, final_coin, num_spec_steps: int,
+                                        threshold_single: float = 1.0, threshold_acc: float = 1.0):
+    """target_probs [B, N, V] (temperature/top-k/top-p applied); coins [B, N] uniform per node;
+    final_coin [B] for the bonus."""
+    b, n = candidates.shape
+    v = target_probs.shape[-1]
+    rows = jnp.arange(b)
+
+    def try_child(state, cur, child, active):
+        tok = candidates[rows, child]
+        p = target_probs[rows, cur, tok]
+        acc = state["prob_acc"] + jnp.where(active, p, 0.0)
+        coin = coins[rows, cur]
+        ok = (coin <= acc / threshold_acc) | (p >= threshold_single)
+        rejected = active & ~ok
+        resid = state["resid"].at[rows, tok].set(jnp.where(rejected, p, state["resid"][rows, tok]))
+        taken = active & ok
+        # Moving to a new node: fresh accumulator and residual (its coin is coins[child]).
+        acc = jnp.where(taken, 0.0, acc)
+        resid = jnp.where(taken[:, None], 0.0, resid)
+        return ok, {"prob_acc": acc, "resid": resid}
+
+    init = {"prob_acc": jnp.zeros((b,), jnp.float32), "resid": jnp.zeros((b, v), jnp.float32)}
+    path, length, last, state = reference_walk(candidates, retrieve_next_token, retrieve_next_sibling, num_spec_steps,
+                                               try_child)(init)
+    q = target_probs[rows, last]
+    bonus = sample_residual(q, state["resid"], final_coin)
+    return accept_outputs(path, length, last, candidates, retrieve_index, bonus)
+
+
+def sample_residual(q, resid, coin):
+    """Inverse-CDF draw from relu(q - resid) normalised; falls back to q if nothing is left. Sorts and
+    scans along whole rows: under a tensor-parallel mesh the caller hands in whole vocabulary rows
+    (jeagle.spec.verify.target_probs returns them)."""
+    r = jnp.maximum(q - resid, 0.0)
+    total = r.sum(-1, keepdims=True)
+    r = jnp.where(total > 0, r, q)
+    cdf = jnp.cumsum(r, -1)
+    u = coin[:, None] * cdf[:, -1:]
+    tok = jnp.sum(cdf <= u, -1)  # first index whose cdf exceeds u
+    # Never land on a zero-probability token at the top edge (u == total).
+    last_nonzero = r.shape[-1] - 1 - jnp.argmax(r[:, ::-1] > 0, -1)
+    return jnp.minimum(tok, last_nonzero).astype(jnp.int32)
 
 
 def _kernel(cand_ref, ridx_ref, next_ref, sib_ref, coins_ref, final_ref, probs_ref,
@@ -153,7 +205,8 @@ def _pallas(candidates, retrieve_index, next_token, next_sibling, target_probs, 
 def tree_speculative_sampling(candidates, retrieve_index, retrieve_next_token, retrieve_next_sibling, target_probs,
                               coins, final_coin, num_spec_steps: int, threshold_single: float = 1.0,
                               threshold_acc: float = 1.0):
-    """See jeagle.spec.verify: (predict [B,N], accept_index [B,S+1], accept_length [B], bonus [B]).
+    """See tree_speculative_sampling_reference: (predict [B,N], accept_index [B,S+1], accept_length [B],
+    bonus [B]).
 
     target_probs [B, N, V] float32 (temperature, top-k and top-p applied); coins [B, N] and
     final_coin [B] uniform in [0, 1)."""

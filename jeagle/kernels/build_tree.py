@@ -2,7 +2,20 @@
 
 Layers, as in JAX's own Pallas ops: `_kernel` (body), `_pallas` (the pallas_call wrapper), `build_tree`
 (public: validates inputs, asks the backend switch) and `build_tree_reference` (pure jnp, the
-specification, from jeagle.spec.tree).
+specification).
+
+The input: the scored nodes of one round (jeagle/spec/tree.py lays them out), `selected` the indices
+of the N-1 kept ones sorted ascending, so a parent always precedes its children and siblings appear in
+draft order (most probable first). The output, `Tree`, the verify tree of N nodes (node 0 = the root,
+the previous round's bonus token):
+
+    tokens      [B, N]      node 0 = the root
+    parent      [B, N]      tree index of each node's parent (-1 for the root)
+    depth       [B, N]      0 for the root; positions are L + depth
+    mask        [B, N, N]   mask[b, i, j]: node j is node i or one of its ancestors
+    retrieve_index        [B, N]  b·N + i (flat index of the node in a [B·N] buffer)
+    retrieve_next_token   [B, N]  first child of each node, -1 if none
+    retrieve_next_sibling [B, N]  next sibling (next higher index with the same parent), -1 if none
 
 Everything stays in registers as vectors of NP = next_power_of_2(N) lanes, lane 0 being the root and
 lane i the i-th selected node: the selected nodes' tokens and flat parents are gathered from global
@@ -15,6 +28,7 @@ minimum reductions over the same compares.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
@@ -22,9 +36,57 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jeagle.kernels.backend import dispatch, int32_inputs
-from jeagle.spec.tree import Tree, build_tree_reference
 
-__all__ = ["build_tree", "build_tree_reference"]
+__all__ = ["Tree", "build_tree", "build_tree_reference"]
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class Tree:
+    tokens: jax.Array  # [B, N] int32, node 0 = root
+    parent: jax.Array  # [B, N] int32
+    depth: jax.Array  # [B, N] int32
+    mask: jax.Array  # [B, N, N] bool
+    retrieve_index: jax.Array  # [B, N] int32
+    retrieve_next_token: jax.Array  # [B, N] int32
+    retrieve_next_sibling: jax.Array  # [B, N] int32
+
+
+def build_tree_reference(root: jax.Array, node_tokens: jax.Array, node_parents: jax.Array, selected: jax.Array,
+                         max_depth: int) -> Tree:
+    """root [B]; node_tokens/node_parents [B, M] over the flat scored nodes (parent -1 = the root);
+    selected [B, N-1] sorted ascending. Every selected node's parent must be selected too (it is:
+    scores are probability products, so a parent scores at least as high as its child)."""
+    b, n1 = selected.shape
+    n = n1 + 1
+    tokens = jnp.concatenate([root[:, None], jnp.take_along_axis(node_tokens, selected, axis=1)], axis=1)
+    flat_parent = jnp.take_along_axis(node_parents, selected, axis=1)  # [B, N-1] flat ids or -1
+    # Tree index of the parent: its position in `selected` plus one (0 = root).
+    match = flat_parent[:, :, None] == selected[:, None, :]  # [B, N-1, N-1]
+    parent_pos = jnp.where(jnp.any(match, -1), jnp.argmax(match, -1) + 1, 0)
+    parent = jnp.concatenate([jnp.full((b, 1), -1, jnp.int32), parent_pos.astype(jnp.int32)], axis=1)
+
+    # Ancestor-or-self mask and depth by pointer jumping, max_depth times.
+    idx = jnp.arange(n)
+    mask = jnp.broadcast_to(idx[None, :, None] == idx[None, None, :], (b, n, n))
+    cur = jnp.broadcast_to(idx, (b, n))
+    depth = jnp.zeros((b, n), jnp.int32)
+    for _ in range(max_depth):
+        up = jnp.take_along_axis(parent, jnp.maximum(cur, 0), axis=1)
+        up = jnp.where(cur >= 0, up, -1)
+        mask = mask | ((up[:, :, None] == idx[None, None, :]) & (up[:, :, None] >= 0))
+        depth = depth + (up >= 0)
+        cur = up
+
+    # First child and next sibling, in ascending node index.
+    later = idx[None, :] > idx[:, None]  # [N, N] j > i
+    is_child = parent[:, None, :] == idx[None, :, None]  # [B, i, j]: j is a child of i
+    first_child = jnp.where(jnp.any(is_child, -1), jnp.argmax(is_child, -1), -1)
+    same_parent = (parent[:, :, None] == parent[:, None, :]) & later[None] & (parent[:, :, None] >= 0)
+    next_sibling = jnp.where(jnp.any(same_parent, -1), jnp.argmax(same_parent, -1), -1)
+    retrieve_index = (jnp.arange(b)[:, None] * n + idx[None, :]).astype(jnp.int32)
+    return Tree(tokens=tokens.astype(jnp.int32), parent=parent, depth=depth, mask=mask, retrieve_index=retrieve_index,
+                retrieve_next_token=first_child.astype(jnp.int32), retrieve_next_sibling=next_sibling.astype(jnp.int32))
 
 
 def _kernel(root_ref, tok_ref, par_ref, sel_ref, tokens_ref, parent_ref, depth_ref, mask_ref, ridx_ref, next_ref,
@@ -92,7 +154,7 @@ def _pallas(root, node_tokens, node_parents, selected, max_depth: int, *, interp
 
 
 def build_tree(root, node_tokens, node_parents, selected, max_depth: int) -> Tree:
-    """See jeagle.spec.tree: root [B]; node_tokens/node_parents [B, M] over the flat scored nodes
+    """See build_tree_reference: root [B]; node_tokens/node_parents [B, M] over the flat scored nodes
     (parent -1 = the root); selected [B, N-1] sorted ascending, every selected node's parent selected."""
     if root.ndim != 1:
         raise ValueError(f"root must be [B], got {root.shape}")

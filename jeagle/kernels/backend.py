@@ -1,28 +1,24 @@
 """The one switch between Pallas kernels and their pure-jnp references.
 
-`JEAGLE_KERNELS` = `pallas` (compiled; the default on a GPU), `interpret` (the Pallas kernels run by
-the Pallas interpreter: how CPU tests exercise them), or `reference` (pure jnp; the default
+The backend of the current `KernelSettings` (jeagle/kernels/settings.py; `JEAGLE_KERNELS` through
+`KernelSettings.from_env`): `pallas` (compiled; the default on a GPU), `interpret` (the Pallas kernels
+run by the Pallas interpreter: how CPU tests exercise them), or `reference` (pure jnp; the default
 elsewhere). The engine calls kernels only through the public functions of this package, which ask
-`backend()`, so the reference path always stays runnable.
+`backend()` while they are traced, so the reference path always stays runnable.
 """
 
 from __future__ import annotations
 
-import os
-
-import jax
 import jax.numpy as jnp
 
-BACKENDS = ("pallas", "interpret", "reference")
+from jeagle.kernels.settings import BACKENDS, current
+
+__all__ = ["BACKENDS", "backend", "dispatch", "int32_inputs"]
 
 
 def backend() -> str:
-    choice = os.environ.get("JEAGLE_KERNELS")
-    if choice is None:
-        return "pallas" if jax.default_backend() == "gpu" else "reference"
-    if choice not in BACKENDS:
-        raise ValueError(f"JEAGLE_KERNELS={choice!r}; expected one of {BACKENDS}")
-    return choice
+    """The backend of the settings in use (`settings.use`), resolved for this platform."""
+    return current().resolved()
 
 
 def int32_inputs(what: str, *xs):

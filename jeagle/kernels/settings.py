@@ -1,0 +1,132 @@
+"""Kernel settings: which path the kernels take, the paged-attention split, and XLA options.
+
+One frozen, hashable value, read from the environment once by an entry point (`from_env`) and made
+current while a step is traced (`use`). The kernels read `current()`, never the environment, so a
+trace depends only on values that are part of the executable's key:
+
+    with use(config.kernels):
+        lowered = jax.jit(step).lower(...)
+
+Outside any `use`, `current()` is `KernelSettings()`: the platform's default backend, no split, no
+options — whatever the environment says.
+
+The four environment variables `from_env` reads (and nothing else in jeagle does):
+
+    JEAGLE_KERNELS                  pallas | interpret | reference  (unset: pallas on a GPU, else reference)
+    JEAGLE_PAGED_ATTENTION_SPLITS   1 (or unset: no split) | auto | a count >= 1
+    JEAGLE_TRITON_GEMM              1: keep XLA's own Triton GEMM fusions in the speculative executables
+    JEAGLE_XLA_OPTIONS              a JSON object of XLA option names to values, for every executable
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import json
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+
+import jax
+
+BACKENDS = ("pallas", "interpret", "reference")
+
+KERNELS_ENV = "JEAGLE_KERNELS"
+SPLITS_ENV = "JEAGLE_PAGED_ATTENTION_SPLITS"
+TRITON_GEMM_ENV = "JEAGLE_TRITON_GEMM"
+XLA_OPTIONS_ENV = "JEAGLE_XLA_OPTIONS"
+
+
+@dataclass(frozen=True)
+class KernelSettings:
+    backend: str | None = None  # None: "pallas" on a GPU, else "reference"; else one of BACKENDS
+    # Paged attention's split prefixes (flash-decoding's split-K): None or 1 (off), "auto", or a count.
+    paged_attention_splits: str | int | None = None
+    triton_gemm: bool = False  # True: XLA's own Triton GEMM fusions stay on in speculative executables
+    # Extra XLA options for every executable, as sorted (name, value) pairs so the settings stay hashable.
+    xla_options: tuple[tuple[str, object], ...] = ()
+
+    def __post_init__(self):
+        if self.backend is not None and self.backend not in BACKENDS:
+            raise ValueError(f"kernel backend {self.backend!r}; expected one of {BACKENDS} or None")
+        s = self.paged_attention_splits
+        if s == 1 and not isinstance(s, bool):  # one run is no split: one value for one behaviour
+            object.__setattr__(self, "paged_attention_splits", None)
+        elif not (s is None or s == "auto" or (isinstance(s, int) and not isinstance(s, bool) and s >= 1)):
+            raise ValueError(f"paged_attention_splits={s!r}: expected None, 'auto' or a count >= 1")
+        if not isinstance(self.triton_gemm, bool):
+            raise ValueError(f"triton_gemm must be a bool, got {self.triton_gemm!r}")
+        if isinstance(self.xla_options, Mapping):  # a dict is accepted and stored as sorted pairs
+            object.__setattr__(self, "xla_options", tuple(sorted(self.xla_options.items())))
+        opts = self.xla_options
+        if not isinstance(opts, tuple) or not all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str)
+                                                  for p in opts):
+            raise ValueError(f"xla_options must be (name, value) pairs, got {opts!r}")
+        for name, value in opts:
+            if not isinstance(value, (bool, int, float, str)):
+                raise ValueError(f"xla_options[{name!r}] = {value!r}: XLA options take a bool, number or string")
+        if len({name for name, _ in opts}) != len(opts):
+            raise ValueError(f"xla_options names an option twice: {opts!r}")
+
+    def resolved(self) -> str:
+        """The concrete backend: `backend`, or the platform's default when None."""
+        if self.backend is not None:
+            return self.backend
+        return "pallas" if jax.default_backend() == "gpu" else "reference"
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> KernelSettings:
+        """The settings the environment asks for (the module docstring lists the variables)."""
+        backend = environ.get(KERNELS_ENV)
+        if backend is not None and backend not in BACKENDS:
+            raise ValueError(f"{KERNELS_ENV}={backend!r}; expected one of {BACKENDS}")
+        return cls(backend=backend, paged_attention_splits=_splits_from_env(environ.get(SPLITS_ENV)),
+                   triton_gemm=environ.get(TRITON_GEMM_ENV) == "1",
+                   xla_options=_xla_options_from_env(environ.get(XLA_OPTIONS_ENV)))
+
+
+def _splits_from_env(text: str | None) -> str | int | None:
+    choice = (text or "1").strip().lower() or "1"
+    if choice == "auto":
+        return "auto"
+    try:
+        n = int(choice)
+    except ValueError:
+        raise ValueError(f"{SPLITS_ENV}={choice!r}: expected auto or a count >= 1") from None
+    if n < 1:
+        raise ValueError(f"{SPLITS_ENV}={choice!r}: expected auto or a count >= 1")
+    return None if n == 1 else n
+
+
+def _xla_options_from_env(text: str | None) -> tuple[tuple[str, object], ...]:
+    text = (text or "").strip()
+    if not text:
+        return ()
+    try:
+        opts = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{XLA_OPTIONS_ENV} is not JSON: {e}") from e
+    if not isinstance(opts, dict):
+        raise ValueError(f"{XLA_OPTIONS_ENV} must be a JSON object of XLA option names to values")
+    return tuple(sorted(opts.items()))
+
+
+_CURRENT: contextvars.ContextVar[KernelSettings] = contextvars.ContextVar("jeagle_kernel_settings")
+_DEFAULT = KernelSettings()
+
+
+def current() -> KernelSettings:
+    """The settings of the trace in progress: the innermost `use`, else `KernelSettings()`."""
+    return _CURRENT.get(_DEFAULT)
+
+
+@contextlib.contextmanager
+def use(settings: KernelSettings) -> Iterator[KernelSettings]:
+    """Make `settings` current for the block (nests; per thread and per asyncio task)."""
+    if not isinstance(settings, KernelSettings):
+        raise TypeError(f"use() takes a KernelSettings, got {type(settings).__name__}")
+    token = _CURRENT.set(settings)
+    try:
+        yield settings
+    finally:
+        _CURRENT.reset(token)

@@ -1,0 +1,123 @@
+"""KernelSettings: the four environment variables are read by `from_env` alone (each value, and the
+bad ones refused with the messages they always had); the kernels see only the settings in `use`,
+never the environment."""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+import pytest
+
+from jeagle.kernels.paged_attention import prefix_splits
+from jeagle.kernels.settings import BACKENDS, KernelSettings, current, use
+
+PLATFORM_DEFAULT = "pallas" if jax.default_backend() == "gpu" else "reference"
+
+
+def test_from_env_of_an_empty_environment_is_the_default():
+    assert KernelSettings.from_env({}) == KernelSettings()
+    assert KernelSettings().resolved() == PLATFORM_DEFAULT
+
+
+@pytest.mark.parametrize("mode", BACKENDS)
+def test_from_env_backend(mode):
+    s = KernelSettings.from_env({"JEAGLE_KERNELS": mode})
+    assert s.backend == mode and s.resolved() == mode
+
+
+@pytest.mark.parametrize("bad", ["cuda", "", "Pallas"])
+def test_from_env_refuses_an_unknown_backend(bad):
+    with pytest.raises(ValueError, match=r"JEAGLE_KERNELS=.*expected one of \('pallas', 'interpret', 'reference'\)"):
+        KernelSettings.from_env({"JEAGLE_KERNELS": bad})
+
+
+@pytest.mark.parametrize("text,want", [("1", None), ("", None), (" ", None), ("auto", "auto"), (" AUTO ", "auto"),
+                                       ("8", 8), ("2", 2)])
+def test_from_env_paged_attention_splits(text, want):
+    assert KernelSettings.from_env({"JEAGLE_PAGED_ATTENTION_SPLITS": text}).paged_attention_splits == want
+
+
+@pytest.mark.parametrize("bad", ["0", "-2", "many", "1.5"])
+def test_from_env_refuses_bad_splits(bad):
+    with pytest.raises(ValueError, match="JEAGLE_PAGED_ATTENTION_SPLITS=.*: expected auto or a count >= 1"):
+        KernelSettings.from_env({"JEAGLE_PAGED_ATTENTION_SPLITS": bad})
+
+
+@pytest.mark.parametrize("text,want", [("1", True), ("0", False), ("true", False), ("", False)])
+def test_from_env_triton_gemm(text, want):
+    assert KernelSettings.from_env({"JEAGLE_TRITON_GEMM": text}).triton_gemm is want  # only "1" turns it on
+
+
+def test_from_env_xla_options():
+    s = KernelSettings.from_env({"JEAGLE_XLA_OPTIONS": '{"xla_gpu_autotune_level": 0, "xla_a": true}'})
+    assert s.xla_options == (("xla_a", True), ("xla_gpu_autotune_level", 0))
+    assert dict(s.xla_options) == {"xla_gpu_autotune_level": 0, "xla_a": True}
+    assert KernelSettings.from_env({"JEAGLE_XLA_OPTIONS": "  "}).xla_options == ()
+    hash(s)  # a part of every executable's key
+
+
+@pytest.mark.parametrize("bad,message", [("{oops", "JEAGLE_XLA_OPTIONS is not JSON"),
+                                         ("[1, 2]", "JEAGLE_XLA_OPTIONS must be a JSON object"),
+                                         ('{"xla_a": [1]}', "XLA options take a bool, number or string")])
+def test_from_env_refuses_bad_xla_options(bad, message):
+    with pytest.raises(ValueError, match=message):
+        KernelSettings.from_env({"JEAGLE_XLA_OPTIONS": bad})
+
+
+def test_from_env_reads_os_environ_by_default(monkeypatch):
+    monkeypatch.setenv("JEAGLE_KERNELS", "interpret")
+    monkeypatch.setenv("JEAGLE_PAGED_ATTENTION_SPLITS", "auto")
+    monkeypatch.setenv("JEAGLE_TRITON_GEMM", "1")
+    monkeypatch.setenv("JEAGLE_XLA_OPTIONS", '{"xla_a": 1}')
+    assert KernelSettings.from_env() == KernelSettings("interpret", "auto", True, (("xla_a", 1),))
+
+
+def test_validation():
+    with pytest.raises(ValueError, match="kernel backend"):
+        KernelSettings(backend="triton")
+    for bad in (0, -1, "2", "off", True, 1.5):
+        with pytest.raises(ValueError, match="paged_attention_splits"):
+            KernelSettings(paged_attention_splits=bad)
+    with pytest.raises(ValueError, match="triton_gemm"):
+        KernelSettings(triton_gemm=1)
+    with pytest.raises(ValueError, match="xla_options"):
+        KernelSettings(xla_options=(("a", 1), ("a", 2)))
+    with pytest.raises(ValueError, match="xla_options"):
+        KernelSettings(xla_options=("a", 1))
+    assert KernelSettings(paged_attention_splits=1) == KernelSettings()  # one run is no split
+    assert KernelSettings(xla_options={"b": 1, "a": 2}).xla_options == (("a", 2), ("b", 1))
+
+
+def test_current_ignores_the_environment(monkeypatch):
+    monkeypatch.setenv("JEAGLE_KERNELS", "interpret")
+    monkeypatch.setenv("JEAGLE_PAGED_ATTENTION_SPLITS", "auto")
+    monkeypatch.setenv("JEAGLE_TRITON_GEMM", "1")
+    monkeypatch.setenv("JEAGLE_XLA_OPTIONS", '{"xla_a": 1}')
+    assert current() == KernelSettings()
+    assert prefix_splits(1, 3, 2048) == 1
+
+
+def test_use_nests_and_restores():
+    a, b = KernelSettings(backend="interpret"), KernelSettings(backend="reference", paged_attention_splits="auto")
+    with use(a) as got:
+        assert got is a and current() is a
+        with use(b):
+            assert current() is b and prefix_splits(1, 3, 2048) == 16
+        assert current() is a
+    assert current() == KernelSettings()
+    with pytest.raises(RuntimeError), use(a):
+        raise RuntimeError
+    assert current() == KernelSettings()
+    with pytest.raises(TypeError):
+        with use("interpret"):
+            pass
+
+
+def test_use_is_per_thread():
+    seen = []
+    with use(KernelSettings(backend="interpret")):
+        t = threading.Thread(target=lambda: seen.append(current()))
+        t.start()
+        t.join()
+    assert seen == [KernelSettings()]  # a new thread starts outside any `use`: workers enter their own
