@@ -1,4 +1,4 @@
-"""Paged KV cache in SGLang's layout (page size 1): slot pools, `req_to_token`, a free-slot allocator.
+"""The paged KV cache on the device, in SGLang's layout (page size 1): slot pools and `req_to_token`.
 
 Device side (a pytree, donated through every step):
     k, v           [L, num_slots, kv_heads, head_dim]  one slot pool per layer, stacked so a layer
@@ -7,8 +7,8 @@ Device side (a pytree, donated through every step):
     req_to_token   [max_reqs + 1, max_ctx] int32  slot of each position of each request row; the last
                    row is the scratch row that padded batch rows use.
 
-Host side: `SlotAllocator`, a free list of slot ids. Slots are handed out per request as positions
-are reached and returned when the request finishes; running out raises `OutOfSlots`.
+The host side (which request owns which row and slots) is `jeagle.runtime.slots`: a request gets
+its row and all its slots at admission and gives them back when it finishes.
 """
 
 from __future__ import annotations
@@ -17,15 +17,11 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jeagle.config import ModelConfig
+from jeagle.kernels.assign_req_to_token_pool import assign_req_to_token_pool
 
 SCRATCH_SLOT = 0
-
-
-class OutOfSlots(RuntimeError):
-    """The KV pool has fewer free slots than a request needs."""
 
 
 @jax.tree_util.register_dataclass
@@ -65,47 +61,11 @@ def init_cache(cfg: ModelConfig, *, num_slots: int, max_reqs: int, max_ctx: int)
     return KVCache(k=k, v=v, req_to_token=jnp.zeros((max_reqs + 1, max_ctx), jnp.int32))
 
 
-def slots_for_memory_fraction(cfg: ModelConfig, fraction: float, weight_bytes: int, device=None) -> int:
-    """How many slots fit in `fraction` of the device memory after the weights (SGLang's
-    `mem_fraction_static`). Raises on devices that report no memory limit (CPU)."""
-    device = device or jax.devices()[0]
-    stats = device.memory_stats() or {}
-    limit = stats.get("bytes_limit")
-    if not limit:
-        raise ValueError(f"{device.platform} device reports no memory limit: pass --max-total-tokens")
-    budget = int(limit * fraction) - weight_bytes - stats.get("bytes_in_use", 0)
-    slots = budget // kv_bytes_per_token(cfg)
-    if slots < 2:
-        raise OutOfSlots(f"--mem-fraction-static {fraction} leaves no room for KV slots "
-                         f"(limit {limit / 2**30:.1f} GiB, weights {weight_bytes / 2**30:.2f} GiB)")
-    return int(slots)
-
-
-class SlotAllocator:
-    """Free list over slot ids 1..num_slots-1 (slot 0 is scratch)."""
-
-    def __init__(self, num_slots: int):
-        if num_slots < 2:
-            raise ValueError("a KV pool needs at least 2 slots (slot 0 is scratch)")
-        self.num_slots = num_slots
-        # Popped from the end: hand out low ids first so small workloads stay in a compact range.
-        self._free = list(range(num_slots - 1, 0, -1))
-
-    @property
-    def free_count(self) -> int:
-        return len(self._free)
-
-    def alloc(self, n: int) -> np.ndarray:
-        if n > len(self._free):
-            raise OutOfSlots(f"KV cache out of slots: need {n}, {len(self._free)} free of "
-                             f"{self.num_slots - 1}; raise --max-total-tokens (or --mem-fraction-static) "
-                             "or lower --batch-size / --max-new-tokens")
-        out = self._free[len(self._free) - n:]
-        del self._free[len(self._free) - n:]
-        return np.asarray(out[::-1], dtype=np.int32)
-
-    def free(self, slots) -> None:
-        slots = [int(s) for s in np.asarray(slots).reshape(-1)]
-        if any(s <= 0 or s >= self.num_slots for s in slots):
-            raise ValueError("freeing an invalid slot id")
-        self._free.extend(slots)
+def assign_rows(req_to_token, row_ids, count, flat):
+    """Give rows `row_ids` their slots: clear the rows (past a request's last slot a row holds the
+    scratch slot, which decode relies on), then write positions [0, count) from the flat list
+    (`jeagle.runtime.slots.flat_slots`) through the `assign_req_to_token_pool` kernel. Returns
+    (req_to_token, the rows [B, max_ctx])."""
+    req_to_token = assign_req_to_token_pool(req_to_token.at[row_ids].set(SCRATCH_SLOT), row_ids,
+                                            jnp.zeros_like(count), count, flat)
+    return req_to_token, req_to_token[row_ids]

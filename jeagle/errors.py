@@ -11,10 +11,10 @@ import os
 import sys
 
 from jeagle.adaptive import AdaptiveConfigError
-from jeagle.cache import OutOfSlots
+from jeagle.runtime.slots import OutOfSlots
 from jeagle.checkpoint import CheckpointError
 from jeagle.config import ConfigError
-from jeagle.engine import PromptTooLong
+from jeagle.runtime.requests import PromptTooLong
 from jeagle.fetch import FetchError
 
 TYPED_USER_ERRORS = (CheckpointError, ConfigError, AdaptiveConfigError, PromptTooLong, OutOfSlots, FetchError,

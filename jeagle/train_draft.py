@@ -7,7 +7,7 @@
     3. evaluation with the real engine on held-out prompts (accept length), and the head exported to
        OUT/head/ (config.json + model.safetensors + README.md model card) — loadable with --draft.
 
-Example (the shipped SmolLM2 head, bench/RESULTS.md has the command that made it):
+Example (the shipped SmolLM2 head, bench/HISTORY.md has the command that made it):
     python -m jeagle.train_draft --out runs/smollm2-eagle3 --prompts sharegpt --num-prompts 12000
 """
 
@@ -97,7 +97,7 @@ def read_exclusions(paths) -> list[str]:
 
 
 def make_dataset(args, model, tokenizer, target_name: str):
-    from jeagle.engine import Engine, EngineConfig
+    from jeagle.engine import EngineConfig, target_only
     from jeagle.train.data import DataError, DraftData, read_prompts, regenerate
 
     excluded = read_exclusions(args.exclude)
@@ -111,7 +111,7 @@ def make_dataset(args, model, tokenizer, target_name: str):
           f"{args.max_prompt_tokens} tokens skipped), temperatures {temps}", flush=True)
     # Few batch buckets: the batch stays full until the tail, and every bucket is one more compile.
     buckets = tuple(sorted({b for b in (1, 4, 16, 32, 64, 128, 256, 512) if b < args.gen_batch} | {args.gen_batch}))
-    engine = Engine(model, EngineConfig(max_batch_size=args.gen_batch, batch_buckets=buckets,
+    engine = target_only(model, EngineConfig(max_batch_size=args.gen_batch, batch_buckets=buckets,
                                         max_context=args.max_prompt_tokens + args.max_new_tokens + 8))
     t0 = time.perf_counter()
     samples = regenerate(engine, ids, max_new_tokens=args.max_new_tokens, temperatures=temps, seed=args.seed,
@@ -184,7 +184,7 @@ def model_card(cfg, tc, info: dict) -> str:
         "## Evaluation (jeagle engine, greedy, held-out ShareGPT prompts)",
         f"- accept length {ev.get('accept_length', float('nan')):.2f} tokens per round (bonus included) at "
         f"(S,K,N) = {tuple(ev.get('spec', ()))} over {ev.get('prompts', '?')} prompts; benchmark numbers "
-        "(MT-bench, GSM8K) are in jeagle's bench/RESULTS.md",
+        "(MT-bench, GSM8K) are in jeagle's bench/RESULTS.md and bench/HISTORY.md",
         "",
         "## Command",
         "```",

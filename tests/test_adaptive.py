@@ -10,9 +10,8 @@ import pytest
 from flax import nnx
 
 from jeagle.adaptive import AdaptiveConfig, AdaptiveConfigError, AdaptiveController, AdaptivePolicy, TierState
-from jeagle.engine import Engine, EngineConfig
+from jeagle.engine import EngineConfig, speculative, target_only
 from jeagle.sampling import SamplingParams
-from jeagle.spec.engine import SpecEngine
 from jeagle.spec.round import SpecConfig
 from tests.spec_models import bigram_target, signed_identity_head, target_config
 
@@ -152,7 +151,7 @@ def test_invalid_tier_is_a_config_error():
     target = bigram_target(target_config())
     head = signed_identity_head(target, +1.0)
     with pytest.raises(AdaptiveConfigError, match=r"candidate_tiers \[3, 1, 5\]"):
-        SpecEngine(target, head, EngineConfig(max_batch_size=2, max_context=64), SpecConfig(3, 1, 4),
+        speculative(target, head, EngineConfig(max_batch_size=2, max_context=64), SpecConfig(3, 1, 4),
                    adaptive=AdaptiveConfig(candidate_tiers=((1, 1, 2), (3, 1, 5))))
 
 
@@ -167,22 +166,22 @@ def test_switching_tiers_mid_generation_is_lossless_and_compiles_nothing():
     prompts = [list(rng.integers(4, 96, n)) for n in (5, 2, 9, 3, 7)]
     params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in (20, 26, 15, 18, 22)]
     cfg = EngineConfig(max_batch_size=4, max_context=128, batch_buckets=(1, 2, 4))
-    want = [o.token_ids for o in Engine(target, cfg).generate(prompts, params)]
+    want = [o.token_ids for o in target_only(target, cfg).generate(prompts, params)]
 
     adaptive = AdaptiveConfig(candidate_tiers=((1, 2, 3), (2, 1, 3), (4, 2, 6)), ema_alpha=0.5, warmup_batches=2,
                               update_interval=1)
-    engine = SpecEngine(target, oracle, cfg, SpecConfig(2, 1, 3), adaptive=adaptive)
+    engine = speculative(target, oracle, cfg, SpecConfig(2, 1, 3), adaptive=adaptive)
     engine.warmup(prefill_lengths=[9], greedy=(True,), progress=False)
-    assert sum(p[0] == "decode" for p in engine.warmup_plan(prefill_lengths=[9], greedy=(True,))) == 3 * 3
+    assert sum(k.phase == "round" for k in engine.warmup_plan(prefill_lengths=[9], greedy=(True,))) == 3 * 3
     assert [o.token_ids for o in engine.generate(prompts, params)] == want
     up = engine.last_stats
-    assert up["tier_history"]["0"] == [2, 1, 3] and list(up["tier_history"].values())[-1] == [4, 2, 6]
-    assert up["compilations_after_warmup"] == 0
+    assert up.speculative.tier_history["0"] == [2, 1, 3] and list(up.speculative.tier_history.values())[-1] == [4, 2, 6]
+    assert up.compilations_after_warmup == 0
 
-    engine.draft_params = nnx.split(adversary)[1]
+    engine.decoder.params = (engine.decoder.params[0], nnx.split(adversary)[1])
     assert [o.token_ids for o in engine.generate(prompts, params)] == want
     down = engine.last_stats
-    assert down["tier_history"]["0"] == [4, 2, 6] and list(down["tier_history"].values())[-1] == [1, 2, 3]
-    assert down["compilations_after_warmup"] == 0 and down["accept_length"] == 1.0
-    assert up["tier_switches"] >= 1 and down["tier_switches"] >= 1 and up["adaptive"]
-    assert engine.controller.switches == up["tier_switches"] + down["tier_switches"]
+    assert down.speculative.tier_history["0"] == [4, 2, 6] and list(down.speculative.tier_history.values())[-1] == [1, 2, 3]
+    assert down.compilations_after_warmup == 0 and down.accept_length == 1.0
+    assert up.speculative.tier_switches >= 1 and down.speculative.tier_switches >= 1 and up.speculative.adaptive
+    assert engine.decoder.controller.switches == up.speculative.tier_switches + down.speculative.tier_switches

@@ -25,11 +25,6 @@ MAX_LINES = 500
 
 ENTRY_POINTS = ("jeagle.__main__", "jeagle.generate", "jeagle.serve", "jeagle.train_draft", "jeagle.cli")
 
-# Cycles that wait on issue 26's restructuring, still in progress: met alone, they make the cycle
-# test xfail; any other cycle fails it, and once they are gone it passes.
-PENDING_CYCLES = {("jeagle.runtime.executables", "jeagle.runtime.warmup", "jeagle.runtime.executables"):
-                  "jeagle.runtime is being split out of engine.py/runtime.py/warmup_workers.py (issue 26)"}
-
 # High to low: a module may import from its own layer's modules (where not independent) and lower
 # layers only, directly or through modules outside the layers. Entry points do not import one another
 # (they share jeagle.cli); `python -m jeagle` is jeagle.generate. jeagle.kernels, the bottom, has its
@@ -99,8 +94,6 @@ def chains(graph, importer: str, imported: str) -> list[str]:
 def test_no_import_cycle():
     graph = import_graph()
     cycles = find_cycles(graph)
-    if cycles and set(cycles) <= set(PENDING_CYCLES):
-        pytest.xfail("; ".join(f"{' -> '.join(c)}: {PENDING_CYCLES[c]}" for c in cycles))
     assert not cycles, "import cycles:\n  " + "\n  ".join(show_chain(graph, c) for c in cycles)
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jeagle.cache import OutOfSlots, SlotAllocator
+from jeagle.runtime.slots import OutOfSlots, SlotAllocator
 from jeagle.config import ModelConfig
-from jeagle.engine import Engine, EngineConfig
+from jeagle.engine import EngineConfig, target_only
 from jeagle.models.llama import random_model
 from jeagle.sampling import SamplingParams
 from tests.util import max_rel_err, ragged_forward
@@ -38,7 +38,7 @@ def test_prefill_then_decode_equals_full_forward(model):
     rng = np.random.default_rng(1)
     prompts = [list(rng.integers(0, 128, n)) for n in (7, 3, 12)]
     for steps in (1, 3):
-        engine = Engine(model, EngineConfig(max_batch_size=3, max_context=64, decode_steps=steps))
+        engine = target_only(model, EngineConfig(max_batch_size=3, max_context=64, decode_steps=steps))
         outs = engine.generate(prompts, SamplingParams(max_new_tokens=10))
         full = [p + o.token_ids for p, o in zip(prompts, outs)]
         logits, _ = ragged_forward(model, full)
@@ -60,23 +60,24 @@ def test_allocator_exhaustion_and_reuse():
 
 
 def test_engine_frees_every_slot(model):
-    engine = Engine(model, EngineConfig(max_batch_size=2, max_context=64, max_total_tokens=40))
-    idle = engine.allocator.free_count
+    engine = target_only(model, EngineConfig(max_batch_size=2, max_context=64, max_total_tokens=40))
+    idle = engine.pool.free_slots
     rng = np.random.default_rng(2)
     prompts = [list(rng.integers(0, 128, n)) for n in (5, 9, 2, 11)]
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=8))
     assert all(len(o.token_ids) == 8 for o in outs)
-    assert engine.allocator.free_count == idle
+    assert engine.pool.free_slots == idle
 
 
 def test_kv_slots_exhausted_is_a_clear_error(model):
-    engine = Engine(model, EngineConfig(max_batch_size=2, max_context=64, max_total_tokens=16))
+    engine = target_only(model, EngineConfig(max_batch_size=2, max_context=64, max_total_tokens=16))
     with pytest.raises(OutOfSlots, match="needs 19 KV slots, the pool has 16"):
         engine.generate([[1] * 10], SamplingParams(max_new_tokens=10))
 
 
 def test_capacity_from_memory_fraction():
-    from jeagle.cache import kv_bytes_per_token, slots_for_memory_fraction
+    from jeagle.cache import kv_bytes_per_token
+    from jeagle.runtime.slots import slots_for_memory_fraction
 
     class FakeGPU:
         platform = "gpu"

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 
 from jeagle.config import ModelConfig
-from jeagle.engine import Engine, EngineConfig, PromptTooLong, default_batch_buckets, pick_bucket
+from jeagle.engine import EngineConfig, PromptTooLong, target_only
+from jeagle.runtime.buckets import default_batch_buckets, pick_bucket
 from jeagle.models.llama import random_model
 from jeagle.sampling import SamplingParams
 
@@ -35,16 +36,16 @@ def test_buckets():
 
 def test_batch_composition_does_not_change_greedy_output(model, prompts):
     sp = SamplingParams(max_new_tokens=12, ignore_eos=True)
-    alone = [Engine(model, EngineConfig(max_batch_size=1, max_context=64)).generate([p], sp)[0].token_ids
+    alone = [target_only(model, EngineConfig(max_batch_size=1, max_context=64)).generate([p], sp)[0].token_ids
              for p in prompts]
     for batch, steps in ((6, 1), (4, 2), (2, 4)):
-        engine = Engine(model, EngineConfig(max_batch_size=batch, max_context=64, decode_steps=steps))
+        engine = target_only(model, EngineConfig(max_batch_size=batch, max_context=64, decode_steps=steps))
         outs = engine.generate(prompts, sp)
         assert [o.token_ids for o in outs] == alone, (batch, steps)
 
 
 def test_sampling_is_seeded_per_request(model, prompts):
-    engine = Engine(model, EngineConfig(max_batch_size=6, max_context=64))
+    engine = target_only(model, EngineConfig(max_batch_size=6, max_context=64))
     sp = [SamplingParams(max_new_tokens=16, temperature=1.0, top_k=20, top_p=0.9, seed=i, ignore_eos=True)
           for i in range(len(prompts))]
     together = engine.generate(prompts, sp)
@@ -60,7 +61,7 @@ def test_sampling_is_seeded_per_request(model, prompts):
 
 
 def test_top_k_one_is_greedy(model, prompts):
-    engine = Engine(model, EngineConfig(max_batch_size=2, max_context=64))
+    engine = target_only(model, EngineConfig(max_batch_size=2, max_context=64))
     g = engine.generate(prompts[:2], SamplingParams(max_new_tokens=10, ignore_eos=True))
     k1 = engine.generate(prompts[:2], SamplingParams(max_new_tokens=10, temperature=0.7, top_k=1, seed=5,
                                                      ignore_eos=True))
@@ -89,7 +90,7 @@ def test_sampled_tokens_follow_the_distribution():
 
 
 def test_stop_rules(model, prompts):
-    engine = Engine(model, EngineConfig(max_batch_size=2, max_context=64))
+    engine = target_only(model, EngineConfig(max_batch_size=2, max_context=64))
     free = engine.generate([prompts[1]], SamplingParams(max_new_tokens=20, ignore_eos=True))[0].token_ids
     stop_at = free[5]
     first = free.index(stop_at)
@@ -101,7 +102,7 @@ def test_stop_rules(model, prompts):
 
 
 def test_context_limits(model):
-    engine = Engine(model, EngineConfig(max_batch_size=1, max_context=32))
+    engine = target_only(model, EngineConfig(max_batch_size=1, max_context=32))
     with pytest.raises(PromptTooLong, match="prompt 0 has 32 tokens; the context holds 32"):
         engine.generate([[5] * 32], SamplingParams(max_new_tokens=1))
     # A prompt that fits but leaves less room than max_new_tokens stops at the context end.

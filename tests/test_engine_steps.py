@@ -6,9 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jeagle.engine import Engine, EngineConfig, PromptTooLong
+from jeagle.engine import EngineConfig, PromptTooLong, speculative, target_only
 from jeagle.sampling import SamplingParams
-from jeagle.spec.engine import SpecEngine
 from jeagle.spec.round import SpecConfig
 from tests.spec_models import bigram_target, signed_identity_head, target_config
 
@@ -23,7 +22,7 @@ def target():
 @pytest.fixture(scope="module")
 def engines(target):
     head = signed_identity_head(target, +1.0, noise=0.08)
-    return {"target-only": Engine(target, CFG), "eagle": SpecEngine(target, head, CFG, SpecConfig(3, 2, 5))}
+    return {"target-only": target_only(target, CFG), "eagle": speculative(target, head, CFG, SpecConfig(3, 2, 5))}
 
 
 PROMPTS = [list(np.random.default_rng(4).integers(4, 96, n)) for n in (5, 3, 8, 2, 6)]
@@ -33,12 +32,12 @@ PARAMS = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in (9, 14, 6, 
 @pytest.fixture(scope="module")
 def alone(target):
     """Each request run by itself (greedy): what it must produce in any company."""
-    eng = Engine(target, CFG)
+    eng = target_only(target, CFG)
     return [eng.generate([p], sp)[0].token_ids for p, sp in zip(PROMPTS, PARAMS)]
 
 
 def idle_state(eng):
-    return eng.allocator.free_count, sorted(eng._free_rows)
+    return eng.pool.free_slots, sorted(eng.pool._free_rows)
 
 
 @pytest.mark.parametrize("name", ["target-only", "eagle"])

@@ -51,14 +51,14 @@ def test_bf16_logits_close_to_fp32_reference(smollm2_gguf, smollm2_dir):
 def test_engine_greedy_on_gpu_matches_its_own_full_forward(smollm2_dir):
     """On the GPU, pipelined bucketed decode emits exactly the argmax of one full forward."""
     from jeagle.checkpoint import load_model
-    from jeagle.engine import Engine, EngineConfig
+    from jeagle.engine import EngineConfig, speculative, target_only
     from jeagle.sampling import SamplingParams
     from jeagle.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(smollm2_dir)
     model = load_model(smollm2_dir, dtype="float32")
     ids = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
-    engine = Engine(model, EngineConfig(max_batch_size=3, max_context=512, decode_steps=4))
+    engine = target_only(model, EngineConfig(max_batch_size=3, max_context=512, decode_steps=4))
     outs = engine.generate(ids, SamplingParams(max_new_tokens=24, ignore_eos=True))
     full = [p + o.token_ids for p, o in zip(ids, outs)]
     logits, _ = ragged_forward(model, full)
@@ -74,9 +74,8 @@ def test_bf16_speculative_equals_target_only_except_near_ties(smollm2_dir, tmp_p
     that the tree-shaped verify forward may break the other way in bf16)."""
     from checkpoints_conv.eagle import convert_eagle
     from jeagle.checkpoint import load_draft, load_model
-    from jeagle.engine import Engine, EngineConfig
+    from jeagle.engine import EngineConfig, speculative, target_only
     from jeagle.sampling import SamplingParams
-    from jeagle.spec.engine import SpecEngine
     from jeagle.spec.round import SpecConfig
     from jeagle.tokenizer import Tokenizer
     from tests.eagle_refs import make_eagle1
@@ -88,9 +87,9 @@ def test_bf16_speculative_equals_target_only_except_near_ties(smollm2_dir, tmp_p
     tok = Tokenizer.from_dir(smollm2_dir)
     ids = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
     sp = SamplingParams(max_new_tokens=64, ignore_eos=True)
-    want = Engine(model, EngineConfig(max_batch_size=3, max_context=512)).generate(ids, sp)
+    want = target_only(model, EngineConfig(max_batch_size=3, max_context=512)).generate(ids, sp)
     for tier in [(5, 4, 8), (3, 1, 4)]:
-        got = SpecEngine(model, head, EngineConfig(max_batch_size=3, max_context=512), SpecConfig(*tier)).generate(ids, sp)
+        got = speculative(model, head, EngineConfig(max_batch_size=3, max_context=512), SpecConfig(*tier)).generate(ids, sp)
         for p, w, g in zip(ids, want, got):
             if w.token_ids == g.token_ids:
                 continue

@@ -15,10 +15,9 @@ def test_tp2_on_gpus_equals_one_gpu():
 
     if len(jax.devices()) < 2:
         pytest.skip("needs 2 GPUs")
-    from jeagle.engine import Engine, EngineConfig
+    from jeagle.engine import EngineConfig, speculative, target_only
     from jeagle.kernels.backend import backend
     from jeagle.sampling import SamplingParams
-    from jeagle.spec.engine import SpecEngine
     from jeagle.spec.round import SpecConfig
     from jeagle.models.eagle import random_draft
     from jeagle.models.llama import random_model
@@ -34,10 +33,10 @@ def test_tp2_on_gpus_equals_one_gpu():
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     with jax.default_matmul_precision("highest"):
         one = EngineConfig(max_batch_size=4, max_context=128)
-        ref = [o.token_ids for o in Engine(target, one).generate(prompts, params)]
+        ref = [o.token_ids for o in target_only(target, one).generate(prompts, params)]
         two = EngineConfig(max_batch_size=4, max_context=128, tp=2)
-        eng = Engine(target, two)
-        assert eng.cache.k.sharding.spec[2] == "tp"
+        eng = target_only(target, two)
+        assert eng.decoder.state.cache.k.sharding.spec[2] == "tp"
         assert [o.token_ids for o in eng.generate(prompts, params)] == ref
-        spec = SpecEngine(target, head, two, SpecConfig(num_steps=3, topk=2, num_draft_tokens=4))
+        spec = speculative(target, head, two, SpecConfig(num_steps=3, topk=2, num_draft_tokens=4))
         assert [o.token_ids for o in spec.generate(prompts, params)] == ref

@@ -21,18 +21,17 @@ def smollm2_fp32():
 
 
 def _generate(model, head, prompts, n, spec=(3, 1, 4)):
-    from jeagle.engine import Engine, EngineConfig
+    from jeagle.engine import EngineConfig, speculative, target_only
     from jeagle.sampling import SamplingParams
-    from jeagle.spec.engine import SpecEngine
     from jeagle.spec.round import SpecConfig
 
     cfg = EngineConfig(max_batch_size=len(prompts), max_context=512)
     params = SamplingParams(max_new_tokens=n, ignore_eos=True)
     if head is None:
-        eng = Engine(model, cfg)
+        eng = target_only(model, cfg)
     else:
         s, k, d = spec
-        eng = SpecEngine(model, head, cfg, SpecConfig(num_steps=s, topk=k, num_draft_tokens=d))
+        eng = speculative(model, head, cfg, SpecConfig(num_steps=s, topk=k, num_draft_tokens=d))
     outs = eng.generate(prompts, params)
     return [o.token_ids for o in outs], eng.last_stats
 
@@ -53,7 +52,7 @@ def test_shipped_head_accepts_and_is_lossless(smollm2_fp32):
     spec, stats = _generate(smollm2_fp32, head, ids, 32)
     plain, _ = _generate(smollm2_fp32, None, ids, 32)
     assert spec == plain  # greedy speculative == greedy target-only, token for token
-    assert stats["accept_length"] > 1.5, stats["accept_length"]
+    assert stats.accept_length > 1.5, stats.accept_length
 
 
 def test_default_cli_runs_eagle_with_the_shipped_head(smollm2_dir):

@@ -9,7 +9,7 @@ import torch
 
 from checkpoints_conv.hf import convert_hf
 from jeagle.checkpoint import load_model
-from jeagle.engine import Engine, EngineConfig
+from jeagle.engine import EngineConfig, target_only
 from jeagle.sampling import SamplingParams
 from tests.hf_models import make_hf_model
 from tests.util import max_rel_err, ragged_forward
@@ -46,7 +46,7 @@ def test_logits_match_hf_fp32(converted, unroll):
 
 def test_greedy_continuations_match_hf(converted):
     _, hf, model = converted
-    engine = Engine(model, EngineConfig(max_batch_size=4, max_context=128))
+    engine = target_only(model, EngineConfig(max_batch_size=4, max_context=128))
     outs = engine.generate(PROMPTS, SamplingParams(max_new_tokens=32))
     for p, o in zip(PROMPTS, outs):
         with torch.no_grad():

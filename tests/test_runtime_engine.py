@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jeagle.engine import Engine, EngineConfig, batch_buckets
+from jeagle.engine import EngineConfig, speculative, target_only
+from jeagle.runtime.buckets import batch_buckets
 from jeagle.sampling import SamplingParams
-from jeagle.spec.engine import SpecEngine
 from jeagle.spec.round import SpecConfig
 from tests.spec_models import bigram_target, signed_identity_head, target_config
 
@@ -37,23 +37,23 @@ def workload():
 def spec_engine(target, head, overlap, wait, padding, batch=4):
     cfg = EngineConfig(max_batch_size=batch, max_context=96, overlap=overlap, verify_done_wait=wait,
                        disable_padding=padding, batch_buckets=None if padding else (1, 2, 4))
-    return SpecEngine(target, head, cfg, SpecConfig(3, 2, 5))
+    return speculative(target, head, cfg, SpecConfig(3, 2, 5))
 
 
 def test_identical_outputs_across_runtime_modes(target, head, workload):
     prompts, params = workload
-    want = [o.token_ids for o in Engine(target, EngineConfig(max_batch_size=4, max_context=96)).generate(prompts, params)]
+    want = [o.token_ids for o in target_only(target, EngineConfig(max_batch_size=4, max_context=96)).generate(prompts, params)]
     steps = {}
     for overlap, wait, padding in MODES:
         engine = spec_engine(target, head, overlap, wait, padding)
         got = [o.token_ids for o in engine.generate(prompts, params)]
         assert got == want, (overlap, wait, padding)
         stats = engine.last_stats
-        assert len(stats["buckets_used"]) >= 2, stats["buckets_used"]  # the batch crossed buckets
-        assert stats["overlap"] == overlap and stats["verify_done_wait"] == wait
-        assert stats["host_blocked_ms"]["p99"] >= stats["host_blocked_ms"]["p50"] >= 0
+        assert len(stats.buckets_used) >= 2, stats.buckets_used  # the batch crossed buckets
+        assert stats.overlap == overlap and stats.verify_done_wait == wait
+        assert stats.host_blocked_ms["p99"] >= stats.host_blocked_ms["p50"] >= 0
         assert not engine.verify_done.pending
-        steps[overlap, wait, padding] = stats["steps"]
+        steps[overlap, wait, padding] = stats.steps
     # Overlap dispatches the round after a request's last before it learns the request finished.
     assert steps[True, "sync", False] > steps[False, "sync", False]
 
@@ -70,23 +70,23 @@ def test_nothing_compiles_after_warmup(target, head, workload):
     prompts, params = workload
     engine = spec_engine(target, head, True, "sync", False)
     plan = engine.warmup_plan(prefill_lengths=[max(map(len, prompts))], greedy=(True,))
-    assert {(p[0], p[1]) for p in plan} == {("prefill", b) for b in (1, 2, 4)} | {("decode", b) for b in (1, 2, 4)}
+    assert {(k.phase, k.batch) for k in plan} == {("prefill", b) for b in (1, 2, 4)} | {("round", b) for b in (1, 2, 4)}
     seconds = engine.warmup(prefill_lengths=[max(map(len, prompts))], greedy=(True,), progress=False)
     assert seconds > 0 and engine.num_compiled == len(plan)
     engine.generate(prompts, params)
     stats = engine.last_stats
-    assert stats["compilations_after_warmup"] == 0 and stats["warmup_s"] == seconds
-    assert len(stats["buckets_used"]) >= 2
+    assert stats.compilations_after_warmup == 0 and stats.warmup_s == seconds
+    assert len(stats.buckets_used) >= 2
 
 
 def test_autoregressive_engine_overlap_off_and_warmup(target, workload):
     prompts, params = workload
-    want = [o.token_ids for o in Engine(target, EngineConfig(max_batch_size=4, max_context=96)).generate(prompts, params)]
-    engine = Engine(target, EngineConfig(max_batch_size=4, max_context=96, overlap=False, batch_buckets=(1, 2, 4)))
+    want = [o.token_ids for o in target_only(target, EngineConfig(max_batch_size=4, max_context=96)).generate(prompts, params)]
+    engine = target_only(target, EngineConfig(max_batch_size=4, max_context=96, overlap=False, batch_buckets=(1, 2, 4)))
     engine.warmup(prefill_lengths=[max(map(len, prompts))], greedy=(True,), progress=False)
     assert [o.token_ids for o in engine.generate(prompts, params)] == want
-    assert engine.last_stats["compilations_after_warmup"] == 0
-    assert engine.last_stats["verify_done_wait"] == "sync"  # recorded, though only rounds wait on it
+    assert engine.last_stats.compilations_after_warmup == 0
+    assert engine.last_stats.verify_done_wait == "sync"  # recorded, though only rounds wait on it
 
 
 def test_bucket_options():
@@ -101,16 +101,16 @@ def test_bucket_options():
 
 
 def test_prefix_bound_covers_what_dispatch_asks_for(target, head):
-    """The CLI warms up prefix buckets up to _prefix_bound: with overlap a round is dispatched while
-    another is unread, so L may run (S+1) past the tokens received twice."""
+    """The CLI warms up prefix buckets up to the decoder's prefix_bound: with overlap a round is
+    dispatched while another is unread, so L may run (S+1) past the tokens received twice."""
     s1 = 4  # SpecConfig(3, 2, 5)
-    on, off = spec_engine(target, head, True, "sync", False), spec_engine(target, head, False, "sync", False)
-    assert on._prefix_bound(16, 40) >= 16 + 40 - 1 + 2 * s1 and off._prefix_bound(16, 40) >= 16 + 40 - 1 + s1
-    assert on._prefix_bound(90, 40) == on.max_ctx
+    dec = spec_engine(target, head, True, "sync", False).decoder
+    assert dec.prefix_bound(16, 40, True) >= 16 + 40 - 1 + 2 * s1 and dec.prefix_bound(16, 40, False) >= 16 + 40 - 1 + s1
+    assert dec.prefix_bound(90, 40, True) == dec.max_ctx
 
 
 def test_prefill_buckets():
-    from jeagle.engine import prefill_batch_buckets, pow2_buckets
+    from jeagle.runtime.buckets import pow2_buckets, prefill_batch_buckets
 
     assert prefill_batch_buckets(batch_buckets(48, EngineConfig()), EngineConfig()) == (1, 4, 16, 48)
     assert prefill_batch_buckets((1, 2, 4), EngineConfig(batch_buckets=(1, 2, 4))) == (1, 2, 4)  # as given
@@ -124,30 +124,31 @@ def test_warm_start_loads_every_executable_from_the_store(target, head, workload
     def engine():
         cfg = EngineConfig(max_batch_size=4, max_context=96, batch_buckets=(1, 2, 4), executable_cache_dir=str(tmp_path),
                            compile_workers=2)
-        return SpecEngine(target, head, cfg, SpecConfig(3, 2, 5))
+        return speculative(target, head, cfg, SpecConfig(3, 2, 5))
 
     cold = engine()
     plan = cold.warmup_plan(prefill_lengths=lengths, greedy=(True,))
     cold.warmup(prefill_lengths=lengths, greedy=(True,), progress=False)
-    assert cold._store.saved == len(plan) and cold._store.loaded == 0
+    assert cold.executables.store.saved == len(plan) and cold.executables.store.loaded == 0
     want = [o.token_ids for o in cold.generate(prompts, params)]
 
     warm = engine()
     warm.warmup(prefill_lengths=lengths, greedy=(True,), progress=False)
-    assert warm._store.loaded == len(plan) and warm._store.saved == 0  # nothing traced, lowered or compiled
+    assert warm.executables.store.loaded == len(plan) and warm.executables.store.saved == 0  # nothing traced, lowered or compiled
     assert [o.token_ids for o in warm.generate(prompts, params)] == want
-    assert warm.last_stats["compilations_after_warmup"] == 0
+    assert warm.last_stats.compilations_after_warmup == 0
 
-    # A damaged entry is logged and recompiled; a different tier is a different fingerprint.
-    victim = sorted(warm._store.dir.glob("*.jexe"))[0]
+    # A damaged entry is logged and recompiled; a different tier is a different key.
+    victim = sorted(warm.executables.store.dir.glob("*.jexe"))[0]
     victim.write_bytes(b"not an executable")
     again = engine()
     again.warmup(prefill_lengths=lengths, greedy=(True,), progress=False)
-    assert again._store.loaded == len(plan) - 1 and again._store.saved == 1
+    assert again.executables.store.loaded == len(plan) - 1 and again.executables.store.saved == 1
     assert "could not load the stored executable" in caplog.text
-    other = SpecEngine(target, head, EngineConfig(max_batch_size=4, max_context=96, batch_buckets=(1, 2, 4),
+    other = speculative(target, head, EngineConfig(max_batch_size=4, max_context=96, batch_buckets=(1, 2, 4),
                                                   executable_cache_dir=str(tmp_path)), SpecConfig(2, 2, 3))
-    assert other._store.dir != warm._store.dir
+    exes = other.executables
+    assert not any(exes.store.has(k, exes.build(k).args) for k in other.warmup_plan(prefill_lengths=lengths, greedy=(True,)))
 
 
 def test_store_skips_saving_on_cpu_with_the_compilation_cache(target, head, workload, tmp_path, caplog):
@@ -159,16 +160,16 @@ def test_store_skips_saving_on_cpu_with_the_compilation_cache(target, head, work
         pytest.skip("the guard is for XLA:CPU with the compilation cache on (the conftest's default on CPU)")
     prompts, params = workload
     cfg = EngineConfig(max_batch_size=4, max_context=96, batch_buckets=(4,), executable_cache_dir=str(tmp_path))
-    engine = SpecEngine(target, head, cfg, SpecConfig(3, 2, 5))
+    engine = speculative(target, head, cfg, SpecConfig(3, 2, 5))
     outs = engine.generate(prompts, params)
-    assert all(o.token_ids for o in outs) and engine._store.saved == 0 and engine.num_compiled > 1
+    assert all(o.token_ids for o in outs) and engine.executables.store.saved == 0 and engine.num_compiled > 1
     assert caplog.text.count("not saving on CPU while JAX's compilation cache is on") == 1
 
 
 def test_cold_warmup_in_worker_processes(tmp_path, no_xla_cache):
-    """Worker processes rebuild the engine abstractly (tiers included), compile the plan into the store,
-    and the engine loads all of it: same executables (same store keys), same tokens as an engine that
-    compiled itself."""
+    """Worker processes rebuild the device shapes from the step keys' configs (tiers included), compile
+    the plan into the store, and the engine loads all of it: same executables (same store keys), same
+    tokens as an engine that compiled itself."""
     import dataclasses
 
     from jeagle.models.eagle import random_draft
@@ -179,17 +180,17 @@ def test_cold_warmup_in_worker_processes(tmp_path, no_xla_cache):
     target, head = random_model(cfg, seed=1), random_draft(dataclasses.replace(draft_config(cfg), head_dim=16), seed=2)
     prompts = [[5, 6, 7, 8], [9, 10]]
     params = SamplingParams(max_new_tokens=6, ignore_eos=True)
-    want = [o.token_ids for o in SpecEngine(target, head, EngineConfig(max_batch_size=2, max_context=96),
+    want = [o.token_ids for o in speculative(target, head, EngineConfig(max_batch_size=2, max_context=96),
                                             SpecConfig(3, 2, 5)).generate(prompts, params)]
     # Adaptive with two tiers: the workers rebuild the tiers too (round keys carry the tier).
     from jeagle.adaptive import AdaptiveConfig
 
-    engine = SpecEngine(target, head, EngineConfig(max_batch_size=2, max_context=96, executable_cache_dir=str(tmp_path),
+    engine = speculative(target, head, EngineConfig(max_batch_size=2, max_context=96, executable_cache_dir=str(tmp_path),
                                                    compile_processes=2, compile_workers=1), SpecConfig(3, 2, 5),
                         adaptive=AdaptiveConfig(candidate_tiers=((1, 1, 2), (3, 2, 5)), warmup_batches=100))
     plan = engine.warmup_plan(prefill_lengths=[4], greedy=(True,))
-    assert {p[4] for p in plan if p[0] == "decode"} == set(engine.tiers) and len(engine.tiers) == 2
+    assert {k.tier for k in plan if k.phase == "round"} == set(engine.decoder.tiers) and len(engine.decoder.tiers) == 2
     engine.warmup(prefill_lengths=[4], greedy=(True,), progress=False)
-    assert engine._store.loaded == len(plan) and engine._store.saved == 0  # all compiled by the workers
+    assert engine.executables.store.loaded == len(plan) and engine.executables.store.saved == 0  # all compiled by the workers
     assert [o.token_ids for o in engine.generate(prompts, params)] == want
-    assert engine.last_stats["compilations_after_warmup"] == 0
+    assert engine.last_stats.compilations_after_warmup == 0

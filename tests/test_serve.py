@@ -13,9 +13,8 @@ import httpx
 import numpy as np
 import pytest
 
-from jeagle.engine import Engine, EngineConfig
+from jeagle.engine import EngineConfig, speculative, target_only
 from jeagle.sampling import SamplingParams
-from jeagle.spec.engine import SpecEngine
 from jeagle.spec.round import SpecConfig
 from jeagle.tokenizer import Tokenizer
 from tests.spec_models import bigram_target, signed_identity_head, target_config
@@ -69,7 +68,7 @@ def make_app(parts, api_key=None, batch=8):
     from jeagle.serve import create_app
 
     target, head, tok = parts
-    engine = SpecEngine(target, head, EngineConfig(max_batch_size=batch, max_context=128), SpecConfig(3, 2, 5))
+    engine = speculative(target, head, EngineConfig(max_batch_size=batch, max_context=128), SpecConfig(3, 2, 5))
     return create_app(engine, tok, MODEL, api_key), engine
 
 
@@ -86,7 +85,7 @@ def server(parts):
 def reference(parts):
     """Greedy target-only decoding of a prompt (token ids) → (text, finish_reason)."""
     target, _, tok = parts
-    eng = Engine(target, EngineConfig(max_batch_size=1, max_context=128))
+    eng = target_only(target, EngineConfig(max_batch_size=1, max_context=128))
 
     def run(ids, max_tokens):
         out = eng.generate([ids], SamplingParams(max_new_tokens=max_tokens))[0]

@@ -168,10 +168,9 @@ ENGINE_SCRIPT = textwrap.dedent('''
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax, numpy as np
     jax.config.update("jax_default_matmul_precision", "highest")
-    from jeagle.engine import Engine, EngineConfig
+    from jeagle.engine import EngineConfig, speculative, target_only
     from jeagle.sampling import SamplingParams
-    from jeagle.spec.engine import SpecEngine
-    from jeagle.spec.round import SpecConfig
+        from jeagle.spec.round import SpecConfig
     from tests.spec_models import bigram_target, signed_identity_head, target_config
     cfg = target_config(vocab=96).replace(num_heads=8, num_kv_heads=4, head_dim=4)
     target = bigram_target(cfg, scale=30.0)
@@ -179,39 +178,39 @@ ENGINE_SCRIPT = textwrap.dedent('''
     rng = np.random.default_rng(0)
     prompts = [rng.integers(4, 96, n).tolist() for n in (5, 9, 3, 12, 7)]
     params = SamplingParams(max_new_tokens=14, ignore_eos=True)
-    ref = [o.token_ids for o in Engine(target, EngineConfig(max_batch_size=4, max_context=64)).generate(prompts, params)]
+    ref = [o.token_ids for o in target_only(target, EngineConfig(max_batch_size=4, max_context=64)).generate(prompts, params)]
     for tp in (2, 4):
         ec = EngineConfig(max_batch_size=4, max_context=64, tp=tp)
         if tp == 4:  # target-only once, the vocabulary replicated (the speculative engines split it)
             import dataclasses
             from flax import nnx
-            eng = Engine(target, dataclasses.replace(ec, tp_vocab="replicate"))
-            assert eng.cache.k.sharding.spec[2] == "tp"
+            eng = target_only(target, dataclasses.replace(ec, tp_vocab="replicate"))
+            assert eng.decoder.state.cache.k.sharding.spec[2] == "tp"
             assert tuple(nnx.to_pure_dict(eng.params)["lm_head"].sharding.spec)[:1] in ((), (None,))
             got = [o.token_ids for o in eng.generate(prompts, params)]
             assert got == ref, (tp, got, ref)
-        spec = SpecEngine(target, head, ec, SpecConfig(num_steps=3, topk=2, num_draft_tokens=4))
+        spec = speculative(target, head, ec, SpecConfig(num_steps=3, topk=2, num_draft_tokens=4))
         got = [o.token_ids for o in spec.generate(prompts, params)]
         assert got == ref, ("spec", tp, got, ref)
-        assert spec.last_stats["accept_length"] > 1.0
+        assert spec.last_stats.accept_length > 1.0
         from jeagle.sharding import pool_sharding  # the rounds' outputs keep every pool where it was placed
-        for pool in (spec.cache.k, spec.cache.v, spec.dk, spec.dv):
-            assert pool.sharding.spec == pool_sharding(spec.mesh, pool.shape).spec, (tp, pool.shape, pool.sharding)
-        split = [tuple(x.sharding.spec)[2:3] == ("tp",) for x in (spec.cache.k, spec.dk)]
+        for pool in (spec.decoder.state.cache.k, spec.decoder.state.cache.v, spec.decoder.state.draft_k, spec.decoder.state.draft_v):
+            assert pool.sharding.spec == pool_sharding(spec.decoder.mesh, pool.shape).spec, (tp, pool.shape, pool.sharding)
+        split = [tuple(x.sharding.spec)[2:3] == ("tp",) for x in (spec.decoder.state.cache.k, spec.decoder.state.draft_k)]
         assert split == [True, tp == 2], (tp, split)  # the head's 2 KV heads split over 2, not over 4
         # tp_draft "auto" (the default): the head itself split where it divides (tp 2), replicated at tp 4
         from flax import nnx
         wqkv = nnx.to_pure_dict(spec.draft_params)["wqkv"]
-        assert spec.draft_split == (tp == 2) and (tuple(wqkv.sharding.spec)[2:3] == ("tp",)) == (tp == 2), \
-            (tp, spec.draft_split, wqkv.sharding)
-        print("engine tp", tp, "ok", spec.last_stats["accept_length"], flush=True)
+        assert spec.decoder.draft_split == (tp == 2) and (tuple(wqkv.sharding.spec)[2:3] == ("tp",)) == (tp == 2), \
+            (tp, spec.decoder.draft_split, wqkv.sharding)
+        print("engine tp", tp, "ok", spec.last_stats.accept_length, flush=True)
     # An EAGLE-3 head split like a target layer, its own lm_head split by rows with the vocabulary.
     from jeagle.models.eagle import random_draft
     from tests.spec_models import draft_config
     eagle3 = random_draft(draft_config(cfg, "eagle3"), seed=4)
     for draft, vocab in ((eagle3, "shard"),):  # (an EAGLE-1 head split at tp 2: the loop above)
         ec = EngineConfig(max_batch_size=4, max_context=64, tp=2, tp_draft="shard", tp_vocab=vocab)
-        spec = SpecEngine(target, draft, ec, SpecConfig(num_steps=3, topk=2, num_draft_tokens=4))
+        spec = speculative(target, draft, ec, SpecConfig(num_steps=3, topk=2, num_draft_tokens=4))
         placed = nnx.to_pure_dict(spec.draft_params)
         assert placed["wqkv"].sharding.spec[2] == "tp" and placed["w_down"].sharding.spec[1] == "tp"
         assert nnx.to_pure_dict(spec.params)["lm_head"].sharding.spec[0] == ("tp" if vocab == "shard" else None)
@@ -305,7 +304,7 @@ SAMPLER_SCRIPT = textwrap.dedent('''
 
 
 def test_vocab_split_samplers_and_embedding():
-    """Under a tp mesh with the vocabulary split (bench/RESULTS.md session 9, 2 x H200):
+    """Under a tp mesh with the vocabulary split (bench/HISTORY.md session 9, 2 x H200):
     - the samplers (sampling.sample, verify.target_probs, the tree walk's sample_residual) give the
       single-device draws and probabilities with every sort and cumsum on whole vocabulary rows (a
       vocabulary-split cumsum became a sequential loop of V/tp iterations on the GPU: 1.58 s to first

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from jeagle.checkpoint import load_model
-from jeagle.engine import Engine, EngineConfig
+from jeagle.engine import EngineConfig, target_only
 from jeagle.sampling import SamplingParams
 from jeagle.tokenizer import Tokenizer
 from tests.util import max_rel_err, ragged_forward
@@ -49,7 +49,7 @@ def test_fp32_logits_match_transformers(ours, hf_model):
 def test_greedy_32_tokens_match_transformers(ours, hf_model):
     model, tok = ours
     ids = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
-    engine = Engine(model, EngineConfig(max_batch_size=3, max_context=256))
+    engine = target_only(model, EngineConfig(max_batch_size=3, max_context=256))
     outs = engine.generate(ids, SamplingParams(max_new_tokens=32, ignore_eos=True))
     for p, o in zip(ids, outs):
         with torch.no_grad():

@@ -7,13 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jeagle.engine import Engine, EngineConfig
+from jeagle.engine import EngineConfig, speculative, target_only
 from jeagle.kernels.build_tree import build_tree_reference
 from jeagle.kernels.tree_speculative_sampling import tree_speculative_sampling_reference
 from jeagle.kernels.verify_tree_greedy import verify_tree_greedy_reference
 from jeagle.models.eagle import random_draft
 from jeagle.sampling import SamplingParams
-from jeagle.spec.engine import SpecEngine
 from jeagle.spec.round import SpecConfig
 from tests.spec_models import bigram_target, draft_config, signed_identity_head, target_config
 
@@ -38,8 +37,8 @@ def prompts():
     return [list(rng.integers(4, 96, n)) for n in (3, 11, 6, 1, 17, 8, 5, 2)]
 
 
-def target_only(model, prompts, sp):
-    return [o.token_ids for o in Engine(model, EngineConfig(max_batch_size=8, max_context=128)).generate(prompts, sp)]
+def target_only_tokens(model, prompts, sp):
+    return [o.token_ids for o in target_only(model, EngineConfig(max_batch_size=8, max_context=128)).generate(prompts, sp)]
 
 
 def test_spec_config_validation():
@@ -56,7 +55,7 @@ BATCHES = (1, 3, 8)
 
 @pytest.fixture(scope="module")
 def greedy_reference(target, prompts):
-    return target_only(target, prompts, SamplingParams(max_new_tokens=17, ignore_eos=True))
+    return target_only_tokens(target, prompts, SamplingParams(max_new_tokens=17, ignore_eos=True))
 
 
 @pytest.mark.parametrize("tier", TIERS, ids=[f"S{s}K{k}N{n}" for s, k, n in TIERS])
@@ -69,11 +68,11 @@ def test_lossless_greedy_every_tier_and_batch(target, heads, prompts, greedy_ref
     want = greedy_reference
     batch = BATCHES[(TIERS.index(tier) + HEAD_NAMES.index(head_name)) % len(BATCHES)]
     buckets = tuple(b for b in BUCKETS if b < batch) + (batch,)
-    engine = SpecEngine(target, heads[head_name],
+    engine = speculative(target, heads[head_name],
                         EngineConfig(max_batch_size=batch, max_context=128, batch_buckets=buckets), SpecConfig(*tier))
     got = [o.token_ids for o in engine.generate(prompts if batch > 1 else prompts[:3], sp)]
     assert got == (want if batch > 1 else want[:3]), (tier, head_name, batch)
-    assert engine.allocator.free_count == engine.allocator.num_slots - 1
+    assert engine.pool.free_slots == engine.pool.num_slots - 1
 
 
 def test_lossless_with_every_layer_unrolled(prompts):
@@ -95,70 +94,70 @@ def test_lossless_with_every_layer_unrolled(prompts):
     head = random_draft(dataclasses.replace(draft_config(cfg, "eagle3"), aux_layer_ids=aux), seed=4)
     sp = SamplingParams(max_new_tokens=17, ignore_eos=True)
     cfg = EngineConfig(max_batch_size=4, max_context=64, batch_buckets=(4,))  # one bucket: fewer compiles
-    want = [o.token_ids for o in Engine(target, cfg).generate(prompts[:4], sp)]
-    engine = SpecEngine(target, head, dataclasses.replace(cfg, unroll_layers=True), SpecConfig(5, 4, 8))
+    want = [o.token_ids for o in target_only(target, cfg).generate(prompts[:4], sp)]
+    engine = speculative(target, head, dataclasses.replace(cfg, unroll_layers=True), SpecConfig(5, 4, 8))
     assert [o.token_ids for o in engine.generate(prompts[:4], sp)] == want
 
 
 def test_oracle_accepts_every_step_and_adversary_one(target, prompts):
     sp = SamplingParams(max_new_tokens=25, ignore_eos=True)
-    want = target_only(target, prompts, sp)
+    want = target_only_tokens(target, prompts, sp)
     for tier in [(3, 1, 4), (5, 4, 8)]:
         s = tier[0]
-        oracle = SpecEngine(target, signed_identity_head(target, +1.0), EngineConfig(max_batch_size=8, max_context=128),
+        oracle = speculative(target, signed_identity_head(target, +1.0), EngineConfig(max_batch_size=8, max_context=128),
                             SpecConfig(*tier))
         assert [o.token_ids for o in oracle.generate(prompts, sp)] == want
-        hist = oracle.last_stats["accept_length_histogram"]
+        hist = oracle.last_stats.speculative.accept_length_histogram
         # Every round accepts S drafts + the bonus; only a request's last round may be cut short.
         assert sum(v for k, v in hist.items() if int(k) != s + 1) <= len(prompts)
-        assert oracle.last_stats["accept_length"] > s
-        adversary = SpecEngine(target, signed_identity_head(target, -1.0), EngineConfig(max_batch_size=8,
+        assert oracle.last_stats.accept_length > s
+        adversary = speculative(target, signed_identity_head(target, -1.0), EngineConfig(max_batch_size=8,
                                                                                        max_context=128), SpecConfig(*tier))
         assert [o.token_ids for o in adversary.generate(prompts, sp)] == want
-        assert adversary.last_stats["accept_length"] == 1.0
+        assert adversary.last_stats.accept_length == 1.0
 
 
 def test_eos_and_max_new_tokens_inside_an_accepted_run(target, prompts):
     oracle = signed_identity_head(target, +1.0)
-    free = target_only(target, prompts[:4], SamplingParams(max_new_tokens=30, ignore_eos=True))
-    engine = SpecEngine(target, oracle, EngineConfig(max_batch_size=4, max_context=128), SpecConfig(5, 4, 8))
+    free = target_only_tokens(target, prompts[:4], SamplingParams(max_new_tokens=30, ignore_eos=True))
+    engine = speculative(target, oracle, EngineConfig(max_batch_size=4, max_context=128), SpecConfig(5, 4, 8))
     # A stop token met at emitted index 4: inside the first round's run of 6 (after the prefill token).
     stops = [(f[4],) for f in free]
     params = [SamplingParams(max_new_tokens=30, stop_token_ids=s, ignore_eos=True) for s in stops]
-    want = [o.token_ids for o in Engine(target, EngineConfig(max_batch_size=4, max_context=128)).generate(prompts[:4], params)]
+    want = [o.token_ids for o in target_only(target, EngineConfig(max_batch_size=4, max_context=128)).generate(prompts[:4], params)]
     got = engine.generate(prompts[:4], params)
     assert [o.token_ids for o in got] == want and all(o.finish_reason == "stop" for o in got)
     # max_new_tokens 4: one prefill token and 3 of the first round's 6.
     got = engine.generate(prompts[:4], SamplingParams(max_new_tokens=4, ignore_eos=True))
     assert [o.token_ids for o in got] == [f[:4] for f in free]
     assert all(o.finish_reason == "length" for o in got)
-    assert engine.allocator.free_count == engine.allocator.num_slots - 1
+    assert engine.pool.free_slots == engine.pool.num_slots - 1
 
 
 def test_default_pool_holds_a_full_context_per_row(target, prompts):
     """Without --max-total-tokens the pool gives every row a full context plus the tree's slots: a request
     that fills the context runs (it needed more slots than max_batch_size * max_context: OutOfSlots)."""
     cfg = EngineConfig(max_batch_size=1, max_context=48)
-    engine = SpecEngine(target, signed_identity_head(target, +1.0), cfg, SpecConfig(5, 4, 8))
+    engine = speculative(target, signed_identity_head(target, +1.0), cfg, SpecConfig(5, 4, 8))
     sp = SamplingParams(max_new_tokens=1000, ignore_eos=True)  # capped to what the context leaves
     (got,) = engine.generate(prompts[:1], sp)
-    assert len(prompts[0]) + len(got.token_ids) == 48 - engine._context_reserve
-    (want,) = Engine(target, cfg).generate(prompts[:1], sp)
+    assert len(prompts[0]) + len(got.token_ids) == 48 - engine.context_reserve
+    (want,) = target_only(target, cfg).generate(prompts[:1], sp)
     assert got.token_ids == want.token_ids[:len(got.token_ids)]
 
 
 def test_committed_kv_equals_target_only(target, heads, prompts):
     from tests.util import ragged_forward
 
-    engine = SpecEngine(target, heads["noisy"], EngineConfig(max_batch_size=4, max_context=128), SpecConfig(5, 4, 8))
+    engine = speculative(target, heads["noisy"], EngineConfig(max_batch_size=4, max_context=128), SpecConfig(5, 4, 8))
     outs = engine.generate(prompts[:4], SamplingParams(max_new_tokens=21, ignore_eos=True))
     seqs = [p + o.token_ids for p, o in zip(prompts[:4], outs)]
     _, ref = ragged_forward(target, seqs)
     t = max(len(s) for s in seqs)
-    table = np.asarray(engine.cache.req_to_token)
-    k_ours, k_ref = np.asarray(engine.cache.k), np.asarray(ref.k)
+    table = np.asarray(engine.decoder.state.cache.req_to_token)
+    k_ours, k_ref = np.asarray(engine.decoder.state.cache.k), np.asarray(ref.k)
     for row in range(4):  # rows are handed out 0, 1, 2, 3
-        committed = int(engine.srows.seq_len[row])
+        committed = int(engine.decoder.state.rows.seq_len[row])
         assert committed >= len(prompts[row]) + 1
         ref_slots = 1 + row * t + np.arange(committed)
         np.testing.assert_allclose(k_ours[:, table[row, :committed]], k_ref[:, ref_slots], rtol=1e-5, atol=1e-6)
@@ -240,12 +239,12 @@ def test_speculative_sampling_follows_the_target_distribution(temperature, top_k
     head = signed_identity_head(target, +1.0, noise=0.3)  # proposals that are often, not always, right
     n = 20000
     prompt = [7]
-    engine = SpecEngine(target, head, EngineConfig(max_batch_size=n, max_context=16, batch_buckets=(n,),
+    engine = speculative(target, head, EngineConfig(max_batch_size=n, max_context=16, batch_buckets=(n,),
                                                    max_prefill_tokens=n * 16), SpecConfig(3, 2, 5))
     sp = [SamplingParams(max_new_tokens=2, temperature=temperature, top_k=top_k, top_p=top_p, seed=i)
           for i in range(n)]
     outs = engine.generate([prompt] * n, sp)
-    assert engine.last_stats["accept_length"] > 1.05  # drafts were accepted, so the tree walk was exercised
+    assert engine.last_stats.accept_length > 1.05  # drafts were accepted, so the tree walk was exercised
     pairs = np.array([o.token_ids[:2] for o in outs])
 
     # The target's next-token laws after the prompt and after prompt + a, for every a, in one forward.
@@ -282,21 +281,21 @@ def test_speculative_sampling_follows_the_target_distribution(temperature, top_k
 def test_split_round_executables_give_the_same_output(target, heads, prompts):
     """The two-executable round (draft + tree | verify + accept + commit + extend) is the fused one split."""
     sp = SamplingParams(max_new_tokens=15, ignore_eos=True)
-    fused = SpecEngine(target, heads["noisy"], EngineConfig(max_batch_size=4, max_context=128), SpecConfig(4, 2, 6))
-    split = SpecEngine(target, heads["noisy"], EngineConfig(max_batch_size=4, max_context=128), SpecConfig(4, 2, 6),
+    fused = speculative(target, heads["noisy"], EngineConfig(max_batch_size=4, max_context=128), SpecConfig(4, 2, 6))
+    split = speculative(target, heads["noisy"], EngineConfig(max_batch_size=4, max_context=128), SpecConfig(4, 2, 6),
                        fused_round=False)
     assert [o.token_ids for o in split.generate(prompts[:4], sp)] == [o.token_ids for o in fused.generate(prompts[:4], sp)]
-    assert any(k[0] == "draft" for k in split._executables) and not any(k[0] == "draft" for k in fused._executables)
+    assert any(k.phase == "draft" for k in split.executables._exes) and not any(k.phase == "draft" for k in fused.executables._exes)
 
 
 def test_model_eos_inside_an_accepted_run(target, prompts):
     """The model's own EOS (not a request stop id) met inside the oracle's accepted run."""
-    free = target_only(target, prompts[:1], SamplingParams(max_new_tokens=30, ignore_eos=True))[0]
+    free = target_only_tokens(target, prompts[:1], SamplingParams(max_new_tokens=30, ignore_eos=True))[0]
     eos = free[3]
     eos_target = bigram_target(target_config(eos=(eos,)))  # same weights (same seed), EOS = that token
-    want = Engine(eos_target, EngineConfig(max_batch_size=1, max_context=128)).generate(prompts[:1],
+    want = target_only(eos_target, EngineConfig(max_batch_size=1, max_context=128)).generate(prompts[:1],
                                                                                       SamplingParams(max_new_tokens=30))
-    got = SpecEngine(eos_target, signed_identity_head(eos_target, +1.0), EngineConfig(max_batch_size=1, max_context=128),
+    got = speculative(eos_target, signed_identity_head(eos_target, +1.0), EngineConfig(max_batch_size=1, max_context=128),
                      SpecConfig(5, 4, 8)).generate(prompts[:1], SamplingParams(max_new_tokens=30))
     assert got[0].token_ids == want[0].token_ids == free[: free.index(eos) + 1]
     assert got[0].finish_reason == "stop"
@@ -310,10 +309,10 @@ def test_simulated_accept_length_has_the_asked_mean():
     params = SamplingParams(max_new_tokens=120, ignore_eos=True)
     prompts = [[5, 6, 7], [9, 10, 11, 12]]
     for tau in (1.0, 3.4):
-        spec = SpecEngine(target, head, EngineConfig(max_batch_size=2, max_context=256),
-                          SpecConfig(num_steps=5, topk=4, num_draft_tokens=8, simulate_accept=tau))
+        spec = speculative(target, head, EngineConfig(max_batch_size=2, max_context=256),
+                           SpecConfig(num_steps=5, topk=4, num_draft_tokens=8), simulate_accept=tau)
         outs = spec.generate(prompts, params)
         assert [len(o.token_ids) for o in outs] == [120, 120]
-        assert abs(spec.last_stats["accept_length"] - tau) < 0.3, (tau, spec.last_stats)
+        assert abs(spec.last_stats.accept_length - tau) < 0.3, (tau, spec.last_stats)
     with pytest.raises(ValueError, match="simulated accept length"):
-        SpecConfig(num_steps=3, topk=1, num_draft_tokens=4, simulate_accept=4.5)
+        SpecConfig(num_steps=3, topk=1, num_draft_tokens=4).check_simulated_accept(4.5)

@@ -25,7 +25,7 @@ or a count (`JEAGLE_PAGED_ATTENTION_SPLITS` through `KernelSettings.from_env`) a
 splits each prefix into that many contiguous runs of blocks, sized on the device from the request's
 own length; each program writes its unnormalised (max, sum, accumulator) and the wrapper merges them
 (one small XLA fusion). None (= 1), the default, is the single-pass kernel; the split is off by
-default until measured on the GPU (bench/RESULTS.md).
+default until measured on the GPU (bench/HISTORY.md).
 
 Layers, as in JAX's own Pallas ops: `_kernel`, `_pallas` (wrapper: queries regrouped per KV head and
 padded to Triton's power-of-two tiles; the merge of split prefixes), `paged_attention` (public:

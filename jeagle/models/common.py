@@ -84,7 +84,7 @@ def write_kv(pool, layer, slots, x):
     padding tokens, padding rows and positions past a request's last slot point at: their writes are
     dropped (sent to distinct out-of-range indices), so every index is unique and XLA emits a plain
     scatter. Thousands of writes colliding on slot 0 serialize on the GPU: a 16 x 256 prefill spent
-    1.8 s in them (bench/RESULTS.md, "prefill scatter"). Slot 0 is never written, so it stays zero."""
+    1.8 s in them (bench/HISTORY.md, "prefill scatter"). Slot 0 is never written, so it stays zero."""
     n = pool.shape[1]
     flat = slots.reshape(-1)
     idx = jnp.where(flat == 0, n + jnp.arange(flat.shape[0], dtype=flat.dtype), flat).reshape(slots.shape)

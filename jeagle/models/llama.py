@@ -120,7 +120,7 @@ class Llama(nnx.Module):
                 return self._layer(i, *carry, w, cos, sin, attn)
 
             # A partial unroll (k layers per iteration) cuts the loop's iterations, each of which the
-            # GPU runtime steps from the host (bench/RESULTS.md, "dispatch").
+            # GPU runtime steps from the host (bench/HISTORY.md, "dispatch").
             k = max(1, min(int(unroll), stop - start))
             return jax.lax.fori_loop(start, stop, body, (h, kp, vp), unroll=k)
 

@@ -50,15 +50,9 @@ class SpecConfig:
     num_draft_tokens: int = 8  # N (the root included)
     threshold_single: float = 1.0
     threshold_acc: float = 1.0
-    # > 0: timing only, accept this many tokens per round on average (bonus included) whatever the
-    # draft (spec.verify.simulated_accept); the output is then not the target's. 0 = off.
-    simulate_accept: float = 0.0
 
     def __post_init__(self):
         s, k, n = self.num_steps, self.topk, self.num_draft_tokens
-        if self.simulate_accept and not 1.0 <= self.simulate_accept <= min(s, n - 1) + 1:
-            raise ValueError(f"simulated accept length {self.simulate_accept}: must be in [1, {min(s, n - 1) + 1}] "
-                             f"for (S,K,N) = ({s},{k},{n})")
         if s < 1 or k < 1 or n < 2:
             raise ValueError(f"speculative steps/topk/draft tokens must be >= 1/1/2, got {s}/{k}/{n}")
         if k == 1 and n != s + 1:
@@ -72,6 +66,18 @@ class SpecConfig:
     @property
     def scratch(self) -> int:
         return max(1, (self.num_steps - 1) * self.topk)
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(S, K, N)."""
+        return (self.num_steps, self.topk, self.num_draft_tokens)
+
+    def check_simulated_accept(self, tau: float) -> None:
+        """A simulated accept length (bench only: `simulated_accept`) this tier can produce."""
+        s, k, n = self.shape
+        if tau and not 1.0 <= tau <= min(s, n - 1) + 1:
+            raise ValueError(f"simulated accept length {tau}: must be in [1, {min(s, n - 1) + 1}] "
+                             f"for (S,K,N) = ({s},{k},{n})")
 
 
 @jax.tree_util.register_dataclass
@@ -124,6 +130,27 @@ def init_rows(num_rows: int, cfg: "SpecConfig | RowLayout", hidden: int, dtype) 
                     top_p=jnp.ones((r,), jnp.float32), seed=z(r, dt=jnp.uint32))
 
 
+def pack_result(emitted, accepted, finished):
+    """A step's result as one int32 array [B, W + 2], so one device→host copy carries it:
+
+        | emitted tokens (W, -1 padded) | accepted drafts (bonus excluded; -1: no round for the row) | finished |
+
+    `RoundResult.unpack` is the host's view of it."""
+    return jnp.concatenate([emitted, accepted[:, None], finished[:, None].astype(jnp.int32)], 1)
+
+
+@dataclass
+class RoundResult:
+    """A round's (or a speculative prefill's) result on the host, unpacked from `pack_result`."""
+    tokens: "np.ndarray"  # [B, W] emitted tokens, -1 padded
+    accepted: "np.ndarray"  # [B] accepted draft tokens, bonus excluded; -1 where no round ran
+    finished: "np.ndarray"  # [B] bool
+
+    @classmethod
+    def unpack(cls, host) -> "RoundResult":
+        return cls(tokens=host[:, :-2], accepted=host[:, -2], finished=host[:, -1].astype(bool))
+
+
 def draft_topk(head, logits, k: int):
     """Top-K probabilities and target token ids of draft logits [..., Vd]."""
     p, idx = jax.lax.top_k(jax.nn.softmax(logits.astype(jnp.float32), -1), k)
@@ -140,12 +167,12 @@ def round_keys(seed, seq_len, n):
 
 
 def spec_round(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, row_ids, *, kv_len: int, greedy: bool,
-               aux_layers: tuple[int, ...], unroll: bool | int = False):
-    """One round for the rows `row_ids` [B]. Returns (out [B, S+3] int32: emitted tokens (-1 padded),
-    accept length (bonus excluded), finished flag; cache, dk, dv, rows)."""
+               aux_layers: tuple[int, ...], unroll: bool | int = False, simulate_accept: float = 0.0):
+    """One round for the rows `row_ids` [B]. Returns (out [B, S+3] int32 (`pack_result`: emitted
+    tokens, accept length, finished flag); cache, dk, dv, rows)."""
     tree, dk, dv = draft_tree(target, head, cfg, cache, dk, dv, rows, row_ids, kv_len=kv_len)
     return verify_commit(target, head, cfg, cache, dk, dv, rows, row_ids, tree, kv_len=kv_len, greedy=greedy,
-                         aux_layers=aux_layers, unroll=unroll)
+                         aux_layers=aux_layers, unroll=unroll, simulate_accept=simulate_accept)
 
 
 def _prefix(cache, row_ids, kv_len: int):
@@ -204,8 +231,10 @@ def draft_tree(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, row
 
 
 def verify_commit(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, row_ids, tree, *, kv_len: int,
-                  greedy: bool, aux_layers: tuple[int, ...], unroll: bool | int = False):
-    """Verify the tree with the target, accept, check finishes, extend the draft, commit."""
+                  greedy: bool, aux_layers: tuple[int, ...], unroll: bool | int = False, simulate_accept: float = 0.0):
+    """Verify the tree with the target, accept, check finishes, extend the draft, commit.
+    simulate_accept > 0: timing only, accept this many tokens per round on average (bonus included)
+    whatever the draft (`simulated_accept`); the output is then not the target's."""
     S, N = cfg.num_steps, cfg.num_draft_tokens
     r = rows.gather(row_ids)
     b = row_ids.shape[0]
@@ -222,7 +251,7 @@ def verify_commit(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, 
 
     # ---- accept ----------------------------------------------------------------------------
     walk = (tree.tokens, tree.retrieve_index, tree.retrieve_next_token, tree.retrieve_next_sibling)
-    g_predict, g_index, g_len, g_bonus = verify_tree_greedy(  # kernel or reference, per JEAGLE_KERNELS
+    g_predict, g_index, g_len, g_bonus = verify_tree_greedy(  # kernel or reference, per the traced KernelSettings
         *walk, jnp.argmax(tout.logits, -1).astype(jnp.int32), S + 1)
     if greedy:
         predict, accept_index, acc, bonus = g_predict, g_index, g_len, g_bonus
@@ -234,9 +263,9 @@ def verify_commit(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, 
         use_greedy = r.temperature <= 0
         predict, accept_index, acc, bonus = (jnp.where(use_greedy.reshape((b,) + (1,) * (g.ndim - 1)), g, s)
                                              for g, s in zip((g_predict, g_index, g_len, g_bonus), s_out))
-    if cfg.simulate_accept:  # timing only: a forced accept length of mean τ (bench --simulate-accept)
+    if simulate_accept:  # timing only: a forced accept length of mean τ (bench --simulate-accept)
         predict, accept_index, acc, bonus = simulated_accept(tree.tokens, tree.retrieve_index, jnp.argmax(
-            tout.logits, -1).astype(jnp.int32), S + 1, cfg.simulate_accept, r.seed, L)
+            tout.logits, -1).astype(jnp.int32), S + 1, simulate_accept, r.seed, L)
     path = jnp.where(accept_index >= 0, accept_index % N, -1)  # [B, S+1] node ids
 
     # ---- finish checks inside the accepted run ----------------------------------------------
@@ -273,6 +302,6 @@ def verify_commit(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, 
                         max_new=r.max_new, stop_ids=r.stop_ids, finished=finished, temperature=r.temperature,
                         top_k=r.top_k, top_p=r.top_p, seed=r.seed)
     rows = rows.scatter(row_ids, new_rows)
-    out = jnp.concatenate([emitted, jnp.where(r.finished, -1, acc)[:, None], finished[:, None].astype(jnp.int32)], 1)
+    out = pack_result(emitted, jnp.where(r.finished, -1, acc), finished)
     cache = type(cache)(k=tout.k, v=tout.v, req_to_token=req_to_token)
     return out, cache, dk, dv, rows

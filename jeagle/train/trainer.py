@@ -204,20 +204,18 @@ def train(trainer: Trainer, data: DraftData, *, ckpt_dir=None, resume: bool = Fa
 
 def evaluate_accept_length(model, head, prompt_ids: list[list[int]], *, spec=(5, 4, 8), max_new_tokens: int = 128,
                            batch_size: int = 16) -> dict:
-    """Greedy generation with the real engine (SpecEngine) and this head: average accept length (tokens
+    """Greedy generation with the real engine (speculative) and this head: average accept length (tokens
     per round, bonus included) and tokens/s. The engine's speed on CPU means little; its acceptance does."""
-    from jeagle.engine import EngineConfig
+    from jeagle.engine import EngineConfig, SpecConfig, speculative
     from jeagle.sampling import SamplingParams
-    from jeagle.spec.engine import SpecEngine
-    from jeagle.spec.round import SpecConfig
 
     s, k, n = spec
     ctx = max(len(p) for p in prompt_ids) + max_new_tokens + 2 * max(s * k, n) + 16  # + the over-allocation
-    engine = SpecEngine(model, head, EngineConfig(max_batch_size=min(batch_size, len(prompt_ids)), max_context=ctx),
+    engine = speculative(model, head, EngineConfig(max_batch_size=min(batch_size, len(prompt_ids)), max_context=ctx),
                         SpecConfig(num_steps=s, topk=k, num_draft_tokens=n))
     outs = engine.generate(prompt_ids, SamplingParams(max_new_tokens=max_new_tokens))
     stats = engine.last_stats
-    return {"spec": list(spec), "accept_length": stats["accept_length"], "prompts": len(prompt_ids),
+    return {"spec": list(spec), "accept_length": stats.accept_length, "prompts": len(prompt_ids),
             "tokens": sum(len(o.token_ids) for o in outs), "outputs": [o.token_ids for o in outs]}
 
 

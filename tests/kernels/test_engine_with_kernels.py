@@ -5,63 +5,56 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jeagle.engine import Engine, EngineConfig
+from jeagle.engine import EngineConfig, speculative, target_only
+from jeagle.kernels.settings import KernelSettings
 from jeagle.sampling import SamplingParams
-from jeagle.spec.engine import SpecEngine
 from jeagle.spec.round import SpecConfig
 from tests.spec_models import bigram_target, signed_identity_head, target_config
 
 
-def run(monkeypatch, mode):
-    # TODO(lead, issue 26): JEAGLE_KERNELS is no longer read while tracing (only KernelSettings.from_env
-    # reads it), so this setenv does nothing now: give the EngineConfigs below
-    # kernels=KernelSettings(backend=mode) (jeagle.kernels.settings) and drop the setenv.
-    monkeypatch.setenv("JEAGLE_KERNELS", mode)
+def run(mode):
+    kernels = KernelSettings(backend=mode)
     target = bigram_target(target_config())
     rng = np.random.default_rng(5)
     prompts = [list(rng.integers(4, 96, n)) for n in (4, 9, 2)]
     sp = SamplingParams(max_new_tokens=14, ignore_eos=True)
-    want = [o.token_ids for o in Engine(target, EngineConfig(max_batch_size=3, max_context=96)).generate(prompts, sp)]
+    want = [o.token_ids for o in target_only(target, EngineConfig(max_batch_size=3, max_context=96, kernels=kernels)).generate(prompts, sp)]
     for head in (signed_identity_head(target, +1.0), signed_identity_head(target, +1.0, noise=0.08)):
         for tier in [(3, 1, 4), (5, 4, 8)]:
-            engine = SpecEngine(target, head, EngineConfig(max_batch_size=3, max_context=96), SpecConfig(*tier))
+            engine = speculative(target, head, EngineConfig(max_batch_size=3, max_context=96, kernels=kernels), SpecConfig(*tier))
             assert [o.token_ids for o in engine.generate(prompts, sp)] == want, (mode, tier)
 
 
-def test_lossless_with_interpreted_kernels(monkeypatch):
-    run(monkeypatch, "interpret")
+def test_lossless_with_interpreted_kernels():
+    run("interpret")
 
 
 @pytest.mark.gpu
-def test_lossless_with_compiled_kernels(monkeypatch):
-    run(monkeypatch, "pallas")
+def test_lossless_with_compiled_kernels():
+    run("pallas")
 
 
-def sampled(monkeypatch, mode):
-    # TODO(lead, issue 26): JEAGLE_KERNELS is no longer read while tracing (only KernelSettings.from_env
-    # reads it), so this setenv does nothing now: give the EngineConfigs below
-    # kernels=KernelSettings(backend=mode) (jeagle.kernels.settings) and drop the setenv.
-    monkeypatch.setenv("JEAGLE_KERNELS", mode)
+def sampled(mode):
     target = bigram_target(target_config())
     rng = np.random.default_rng(6)
     prompts = [list(rng.integers(4, 96, n)) for n in (5, 3)]
     sp = SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=0.9, top_p=0.95, seed=11)
     head = signed_identity_head(target, +1.0, noise=0.08)
-    engine = SpecEngine(target, head, EngineConfig(max_batch_size=2, max_context=96), SpecConfig(4, 4, 8))
-    return [o.token_ids for o in engine.generate(prompts, sp)], engine.accept_lengths
+    engine = speculative(target, head, EngineConfig(max_batch_size=2, max_context=96, kernels=KernelSettings(backend=mode)), SpecConfig(4, 4, 8))
+    return [o.token_ids for o in engine.generate(prompts, sp)], engine.decoder.accept_lengths
 
 
-def test_sampling_kernel_draws_what_the_reference_draws(monkeypatch):
+def test_sampling_kernel_draws_what_the_reference_draws():
     """Same seeds, same coins: the interpreted sampling kernel emits exactly the reference's tokens."""
-    want, accepted = sampled(monkeypatch, "reference")
+    want, accepted = sampled("reference")
     assert max(accepted) >= 1  # the walks accept drafted tokens, so the kernel's walk is exercised
-    assert sampled(monkeypatch, "interpret")[0] == want
+    assert sampled("interpret")[0] == want
 
 
 @pytest.mark.gpu
-def test_sampling_kernel_compiled_draws_what_the_reference_draws(monkeypatch):
-    want, _ = sampled(monkeypatch, "reference")
-    assert sampled(monkeypatch, "pallas")[0] == want
+def test_sampling_kernel_compiled_draws_what_the_reference_draws():
+    want, _ = sampled("reference")
+    assert sampled("pallas")[0] == want
 
 
 def attention_pair():
@@ -80,36 +73,32 @@ def attention_pair():
     return target, head
 
 
-def paged(monkeypatch, mode):
-    # TODO(lead, issue 26): JEAGLE_KERNELS is no longer read while tracing (only KernelSettings.from_env
-    # reads it), so this setenv does nothing now: give the EngineConfigs below
-    # kernels=KernelSettings(backend=mode) (jeagle.kernels.settings) and drop the setenv.
-    monkeypatch.setenv("JEAGLE_KERNELS", mode)
+def paged(mode):
     target, head = attention_pair()
     rng = np.random.default_rng(7)
     prompts = [list(rng.integers(4, 96, n)) for n in (40, 3, 75)]  # prefixes past one 64-slot block
     sp = SamplingParams(max_new_tokens=16, ignore_eos=True)
-    cfg = EngineConfig(max_batch_size=3, max_context=256)
-    plain = Engine(target, cfg)
+    cfg = EngineConfig(max_batch_size=3, max_context=256, kernels=KernelSettings(backend=mode))
+    plain = target_only(target, cfg)
     want = [o.token_ids for o in plain.generate(prompts, sp)]
-    spec = SpecEngine(target, head, cfg, SpecConfig(3, 2, 5))
+    spec = speculative(target, head, cfg, SpecConfig(3, 2, 5))
     assert [o.token_ids for o in spec.generate(prompts, sp)] == want
-    return want, plain.kv_buckets, spec.kv_buckets
+    return want, plain.buckets.kv, spec.buckets.kv
 
 
-def test_paged_attention_kernel_in_the_engines(monkeypatch):
+def test_paged_attention_kernel_in_the_engines():
     """Interpreted paged attention: one prefix bucket (the whole context) for decode and rounds, speculative
     output equal to target-only, and the same tokens as the reference attention with its prefix buckets."""
-    want, plain_kv, spec_kv = paged(monkeypatch, "reference")
+    want, plain_kv, spec_kv = paged("reference")
     assert len(plain_kv) > 1 and len(spec_kv) > 1
-    got, plain_kv, spec_kv = paged(monkeypatch, "interpret")
+    got, plain_kv, spec_kv = paged("interpret")
     assert plain_kv == spec_kv == (256,)
     assert got == want
 
 
 @pytest.mark.gpu
-def test_paged_attention_kernel_in_the_engines_compiled(monkeypatch):
-    want, _, _ = paged(monkeypatch, "reference")
-    got, plain_kv, spec_kv = paged(monkeypatch, "pallas")
+def test_paged_attention_kernel_in_the_engines_compiled():
+    want, _, _ = paged("reference")
+    got, plain_kv, spec_kv = paged("pallas")
     assert plain_kv == spec_kv == (256,)
     assert got == want

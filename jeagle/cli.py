@@ -1,0 +1,111 @@
+"""The command-line options every engine entry point shares (`jeagle.generate`, `jeagle.serve`)."""
+
+from __future__ import annotations
+
+import argparse
+
+from jeagle.config import DTYPES
+
+
+def build_parser(prog: str = "python -m jeagle.generate", prompts: bool = True,
+                 description: str = "Generate text with a Llama-family model (default: SmolLM2-135M-Instruct).",
+                 ) -> argparse.ArgumentParser:
+    """Every engine option (shared by `jeagle.generate` and `jeagle.serve`), plus prompts if asked."""
+    p = argparse.ArgumentParser(prog=prog, description=description)
+    if prompts:
+        p.add_argument("prompts", nargs="*", help="prompts (each one request)")
+        p.add_argument("--prompts-file", help="a .txt file (one prompt per line) or .jsonl (a 'prompt' field per line)")
+    p.add_argument("--target", help="converted jeagle dir, Hugging Face model dir or .gguf file "
+                                    "(default: SmolLM2-135M-Instruct, fetched and converted once)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (request i uses seed + i)")
+    chat = p.add_mutually_exclusive_group()
+    chat.add_argument("--chat", dest="chat", action="store_true", default=None,
+                      help="wrap prompts in the chat template (default when the tokenizer has one)")
+    chat.add_argument("--raw", dest="chat", action="store_false", help="feed prompts as raw text")
+    p.add_argument("--batch-size", "--max-running-requests", dest="batch_size", type=int, default=None,
+                   help="max requests decoded together (default: number of prompts, at most 48 with a draft, "
+                        "16 without)")
+    p.add_argument("--stop-token-ids", type=lambda s: tuple(int(x) for x in s.split(",") if x), default=())
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object (outputs + stats) on stdout")
+    p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    p.add_argument("--max-context", type=int, default=None, help="context window (default: model's, max 8192)")
+    p.add_argument("--max-total-tokens", type=int, default=None, help="KV cache slots")
+    p.add_argument("--mem-fraction-static", type=float, default=None,
+                   help="size the KV cache to this fraction of GPU memory instead")
+    p.add_argument("--decode-steps", type=int, default=1, help="tokens per decode dispatch")
+    p.add_argument("--unroll-layers", action="store_true", help="unroll the layer loop (slower compile)")
+    p.add_argument("--layer-unroll", type=int, default=None, metavar="K",
+                   help="K layers per iteration of the layer loop (default: 3 for decode steps and rounds, "
+                        "a plain loop for prefill; 1 = a plain loop everywhere)")
+    rt = p.add_argument_group("runtime")
+    rt.add_argument("--buckets", type=lambda s: tuple(int(x) for x in s.split(",") if x), default=None,
+                    help="batch buckets, e.g. 1,2,4,8 (default: SGLang's list up to the batch size)")
+    rt.add_argument("--max-bucket", type=int, default=None, help="cap the default bucket list")
+    rt.add_argument("--disable-padding", action="store_true", help="compile one executable per exact batch size")
+    rt.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
+                    help="dispatch the next round before the host processes the last one (default on)")
+    rt.add_argument("--verify-done-wait", choices=["sync", "dataflow"], default=None,
+                    help="after a round: hard wait (sync, default) or data dependence only (dataflow; also "
+                         "JEAGLE_VERIFY_DONE_STREAM_WAIT=1)")
+    rt.add_argument("--warmup", action="store_true",
+                    help="compile every (phase, bucket) executable at start-up (progress on stderr)")
+    rt.add_argument("--compile-cache-dir", default=None,
+                    help="persistent compilation cache and, under executables/, the serialized executables a "
+                         "warm start loads without tracing (default: $JEAGLE_CACHE/xla)")
+    rt.add_argument("--no-compile-cache", action="store_true", help="do not persist compilations")
+    rt.add_argument("--tp", type=int, default=1, metavar="N",
+                    help="tensor parallelism: split the target over N devices of this host (heads, MLP, vocabulary; "
+                         "KV pools by KV heads); outputs equal --tp 1")
+    rt.add_argument("--tp-vocab", choices=["shard", "replicate"], default="shard",
+                    help="with --tp: the lm_head/embedding rows split over the devices (default) or replicated")
+    rt.add_argument("--tp-draft", choices=["auto", "replicate", "shard"], default="auto",
+                    help="with --tp: the EAGLE head split like a target layer when its heads divide (auto, the "
+                         "default), always replicated, or always split")
+    rt.add_argument("--compile-workers", type=int, default=None,
+                    help="threads that load and compile executables during --warmup (default: min(16, CPUs))")
+    spec = p.add_argument_group("speculative decoding (EAGLE)")
+    spec.add_argument("--draft", help="EAGLE head: a jeagle draft dir or a PyTorch EAGLE/EAGLE-3 dir (converted on "
+                                      "first use and cached); default with no --target: jeagle's trained head for "
+                                      "SmolLM2-135M-Instruct (jeagle/heads/)")
+    spec.add_argument("--speculative-algorithm", choices=["EAGLE", "EAGLE3", "none"], default=None,
+                      help="default: detected from the head; 'none' decodes with the target only")
+    spec.add_argument("--speculative-num-steps", type=int, default=None, help="S (default 5)")
+    spec.add_argument("--speculative-eagle-topk", type=int, default=None, help="K (default 4)")
+    spec.add_argument("--speculative-num-draft-tokens", type=int, default=None, help="N (default 8; S+1 when K=1)")
+    spec.add_argument("--speculative-accept-threshold-single", type=float, default=1.0)
+    spec.add_argument("--speculative-accept-threshold-acc", type=float, default=1.0)
+    spec.add_argument("--speculative-adaptive", action="store_true",
+                      help="switch between pre-compiled (S, K, N) tiers after each round by the EMA of the accept "
+                           "length (default tiers: steps 1, 3, 7 with the given topk; the given steps snap to the "
+                           "nearest); every tier is compiled, so warm-up compiles a round executable per tier")
+    spec.add_argument("--speculative-adaptive-config", metavar="FILE",
+                      help="JSON: candidate_steps, candidate_tiers ([[S, K, N], ...]), ema_alpha, warmup_batches, "
+                           "update_interval, down_hysteresis, up_hysteresis (omitted keys: defaults); "
+                           "implies --speculative-adaptive")
+    return p
+
+
+def check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """Errors in option combinations (argparse's usage error, exit 2), and the default draft."""
+    if a.draft is None and a.target is None and a.speculative_algorithm != "none":
+        from jeagle.heads import default_head_dir
+
+        if (default_head_dir() / "config.json").is_file():
+            a.draft = str(default_head_dir())  # the default target's shipped EAGLE-3 head
+    given = [x is not None for x in (a.speculative_num_steps, a.speculative_eagle_topk, a.speculative_num_draft_tokens)]
+    if any(given) and not all(given):
+        p.error("give all three of --speculative-num-steps, --speculative-eagle-topk, "
+                "--speculative-num-draft-tokens, or none (defaults 5/4/8)")
+    if a.layer_unroll is not None and a.layer_unroll < 1:
+        p.error(f"--layer-unroll must be >= 1, got {a.layer_unroll}")
+    if a.tp < 1:
+        p.error(f"--tp must be >= 1, got {a.tp}")
+    if a.speculative_algorithm in ("EAGLE", "EAGLE3") and not a.draft:
+        p.error(f"--speculative-algorithm {a.speculative_algorithm} needs --draft")
+    if (a.speculative_adaptive or a.speculative_adaptive_config) and (not a.draft or a.speculative_algorithm == "none"):
+        p.error("--speculative-adaptive needs speculative decoding (--draft, not --speculative-algorithm none)")

@@ -1,0 +1,156 @@
+"""The one place for buckets: the padded batch sizes and lengths executables are compiled for, how a
+batch is planned onto them, and how its inputs are padded and its results trimmed.
+
+    batch         decode / round batch sizes (SGLang's capture list by default)
+    prefill_batch the batch sizes of prefill (a subset: a prefill is one call per admitted group)
+    prefill_len   prompt-length buckets (powers of 4 from min_prefill_bucket)
+    kv            prefix-length buckets of decode / round (one, the context, when the paged-attention
+                  kernel serves every attention; else powers of 2)
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def pow2_buckets(lo: int, hi: int, factor: int = 2) -> tuple[int, ...]:
+    """lo, lo·factor, lo·factor², ... below hi, then hi."""
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= factor
+    out.append(hi)
+    return tuple(out)
+
+
+def pick_bucket(buckets: tuple[int, ...], n: int) -> int:
+    i = bisect.bisect_left(buckets, n)
+    if i == len(buckets):
+        raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+    return buckets[i]
+
+
+def default_batch_buckets(max_batch: int) -> tuple[int, ...]:
+    """SGLang's capture list (1..8, 10..32 step 2, 40..64 step 4, 72..256 step 8, then step 16)."""
+    sizes = list(range(1, 9)) + list(range(10, 33, 2)) + list(range(40, 65, 4)) + list(range(72, 257, 8))
+    sizes += list(range(272, max(max_batch, 256) + 16, 16))
+    out = [s for s in sizes if s < max_batch] + [max_batch]
+    return tuple(sorted(set(out)))
+
+
+def batch_buckets(max_reqs: int, config) -> tuple[int, ...]:
+    """The batch buckets: --buckets as given, exact sizes with --disable-padding, else SGLang's list
+    capped by --max-bucket; the largest always covers max_batch_size."""
+    if config.disable_padding:
+        return tuple(range(1, max_reqs + 1))
+    if config.batch_buckets:
+        out = tuple(sorted(set(config.batch_buckets)))
+        if out[0] < 1:
+            raise ValueError(f"batch buckets must be >= 1, got {out}")
+        if out[-1] < max_reqs:
+            raise ValueError(f"largest batch bucket {out[-1]} < max running requests {max_reqs}")
+        return out
+    out = default_batch_buckets(max_reqs)
+    if config.max_bucket is not None:
+        if config.max_bucket < 1:
+            raise ValueError(f"--max-bucket must be >= 1, got {config.max_bucket}")
+        out = tuple(b for b in out if b <= config.max_bucket)
+        if not out or out[-1] < max_reqs:
+            raise ValueError(f"--max-bucket {config.max_bucket} < max running requests {max_reqs}: a full batch "
+                             "would have no bucket")
+    return out
+
+
+def prefill_batch_buckets(buckets: tuple[int, ...], config) -> tuple[int, ...]:
+    """Batch buckets of the prefill executables. A prefill is one call per admitted group, not a step
+    repeated every few milliseconds, so padding costs little there and compiling a prefill for each
+    of SGLang's ~20 decode buckets (times every length bucket) would dominate start-up: the default
+    keeps the decode buckets nearest 1, 4, 16, 64, ... and the largest. `--buckets` and
+    `--disable-padding` apply to prefill as given."""
+    if config.batch_buckets or config.disable_padding:
+        return buckets
+    keep = {buckets[-1]}
+    target = 1
+    while target < buckets[-1]:
+        keep.add(pick_bucket(buckets, target))
+        target *= 4
+    return tuple(sorted(keep))
+
+
+def kv_buckets(max_ctx: int, config, head_dims) -> tuple[int, ...]:
+    """Prefix-length buckets of the decode/round executables. With the paged-attention kernel serving
+    every attention of the step (`jeagle/kernels/paged_attention.py` reads each request's own length)
+    one bucket, the whole context, serves all lengths; the pure-jnp reference gathers a static prefix,
+    so it gets powers of two from `min_kv_bucket`."""
+    from jeagle.kernels.paged_attention import kernel_serves
+    from jeagle.kernels.settings import use
+
+    with use(config.kernels):
+        served = all(kernel_serves(d) for d in head_dims)
+    if served:
+        return (max_ctx,)
+    return pow2_buckets(min(config.min_kv_bucket, max_ctx), max_ctx)
+
+
+@dataclass(frozen=True)
+class Buckets:
+    """Every bucket table of one engine, and the plans made from them."""
+    batch: tuple[int, ...]
+    prefill_batch: tuple[int, ...]
+    prefill_len: tuple[int, ...]
+    kv: tuple[int, ...]
+    max_ctx: int
+    max_prefill_tokens: int
+
+    @classmethod
+    def for_engine(cls, config, max_reqs: int, max_ctx: int, head_dims) -> "Buckets":
+        batch = batch_buckets(max_reqs, config)
+        return cls(batch=batch, prefill_batch=prefill_batch_buckets(batch, config),
+                   prefill_len=pow2_buckets(min(config.min_prefill_bucket, max_ctx), max_ctx, factor=4),
+                   kv=kv_buckets(max_ctx, config, head_dims), max_ctx=max_ctx,
+                   max_prefill_tokens=config.max_prefill_tokens)
+
+    def prefill(self, n: int, longest: int) -> tuple[int, int]:
+        """(batch, length) bucket of a prefill of n prompts, the longest `longest` tokens."""
+        return pick_bucket(self.prefill_batch, n), pick_bucket(self.prefill_len, longest)
+
+    def prefill_fits(self, n: int, longest: int) -> bool:
+        """Whether a prefill group of n prompts stays within max_prefill_tokens once padded (a group of
+        one always fits: a long lone prompt still runs)."""
+        b, t = self.prefill(n, longest)
+        return n == 1 or b * t <= self.max_prefill_tokens
+
+    def decode(self, n: int, longest_prefix: int) -> tuple[int, int]:
+        """(batch, prefix) bucket of a decode step / round over n rows whose prefixes reach at most
+        `longest_prefix` positions."""
+        return pick_bucket(self.batch, n), pick_bucket(self.kv, min(longest_prefix, self.max_ctx))
+
+    def warmup_plan(self, batch_sizes=None, prefill_lengths=None, kv_lengths=None):
+        """(prefill (b, t) pairs, decode (b, kv) pairs) covering the given sizes (None: every bucket).
+        Prefill pairs keep b x t <= max_prefill_tokens, except the smallest batch bucket (any t: a lone
+        long prompt)."""
+        def covering(table, sizes):
+            return sorted(set(table if sizes is None else (pick_bucket(table, n) for n in sizes)))
+
+        prefill = [(b, t) for b in covering(self.prefill_batch, batch_sizes)
+                   for t in covering(self.prefill_len, prefill_lengths)
+                   if b == self.prefill_batch[0] or b * t <= self.max_prefill_tokens]
+        decode = [(b, kv) for b in covering(self.batch, batch_sizes) for kv in covering(self.kv, kv_lengths)]
+        return prefill, decode
+
+
+def pad(values, size: int, fill, dtype) -> np.ndarray:
+    """values[0..n) followed by `fill` up to `size` (a batch padded to its bucket). `values` may be rows
+    of a 2-D array; `fill` then fills whole rows."""
+    values = np.asarray(values, dtype) if len(values) else np.zeros((0,), dtype)
+    out = np.full((size,) + values.shape[1:], fill, dtype)
+    out[: len(values)] = values
+    return out
+
+
+def unpad(host: np.ndarray, n: int) -> np.ndarray:
+    """The first n rows of a padded batch's result: the requests', not the padding's."""
+    return host[:n]

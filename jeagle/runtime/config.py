@@ -1,0 +1,52 @@
+"""EngineConfig: every option of an engine, a frozen value (the scheduler's and the decoders')."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from jeagle.kernels.settings import KernelSettings
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_batch_size: int = 16  # rows = max running requests
+    max_context: int | None = None  # default: the model's max_position_embeddings, capped at 8192
+    max_total_tokens: int | None = None  # KV slots; default max_batch_size * (max_context + tree slots) (CPU) ...
+    mem_fraction_static: float | None = None  # ... or this fraction of GPU memory
+    max_prefill_tokens: int = 8192  # padded tokens per prefill call (a longer single prompt still runs)
+    decode_steps: int = 1  # tokens per decode dispatch (lax.fori_loop inside one executable)
+    # Layer loop: False (a loop), True (unrolled), k >= 2 (k layers per iteration); None: for the
+    # decode and round executables 3 (halves the host's dispatch time per step for +10-30% compile
+    # time, bench/HISTORY.md "dispatch"); the decode step unrolled when a layer's weights pass
+    # UNROLL_ALL_BYTES (a loop slices each layer's weights by a traced index, and XLA copies the slice
+    # before a Triton GEMM: 2.5x the step time of a Llama-8B shape, bench/HISTORY.md "session 6"; the
+    # round's GEMMs went to cuBLAS without copies there, and unrolling it measured no faster); a loop
+    # for prefill.
+    unroll_layers: bool | int | None = None
+    batch_buckets: tuple[int, ...] | None = None  # default: SGLang's list capped at max_batch_size
+    max_bucket: int | None = None  # cap the default list (the largest bucket is then max_batch_size)
+    disable_padding: bool = False  # one executable per exact batch size
+    overlap: bool = True  # dispatch step r+1 before the host processes step r
+    verify_done_wait: str | None = None  # "sync" | "dataflow"; None: JEAGLE_VERIFY_DONE_STREAM_WAIT, else sync
+    min_kv_bucket: int = 128
+    executable_cache_dir: str | None = None  # ExecutableStore root (store.py); None: no store
+    compile_workers: int | None = None  # warm-up load/compile threads; None: min(16, CPUs)
+    compile_processes: int | None = None  # warm-up worker processes (need the store); None: auto (8 on a GPU), 0: none
+    min_prefill_bucket: int = 64
+    tp: int = 1  # tensor parallelism: devices the target is split over (jeagle/sharding.py)
+    tp_vocab: str = "shard"  # lm_head / embedding rows split over the devices, or "replicate"
+    tp_draft: str = "auto"  # the draft head split like a target layer when it divides; "replicate" | "shard"
+    # Kernel backend, paged-attention split, XLA options: read from the environment once, by the
+    # entry points (`KernelSettings.from_env()`); part of every executable's key.
+    kernels: KernelSettings = field(default_factory=KernelSettings)
+
+    def __post_init__(self):
+        from jeagle.sharding import TP_DRAFT, TP_VOCAB
+
+        if self.tp_vocab not in TP_VOCAB or self.tp_draft not in TP_DRAFT:
+            raise ValueError(f"tp_vocab must be one of {TP_VOCAB} and tp_draft one of {TP_DRAFT}; got "
+                             f"{self.tp_vocab!r}, {self.tp_draft!r}")
+        if self.tp < 1:
+            raise ValueError(f"tp must be >= 1, got {self.tp}")
+        if self.decode_steps < 1:
+            raise ValueError(f"decode_steps must be >= 1, got {self.decode_steps}")

@@ -1,0 +1,103 @@
+"""One request's host-side record, and the checks a request passes before anything is queued."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from jeagle.runtime.slots import OutOfSlots
+from jeagle.sampling import SamplingParams
+
+
+class PromptTooLong(ValueError):
+    """A prompt that does not fit the context window."""
+
+
+@dataclass
+class Output:
+    prompt_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    time_to_first_token_s: float | None = None
+
+
+@dataclass
+class Request:
+    index: int
+    prompt: list[int]
+    params: SamplingParams
+    eos: frozenset[int]
+    max_new: int
+    row: int = -1
+    slots: np.ndarray | None = None
+    length: int = 0  # positions whose KV is written or dispatched to be written
+    dispatched: int = 0  # new tokens (speculative: calls) that dispatched work will produce
+    processed: int = 0  # dispatched calls whose results the host has read
+    out: Output | None = None
+    done: bool = False
+    on_tokens: Callable[[int, list[int]], None] | None = None  # streaming callback (index, new ids)
+    t_submit: float = 0.0  # perf_counter at submit
+    compile_mark: float = 0.0  # the engine's compile seconds at submit (compiling is not serving latency)
+
+    def finish(self, reason: str) -> None:
+        self.done, self.out.finish_reason = True, reason
+
+    def take(self, tokens, compile_seconds: float) -> list[int]:
+        """Append the tokens that arrived for this request, up to its end (a stop token or max_new);
+        returns the ones taken."""
+        new = []
+        for tok in tokens:
+            if self.done:
+                break
+            tok = int(tok)
+            self.out.token_ids.append(tok)
+            new.append(tok)
+            if self.out.time_to_first_token_s is None:
+                # Compilation (first use of a shape) is not part of serving latency.
+                self.out.time_to_first_token_s = (time.perf_counter() - self.t_submit
+                                                  - (compile_seconds - self.compile_mark))
+            if tok in self.eos:
+                self.finish("stop")
+            elif len(self.out.token_ids) >= self.max_new:
+                self.finish("length")
+        return new
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What a request is checked against: the context, the vocabulary, the pool and the positions a
+    decoder reserves past the last token."""
+    max_ctx: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    context_reserve: int
+    pool_slots: int  # usable slots in the pool (slot 0 excluded)
+
+
+def make_request(index: int, prompt: list[int], params: SamplingParams, limits: RequestLimits,
+                 slots_needed: Callable[[int, int], int]) -> Request:
+    """A checked request: a bad one raises (PromptTooLong, OutOfSlots, ValueError) before anything is
+    queued. `slots_needed(prompt_len, max_new)` is the decoder's slot layout."""
+    n = len(prompt)
+    if n == 0:
+        raise ValueError(f"prompt {index} is empty")
+    if n >= limits.max_ctx:
+        raise PromptTooLong(f"prompt {index} has {n} tokens; the context holds {limits.max_ctx} "
+                            "(prompt + at least one new token must fit; raise --max-context if the model allows)")
+    bad = [t for t in prompt if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise ValueError(f"prompt {index} has token ids outside the vocabulary: {bad[:5]}")
+    max_new = min(params.max_new_tokens, limits.max_ctx - n - limits.context_reserve)
+    if max_new < 1:
+        raise PromptTooLong(f"prompt {index} has {n} tokens; with {limits.context_reserve} positions reserved for "
+                            f"speculation the context of {limits.max_ctx} leaves no room for new tokens")
+    need = slots_needed(n, max_new)
+    if need > limits.pool_slots:
+        raise OutOfSlots(f"request {index} needs {need} KV slots, the pool has {limits.pool_slots}; "
+                         "raise --max-total-tokens (or --mem-fraction-static) or lower --max-new-tokens")
+    eos = frozenset(() if params.ignore_eos else limits.eos_token_ids) | frozenset(params.stop_token_ids)
+    return Request(index=index, prompt=list(prompt), params=params, eos=eos, max_new=max_new,
+                   out=Output(prompt_ids=list(prompt)))

@@ -1,0 +1,300 @@
+"""The Engine: a scheduler driving one decoder, with continuous batching and pipelined dispatch.
+
+The engine owns the host side: the queue, admission (a request gets a row and all the slots its
+decoder's layout asks for, `runtime/slots.py`), grouping of prefills, the batch of each decode step
+or speculative round, the overlap of host and device, reading results back, the verify_done wait
+and the stats. The decoder (`runtime/decoder.py` says what it provides) owns the device state and
+the executables. Requests wait in the queue while the pool lacks room.
+
+Pipelining: the host dispatches step c+1 (its inputs live on the device) before it reads the tokens
+of step c, whose device→host copy was started right after dispatch. A request that finishes inside
+step c has already been dispatched into step c+1: that extra work is discarded.
+
+Every (phase, bucket) executable is compiled ahead of time on first need or by `warmup()`; compile
+time is counted apart from serving time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from typing import Callable
+
+import numpy as np
+
+from jeagle.runtime.requests import Output, Request, RequestLimits, make_request
+from jeagle.runtime.slots import OutOfSlots, SlotPool
+from jeagle.runtime.stats import Stats, latency_stats
+from jeagle.runtime.verify_done import VerifyDone, verify_done_mode
+from jeagle.sampling import SamplingParams
+
+HISTORY = 100_000  # per-step records kept between reset_stats() calls (a server runs for days)
+
+
+class Engine:
+    def __init__(self, decoder, config):
+        self.decoder, self.config = decoder, config
+        self.model_cfg = decoder.model_cfg
+        self.executables = decoder.executables
+        self.buckets = decoder.buckets
+        self.max_context, self.max_running = decoder.max_ctx, decoder.max_reqs
+        self.pool = SlotPool(decoder.num_slots, decoder.max_reqs)
+        self.limits = RequestLimits(max_ctx=decoder.max_ctx, vocab_size=self.model_cfg.vocab_size,
+                                    eos_token_ids=tuple(self.model_cfg.eos_token_ids),
+                                    context_reserve=decoder.context_reserve, pool_slots=decoder.num_slots - 1)
+        self.verify_done = VerifyDone(verify_done_mode(config.verify_done_wait))
+        # The queues: waiting to be admitted, admitted, dispatched but unread ((kind, requests, result)).
+        self._waiting: deque[Request] = deque()
+        self._running: list[Request] = []
+        self._pending: deque = deque()
+        self._next_index = 0
+        self.last_stats: Stats | None = None
+        self.reset_stats()
+
+    # ---- what the engine is ------------------------------------------------------------------------
+    @property
+    def speculative(self) -> bool:
+        return self.decoder.speculative
+
+    @property
+    def adaptive(self) -> bool:
+        return getattr(self.decoder, "controller", None) is not None
+
+    @property
+    def context_reserve(self) -> int:
+        """Positions of the context a request must leave free (speculative: S + 1)."""
+        return self.decoder.context_reserve
+
+    @property
+    def batch_buckets(self) -> tuple[int, ...]:
+        return self.buckets.batch
+
+    @property
+    def verify_done_mode(self) -> str:
+        return self.verify_done.mode
+
+    @property
+    def compile_seconds(self) -> float:
+        return self.executables.compile_seconds
+
+    @property
+    def num_compiled(self) -> int:
+        return self.executables.num_compiled
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._waiting or self._running or self._pending)
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self._waiting)
+
+    def info(self) -> dict:
+        """The live counters a server reports (`/server_info`)."""
+        return {"running_requests": self.num_running, "queued_requests": self.num_waiting,
+                "kv_slots_free": self.pool.free_slots, "kv_slots_total": self.pool.num_slots - 1} | self.decoder.info()
+
+    # ---- requests ------------------------------------------------------------------------------------
+    def check(self, prompt: list[int], params: SamplingParams = SamplingParams(), index: int = 0) -> Request:
+        """The request `submit` would queue, checked (PromptTooLong, OutOfSlots, ValueError), queued nowhere."""
+        layout, max_ctx = self.decoder.layout, self.max_context
+        return make_request(index, prompt, params, self.limits, lambda n, m: layout.slots_needed(n, m, max_ctx))
+
+    def submit(self, prompt: list[int], params: SamplingParams = SamplingParams(),
+               on_tokens: Callable[[int, list[int]], None] | None = None, index: int | None = None) -> Request:
+        """Queue one request (checked now: a bad one raises and queues nothing). `step()` admits it
+        when a row and its slots are free; its `out` fills as tokens arrive, `done` says when it
+        finished; `on_tokens(index, ids)` streams."""
+        if index is None:
+            index = self._next_index
+        self._next_index = max(self._next_index, index + 1)
+        r = self.check(prompt, params, index)
+        r.on_tokens, r.t_submit, r.compile_mark = on_tokens, time.perf_counter(), self.compile_seconds
+        self._waiting.append(r)
+        return r
+
+    def abort(self, r: Request) -> None:
+        """Stop a request now: it leaves the queue or the batch, its row and slots are free at once
+        (steps already in flight still write them, but anything that reuses them is dispatched
+        after), tokens still in flight for it are dropped. finish_reason "abort"."""
+        if r.done:
+            return
+        r.finish("abort")
+        if r in self._waiting:
+            self._waiting.remove(r)
+        elif r.slots is not None:
+            self._release(r)
+        self._running = [x for x in self._running if x is not r]
+
+    def abort_all(self) -> list[Request]:
+        """Abort every request (waiting, running, in flight) and leave the engine idle: after a failed
+        step, nothing in flight is read. Returns the requests aborted."""
+        reqs = [*self._waiting, *self._running] + [r for _, batch, _ in self._pending for r in batch]
+        reqs = list({id(r): r for r in reqs if not r.done}.values())
+        for r in reqs:
+            self.abort(r)
+        self._pending.clear()
+        self.verify_done.wait()
+        return reqs
+
+    def _admit(self, r: Request) -> bool:
+        got = self.pool.admit(self.decoder.layout.slots_needed(len(r.prompt), r.max_new, self.max_context))
+        if got is None:
+            return False
+        r.row, r.slots = got
+        return True
+
+    def _release(self, r: Request) -> None:
+        self.pool.release(r.row, r.slots)
+        r.slots = None
+
+    def _deliver(self, r: Request, tokens) -> None:
+        new = r.take(tokens, self.compile_seconds)
+        if new and r.on_tokens is not None:
+            r.on_tokens(r.index, new)
+        if r.done:
+            self._release(r)
+
+    # ---- the scheduler step ----------------------------------------------------------------------------
+    def _admit_waiting(self) -> None:
+        """Admit what fits, in arrival order, and prefill it in groups of bounded padded size."""
+        waiting, running, dec = self._waiting, self._running, self.decoder
+        group: list[Request] = []
+        longest = 0
+
+        def flush():
+            b, t = self.buckets.prefill(len(group), longest)
+            self._pending.append(("prefill", list(group), dec.prefill(group, b, t)))
+            running.extend(group)
+            group.clear()
+
+        while waiting and len(running) + len(group) < self.max_running:
+            nxt = waiting[0]
+            if group and not self.buckets.prefill_fits(len(group) + 1, max(longest, len(nxt.prompt))):
+                flush()
+                longest = 0
+                continue
+            if not self._admit(nxt):
+                break
+            group.append(waiting.popleft())
+            longest = max(longest, len(nxt.prompt))
+        if group:
+            flush()
+        if waiting and not running and not self._pending:
+            r = waiting.popleft()
+            r.finish("abort")
+            raise OutOfSlots(f"cannot admit request {r.index} although nothing is running (it was dropped)")
+
+    def step(self) -> None:
+        """One scheduler step: the verify_done wait, admission and prefill of what fits, one decode
+        step or round over the live batch (dispatched before the previous one is processed, with
+        overlap), and processing of the results that are due."""
+        dec, pending, acct = self.decoder, self._pending, self._acct
+        # The next host step starts with the wait on the last round's verify results (sync: hard).
+        blocked = self.verify_done.wait()
+        self._admit_waiting()
+        live = [r for r in self._running if dec.wants_step(r)]
+        if live:
+            b, kv = self.buckets.decode(len(live), max(dec.prefix_needed(r) for r in live))
+            acct["buckets_used"].add(b)
+            result = dec.step(live, b, kv)
+            pending.append(("step", live, result))
+            handle = dec.verify_handle(result)
+            if handle is not None:
+                self.verify_done.record(handle)
+        # Overlap: keep this step in flight while the host processes the previous one; without
+        # overlap (or with nothing more to dispatch) process everything now.
+        keep = 1 if live and self.config.overlap else 0
+        while len(pending) > keep:
+            kind, batch, result = pending.popleft()
+            t1 = time.perf_counter()
+            host = np.asarray(result)  # its copy started at dispatch: this waits only if it is not done
+            blocked += time.perf_counter() - t1
+            for r, (tokens, device_finished) in zip(batch, dec.unpack(kind, batch, host)):
+                if r.done:
+                    continue
+                self._deliver(r, tokens)
+                if device_finished and not r.done:
+                    raise AssertionError(f"request {r.index}: the device finished it, the host did not")
+        if live:
+            acct["blocked_per_step"].append(blocked)
+        self._running = [r for r in self._running if not r.done]
+        if not self.has_work:
+            self.verify_done.wait()  # nothing may stay pending once idle
+
+    # ---- warm-up -------------------------------------------------------------------------------------------
+    def warmup(self, batch_sizes=None, prefill_lengths=None, kv_lengths=None, greedy=(True, False),
+               progress: bool = True) -> float:
+        """Compile ahead of time every executable `generate()` can dispatch for the given sizes (None:
+        all of them): prefill for every (batch, length) bucket pair within max_prefill_tokens, decode
+        steps / rounds (every tier's) for every (batch, prefix) bucket pair in each mode of `greedy`.
+        Afterwards generate() compiles nothing for those shapes (its stats count any compilation as
+        `compilations_after_warmup`). Returns the seconds taken."""
+        return self.executables.warmup(self.warmup_plan(batch_sizes, prefill_lengths, kv_lengths, greedy), progress)
+
+    def warmup_plan(self, batch_sizes=None, prefill_lengths=None, kv_lengths=None, greedy=(True, False)) -> list:
+        """The step keys `warmup` compiles for these sizes (see there)."""
+        prefill, decode = self.buckets.warmup_plan(batch_sizes, prefill_lengths, kv_lengths)
+        return self.decoder.warmup_keys(prefill, decode, greedy)
+
+    def warmup_for(self, prompt_lengths, max_new_tokens: int, greedy=(True, False), progress: bool = True) -> float:
+        """Warm up only what these prompts can dispatch: batch sizes up to their number (capped by the
+        running batch), their prompt-length buckets, the prefix buckets up to the longest context
+        they can reach."""
+        lengths = list(prompt_lengths)
+        n = min(len(lengths), self.max_running)
+        longest = max(self.decoder.prefix_bound(x, max_new_tokens, self.config.overlap) for x in lengths)
+        kv = [k for k in self.buckets.kv if k < longest] + [longest]
+        return self.warmup(batch_sizes=range(1, n + 1), prefill_lengths=lengths, kv_lengths=kv, greedy=greedy,
+                           progress=progress)
+
+    # ---- stats -----------------------------------------------------------------------------------------------
+    def reset_stats(self) -> None:
+        """Start a new accounting window for `stats()`."""
+        self._acct = {"t0": time.perf_counter(), "compile0": self.compile_seconds, "compiled0": self.num_compiled,
+                      "blocked_per_step": deque(maxlen=HISTORY), "buckets_used": set(),
+                      "decoder": self.decoder.stats_window()}
+
+    def stats(self, reqs: list[Request]) -> Stats:
+        """Stats of the window since `reset_stats()` for the requests `reqs`."""
+        acct, exes = self._acct, self.executables
+        wall = time.perf_counter() - acct["t0"] - (self.compile_seconds - acct["compile0"])
+        compiled = self.num_compiled - acct["compiled0"]
+        return Stats(prompt_tokens=sum(len(r.prompt) for r in reqs),
+                     new_tokens=sum(len(r.out.token_ids) for r in reqs), wall_s=wall,
+                     compile_s=self.compile_seconds - acct["compile0"], compilations=compiled,
+                     compilations_after_warmup=compiled if exes.warmup_seconds is not None else None,
+                     warmup_s=exes.warmup_seconds, steps=len(acct["blocked_per_step"]),
+                     host_blocked_ms=latency_stats(acct["blocked_per_step"]),
+                     buckets_used=sorted(acct["buckets_used"]), overlap=self.config.overlap,
+                     verify_done_wait=self.verify_done.mode, executables_from_store=exes.loaded_from_store,
+                     speculative=self.decoder.stats(acct["decoder"]))
+
+    # ---- all at once ----------------------------------------------------------------------------------------
+    def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams] = SamplingParams(),
+                 on_tokens: Callable[[int, list[int]], None] | None = None) -> list[Output]:
+        """Run every prompt to completion; outputs in prompt order. `on_tokens(index, ids)` streams
+        (index: the prompt's position). Built on submit() / step(); the stats land in `last_stats`."""
+        if isinstance(params, SamplingParams):
+            params = [params] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError("one SamplingParams per prompt")
+        if self.has_work:
+            raise RuntimeError("generate() on an engine with requests in flight; finish them with step() first")
+        # Check every prompt before queueing any: a bad one fails the call and loses nothing.
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            self.check(p, sp, i)
+        self.reset_stats()
+        reqs = [self.submit(p, sp, on_tokens, index=i) for i, (p, sp) in enumerate(zip(prompts, params))]
+        try:
+            while self.has_work:
+                self.step()
+        except BaseException:
+            self.abort_all()  # leave the engine idle and its slots free
+            raise
+        self.last_stats = self.stats(reqs)
+        return [r.out for r in reqs]

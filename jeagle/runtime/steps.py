@@ -1,0 +1,240 @@
+"""Target-only decoding as pure step functions: prefill and decode over one donated device state.
+
+    prefill_step(key, graphdef, params, state, inputs) -> (tokens [B], state)
+    decode_step(key, graphdef, params, state, inputs)  -> (tokens [B, steps], state)
+
+The key (`PrefillKey`, `DecodeKey`: frozen, hashable) holds everything static — the model config,
+state sizes, buckets, layer unrolling, kernel settings — and is the executable's key
+(`jeagle.runtime.executables`): nothing is read from anywhere else while tracing.
+
+Device state (`TargetState`, donated through every call, never copied):
+    cache   KVCache: slot pools + req_to_token (jeagle/cache.py)
+    rows    RowState: per request row, the newest token (its KV not yet written) and sampling params
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jeagle.cache import SCRATCH_SLOT, KVCache, assign_rows, init_cache
+from jeagle.config import ModelConfig
+from jeagle.kernels.settings import KernelSettings
+from jeagle.models.common import AttnInputs
+from jeagle.runtime.executables import DeviceShapes, StepBuild, compiler_options
+from jeagle.sampling import sample
+
+UNROLL_ALL_BYTES = 32 << 20  # one layer's weights per device above which the decode step unrolls every layer
+
+
+def layer_weight_bytes(cfg) -> int:
+    """Bytes of one decoder layer's matmul weights (q|k|v, o, gate|up, down) in the model's dtype."""
+    h = cfg.hidden_size
+    n = h * (cfg.q_size + 2 * cfg.kv_size) + cfg.q_size * h + 3 * h * cfg.intermediate_size
+    return n * jnp.dtype(cfg.dtype).itemsize
+
+
+def layer_unroll(phase: str, config, model_cfg) -> bool | int:
+    """The layer-loop unroll of the "prefill", "step" (target-only decode) or "round" executables
+    (EngineConfig.unroll_layers; None: see there)."""
+    if config.unroll_layers is not None:
+        return config.unroll_layers
+    if phase == "prefill":
+        return False
+    # Per device: a loop's slice copies are of each device's shard of the layer.
+    per_device = layer_weight_bytes(model_cfg) // config.tp
+    return True if phase == "step" and per_device >= UNROLL_ALL_BYTES else 3
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class RowState:
+    last_token: jax.Array  # [R] int32  newest token of each row, its KV not yet written
+    temperature: jax.Array  # [R] f32
+    top_k: jax.Array  # [R] int32
+    top_p: jax.Array  # [R] f32
+    seed: jax.Array  # [R] uint32
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class TargetState:
+    cache: KVCache
+    rows: RowState
+
+
+def init_state(cfg: ModelConfig, *, num_slots: int, max_reqs: int, max_ctx: int) -> TargetState:
+    r = max_reqs + 1  # the last row is the scratch row
+    rows = RowState(last_token=jnp.zeros((r,), jnp.int32), temperature=jnp.zeros((r,), jnp.float32),
+                    top_k=jnp.zeros((r,), jnp.int32), top_p=jnp.ones((r,), jnp.float32),
+                    seed=jnp.zeros((r,), jnp.uint32))
+    return TargetState(init_cache(cfg, num_slots=num_slots, max_reqs=max_reqs, max_ctx=max_ctx), rows)
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class Sampling:
+    """Per-row sampling parameters of a prefill [B]."""
+    temperature: jax.Array
+    top_k: jax.Array
+    top_p: jax.Array
+    seed: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class PrefillInputs:
+    tokens: jax.Array  # [B, T] prompts, 0 padded
+    lengths: jax.Array  # [B] prompt lengths (0: a padding row)
+    row_ids: jax.Array  # [B] request rows (padding: the scratch row)
+    slot_count: jax.Array  # [B] position slots of each request
+    slot_flat: jax.Array  # [B * max_ctx] their slots back to back (runtime.slots.flat_slots)
+    sampling: Sampling
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class DecodeInputs:
+    row_ids: jax.Array  # [B]
+    positions: jax.Array  # [B] position of each row's newest token
+
+
+@dataclass(frozen=True)
+class TargetStatic:
+    """What every executable of one target-only decoder shares."""
+    model: ModelConfig
+    max_reqs: int
+    max_ctx: int
+    num_slots: int
+    unroll_prefill: bool | int
+    unroll_step: bool | int
+    kernels: KernelSettings
+
+    def shapes(self) -> DeviceShapes:
+        """The device shapes these configs imply (no arrays allocated): for worker processes."""
+        from jeagle.models.llama import abstract_model
+
+        graphdef, params = nnx.split(abstract_model(self.model))
+        state = jax.eval_shape(functools.partial(init_state, self.model, num_slots=self.num_slots,
+                                                 max_reqs=self.max_reqs, max_ctx=self.max_ctx))
+        return DeviceShapes.of((graphdef,), params, state)
+
+
+def _abstract(shape, dtype):
+    return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
+
+
+def sampling_shapes(b: int) -> Sampling:
+    return Sampling(_abstract((b,), jnp.float32), _abstract((b,), jnp.int32), _abstract((b,), jnp.float32),
+                    _abstract((b,), jnp.uint32))
+
+
+@dataclass(frozen=True)
+class PrefillKey:
+    static: TargetStatic
+    batch: int
+    length: int
+    phase = "prefill"
+
+    @property
+    def label(self) -> str:
+        return f"prefill-b{self.batch}-t{self.length}"
+
+    @property
+    def kernels(self) -> KernelSettings:
+        return self.static.kernels
+
+    def compiler_options(self) -> dict:
+        return compiler_options(self.static.kernels, cublas_only=False)
+
+    def build(self, shapes: DeviceShapes) -> StepBuild:
+        b, t, ctx = self.batch, self.length, self.static.max_ctx
+        inputs = PrefillInputs(_abstract((b, t), jnp.int32), _abstract((b,), jnp.int32), _abstract((b,), jnp.int32),
+                               _abstract((b,), jnp.int32), _abstract((b * ctx,), jnp.int32), sampling_shapes(b))
+        fn = functools.partial(prefill_step, self, shapes.graphdefs[0])
+        args = (shapes.params, shapes.state, inputs)
+        return StepBuild(fn, args, (1,), shapes.out_shardings(fn, args))
+
+
+@dataclass(frozen=True)
+class DecodeKey:
+    static: TargetStatic
+    batch: int
+    kv_len: int
+    steps: int
+    greedy: bool
+    phase = "decode"
+
+    @property
+    def label(self) -> str:
+        return f"decode-b{self.batch}-s{self.steps}-kv{self.kv_len}-{'greedy' if self.greedy else 'sampled'}"
+
+    @property
+    def kernels(self) -> KernelSettings:
+        return self.static.kernels
+
+    def compiler_options(self) -> dict:
+        return compiler_options(self.static.kernels, cublas_only=False)
+
+    def build(self, shapes: DeviceShapes) -> StepBuild:
+        b = self.batch
+        fn = functools.partial(decode_step, self, shapes.graphdefs[0])
+        args = (shapes.params, shapes.state, DecodeInputs(_abstract((b,), jnp.int32), _abstract((b,), jnp.int32)))
+        return StepBuild(fn, args, (1,), shapes.out_shardings(fn, args))
+
+
+def prefill_step(key: PrefillKey, graphdef, params, state: TargetState, inputs: PrefillInputs):
+    """The prompts' KV written, each row's first token sampled. Returns (tokens [B], state)."""
+    model = nnx.merge(graphdef, params)
+    tokens, lengths, row_ids, s = inputs.tokens, inputs.lengths, inputs.row_ids, inputs.sampling
+    b, t = tokens.shape
+    cache = state.cache
+    req_to_token, table = assign_rows(cache.req_to_token, row_ids, inputs.slot_count, inputs.slot_flat)
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    valid = pos < lengths[:, None]
+    attn = AttnInputs(positions=pos, write_slots=jnp.where(valid, table[:, :t], SCRATCH_SLOT),
+                      kv_slots=table[:, :t], kv_len=lengths)
+    out = model(tokens, attn, cache.k, cache.v, logits_index=jnp.maximum(lengths - 1, 0),
+                unroll=key.static.unroll_prefill)
+    # One executable for greedy and sampled rows: the sampler's sort runs once per prefill, not per step.
+    tok = sample(out.logits, s.seed, lengths, s.temperature, s.top_k, s.top_p, all_greedy=False)
+    r = state.rows
+    rows = RowState(last_token=r.last_token.at[row_ids].set(tok), temperature=r.temperature.at[row_ids].set(s.temperature),
+                    top_k=r.top_k.at[row_ids].set(s.top_k), top_p=r.top_p.at[row_ids].set(s.top_p),
+                    seed=r.seed.at[row_ids].set(s.seed))
+    return tok, TargetState(KVCache(k=out.k, v=out.v, req_to_token=req_to_token), rows)
+
+
+def decode_step(key: DecodeKey, graphdef, params, state: TargetState, inputs: DecodeInputs):
+    """`key.steps` tokens for each row. Returns (tokens [B, steps], state)."""
+    model = nnx.merge(graphdef, params)
+    row_ids, positions = inputs.row_ids, inputs.positions
+    cache, r = state.cache, state.rows
+    b, max_ctx = row_ids.shape[0], key.static.max_ctx
+    table = cache.req_to_token[row_ids]  # [B, max_ctx]
+    kv_slots = table[:, :key.kv_len]
+    temperature, top_k, top_p, seed = r.temperature[row_ids], r.top_k[row_ids], r.top_p[row_ids], r.seed[row_ids]
+
+    def step(s, carry):
+        tok, k, v, toks = carry
+        pos = positions + s
+        # Past a request's last allocated position the table holds the scratch slot.
+        write = jnp.take_along_axis(table, jnp.minimum(pos, max_ctx - 1)[:, None], 1)
+        attn = AttnInputs(positions=pos[:, None], write_slots=write, kv_slots=kv_slots, kv_len=pos,
+                          extra_slots=write, extra_mask=jnp.ones((b, 1, 1), bool))
+        out = model(tok[:, None], attn, k, v, logits_index=jnp.zeros((b,), jnp.int32), unroll=key.static.unroll_step)
+        nxt = sample(out.logits, seed, pos + 1, temperature, top_k, top_p, all_greedy=key.greedy)
+        return nxt, out.k, out.v, toks.at[:, s].set(nxt)
+
+    carry = (r.last_token[row_ids], cache.k, cache.v, jnp.zeros((b, key.steps), jnp.int32))
+    if key.steps == 1:
+        tok, k, v, toks = step(0, carry)
+    else:
+        tok, k, v, toks = jax.lax.fori_loop(0, key.steps, step, carry)
+    rows = RowState(last_token=r.last_token.at[row_ids].set(tok), temperature=r.temperature, top_k=r.top_k,
+                    top_p=r.top_p, seed=r.seed)
+    return toks, TargetState(KVCache(k=k, v=v, req_to_token=cache.req_to_token), rows)

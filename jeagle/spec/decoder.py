@@ -1,0 +1,241 @@
+"""The speculative decoder: EAGLE rounds as the decode step, the tiers and the adaptive controller.
+
+Slots. A request owns, from admission to finish, P = prompt + max_new + S + 1 position slots (capped
+by the context), N tree slots and (S-1)·K draft scratch slots (`SlotLayout(past_last=S+1, tree=N,
+scratch=(S-1)·K)`). Rounds chain on the device; the host reads each round's emitted tokens one round
+late (their copy started at dispatch) and stops dispatching a request once a round reports it
+finished.
+
+Tiers. The decoder runs one (S, K, N) tier, or with `adaptive` several: each tier has its own round
+executables (per batch bucket, prefix bucket and greedy/sampled mode, compiled at warm-up) held in
+its `TierState`, the rows and slots are sized for the largest (S, K, N and scratch each at their
+maximum), and after each processed round the `AdaptiveController` may make another tier active for
+the next dispatch (`jeagle/adaptive.py`). Step functions and keys: spec/steps.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+from flax import nnx
+
+from jeagle.adaptive import AdaptiveConfig, AdaptiveConfigError, AdaptiveController, TierState
+from jeagle.runtime.buckets import Buckets, pad
+from jeagle.runtime.decoder import context_size, place_cache, sampling_inputs, weight_bytes
+from jeagle.runtime.executables import DeviceShapes, Executables
+from jeagle.runtime.slots import SlotLayout, flat_slots, pool_size
+from jeagle.runtime.stats import SpecStats
+from jeagle.runtime.steps import Sampling, layer_unroll
+from jeagle.spec.round import MAX_STOP, RoundResult, RowLayout, SpecConfig
+from jeagle.spec.steps import DraftKey, RoundKey, SpecPrefillInputs, SpecPrefillKey, SpecState, SpecStatic, init_state
+
+ACCEPT_HISTORY = 100_000  # accept lengths kept between stats windows (a server runs for days)
+
+
+class SpecDecoder:
+    speculative = True
+
+    def __init__(self, model, draft, config, spec: SpecConfig = SpecConfig(), *, adaptive: AdaptiveConfig | None = None,
+                 fused_round: bool = True, simulate_accept: float = 0.0, mesh=None):
+        """spec: the (initial) tier. adaptive: switch between the config's tiers after each round.
+        fused_round: one executable per round (default); False runs the draft + tree and the verify +
+        accept + commit + extend as two executables (for measuring the difference). simulate_accept:
+        bench only, a forced mean accept length (the output is then not the target's)."""
+        draft.cfg.check_target(model.cfg)
+        self.config, self.model_cfg, self.draft_cfg, self.mesh = config, model.cfg, draft.cfg, mesh
+        self.base_spec, self.adaptive_config = spec, adaptive
+        self.tiers = ((spec,) if adaptive is None else
+                      tuple(_tier(spec, t, adaptive) for t in adaptive.tiers(*spec.shape)))
+        for t in self.tiers:
+            t.check_simulated_accept(simulate_accept)
+        self.tier_states = [TierState(t, t.num_steps) for t in self.tiers]
+        self.controller = (AdaptiveController(adaptive, self.tier_states, spec.num_steps) if adaptive is not None
+                           else None)
+        self._state = self.controller.active if self.controller is not None else self.tier_states[0]
+        self.row_layout = RowLayout.covering(self.tiers)
+        self.fused_round = fused_round
+        rl = self.row_layout
+        self.layout = SlotLayout(past_last=rl.num_steps + 1, tree=rl.num_draft_tokens, scratch=rl.scratch)
+        self.context_reserve = self.layout.context_reserve
+
+        self.draft_split = False  # the draft head split over the mesh (EngineConfig.tp_draft)
+        if mesh is not None:
+            from jeagle.sharding import shard_draft, shard_target, split_draft
+
+            model = shard_target(model, mesh, config.tp_vocab)
+            self.draft_split = split_draft(draft.cfg, config.tp, config.tp_draft, config.tp_vocab)
+            if self.draft_split:
+                draft = shard_draft(draft, mesh, config.tp_vocab)
+        graphdef, params = nnx.split(model)
+        draft_graphdef, draft_params = nnx.split(draft)
+        if mesh is not None and not self.draft_split:
+            from jeagle.sharding import replicate
+
+            draft_params = replicate(draft_params, mesh)
+        self.params = (params, draft_params)
+        mc = self.model_cfg
+        self.max_ctx, self.max_reqs = context_size(config, mc), config.max_batch_size
+        self.num_slots = pool_size(config, mc, self.layout, self.max_ctx, weight_bytes(params))
+        state = init_state(mc, draft.cfg, rl, num_slots=self.num_slots, max_reqs=self.max_reqs, max_ctx=self.max_ctx)
+        if mesh is not None:  # pools split like the target's; the rest replicated
+            from jeagle.sharding import replicate, shard_pools
+
+            dk, dv = shard_pools(state.draft_k, state.draft_v, mesh)
+            state = SpecState(place_cache(state.cache, mesh), dk, dv, replicate(state.rows, mesh))
+        self.state = state
+        self.scratch_row = self.max_reqs
+        self.buckets = Buckets.for_engine(config, self.max_reqs, self.max_ctx, (mc.head_dim, draft.cfg.head_dim))
+        self.static = SpecStatic(model=mc, draft=draft.cfg, layout=rl, max_reqs=self.max_reqs, max_ctx=self.max_ctx,
+                                 num_slots=self.num_slots, unroll_prefill=layer_unroll("prefill", config, mc),
+                                 unroll_round=layer_unroll("round", config, mc), kernels=config.kernels,
+                                 simulate_accept=simulate_accept)
+        self.executables = Executables(DeviceShapes.of((graphdef, draft_graphdef), self.params, state, mesh),
+                                       store_dir=config.executable_cache_dir, compile_workers=config.compile_workers,
+                                       compile_processes=config.compile_processes)
+        self._rng = np.random.default_rng()
+        self.accept_lengths: list[int] = []  # tokens per request-round, bonus included (bounded)
+        self.rounds_dispatched = 0
+        self.tier_log: list[tuple[int, SpecConfig]] = []  # (round index, tier) at every change of tier
+
+    @property
+    def spec(self) -> SpecConfig:
+        """The active tier: the next round runs it."""
+        return self._state.tier
+
+    def reset_tier(self) -> None:
+        """Adaptive: back to the initial tier with a fresh EMA (nothing recompiles)."""
+        if self.controller is not None:
+            self.controller.reset()
+            self._state = self.controller.active
+
+    # ---- keys ------------------------------------------------------------------------------------------
+    def prefill_key(self, b: int, t: int) -> SpecPrefillKey:
+        return SpecPrefillKey(self.static, b, t)
+
+    def round_key(self, tier: SpecConfig, b: int, kv: int, greedy: bool) -> RoundKey:
+        return RoundKey(self.static, tier, b, kv, greedy)
+
+    def warmup_keys(self, prefill, decode, greedy=(True, False)) -> list:
+        """Prefill keys for the (b, t) pairs, then every tier's fused rounds for the (b, kv) pairs in
+        each mode of `greedy` (the split round is a measurement mode: compiled on first use)."""
+        return ([self.prefill_key(b, t) for b, t in prefill]
+                + [self.round_key(tier, b, kv, g) for tier in self.tiers for g in greedy for b, kv in decode])
+
+    def prefix_bound(self, prompt_len: int, max_new: int, overlap: bool) -> int:
+        # Dispatch bounds L by tokens received + (S+1) per unread round: two with overlap, one without.
+        return min(prompt_len + max_new + (self.row_layout.num_steps + 1) * (2 if overlap else 1), self.max_ctx)
+
+    # ---- dispatch ----------------------------------------------------------------------------------------
+    def _run(self, exe, inputs):
+        res, self.state = exe(self.params, self.state, inputs)
+        res.copy_to_host_async()
+        return res
+
+    def prefill(self, reqs, b: int, t: int):
+        lay, ctx = self.layout, self.max_ctx
+        tokens = np.zeros((b, t), np.int32)
+        positions, tree, scratch, stops = [], [], [], []
+        for i, r in enumerate(reqs):
+            n = len(r.prompt)
+            tokens[i, :n] = r.prompt
+            p, tr, sc = lay.split(r.slots, n, r.max_new, ctx)
+            positions.append(p)
+            tree.append(tr)
+            scratch.append(sc)
+            eos = sorted(r.eos)
+            if len(eos) > MAX_STOP:
+                raise ValueError(f"request {r.index} has {len(eos)} stop tokens; at most {MAX_STOP} are supported")
+            stops.append(eos + [-1] * (MAX_STOP - len(eos)))
+            r.length, r.dispatched = n, 1
+        count, flat = flat_slots(b, ctx, positions)
+        inputs = SpecPrefillInputs(
+            tokens=tokens, lengths=pad([len(r.prompt) for r in reqs], b, 0, np.int32),
+            row_ids=pad([r.row for r in reqs], b, self.scratch_row, np.int32), slot_count=count, slot_flat=flat,
+            tree_slots=pad(tree, b, 0, np.int32).reshape(b, lay.tree),
+            scratch_slots=pad(scratch, b, 0, np.int32).reshape(b, lay.scratch),
+            sampling=Sampling(*sampling_inputs(reqs, b, self._rng)),
+            max_new=pad([r.max_new for r in reqs], b, 1, np.int32),
+            stop_ids=pad(stops, b, -1, np.int32).reshape(b, MAX_STOP))
+        return self._run(self.executables.get(self.prefill_key(b, t)), inputs)
+
+    def wants_step(self, r) -> bool:
+        """Every unfinished request: a round that finishes it reports so."""
+        return not r.done
+
+    def prefix_needed(self, r) -> int:
+        # L <= prompt + tokens received + (S+1) per unread round, this one included.
+        return len(r.prompt) + len(r.out.token_ids) + (self.row_layout.num_steps + 1) * (r.dispatched + 1 - r.processed)
+
+    def step(self, reqs, b: int, kv: int):
+        row_ids = pad([r.row for r in reqs], b, self.scratch_row, np.int32)
+        for r in reqs:
+            r.dispatched += 1  # rounds in flight bound how far L can have moved
+        greedy = all(r.params.greedy for r in reqs)
+        tier = self.spec
+        if not self.tier_log or self.tier_log[-1][1] != tier:
+            self.tier_log.append((self.rounds_dispatched, tier))
+        self.rounds_dispatched += 1
+        if self.fused_round:
+            exe = self._state.executables.get((b, kv, greedy))
+            if exe is None:
+                exe = self._state.executables[b, kv, greedy] = self.executables.get(self.round_key(tier, b, kv, greedy))
+            return self._run(exe, row_ids)
+        tree = self._run_draft(self.executables.get(DraftKey(self.static, tier, b, kv)), row_ids)
+        verify = dataclasses.replace(self.round_key(tier, b, kv, greedy), phase="verify")
+        return self._run(self.executables.get(verify), (row_ids, tree))
+
+    def _run_draft(self, exe, row_ids):
+        tree, self.state = exe(self.params, self.state, row_ids)
+        return tree
+
+    def verify_handle(self, result):
+        return result  # the next host step waits on this round's verify results (runtime/verify_done.py)
+
+    def unpack(self, kind: str, reqs, host: np.ndarray) -> list[tuple[np.ndarray, bool]]:
+        res = RoundResult.unpack(host[: len(reqs)])
+        accepted, out = [], []
+        for i, r in enumerate(reqs):
+            r.processed += 1
+            toks = res.tokens[i]
+            out.append((toks[toks >= 0], bool(res.finished[i])))
+            if not r.done and kind == "step" and res.accepted[i] >= 0:
+                accepted.append(int(res.accepted[i]))
+        if accepted:
+            self.accept_lengths.extend(a + 1 for a in accepted)
+            if len(self.accept_lengths) > ACCEPT_HISTORY:
+                del self.accept_lengths[: -ACCEPT_HISTORY // 2]
+            if self.controller is not None:
+                self.controller.on_verify_complete(accepted)
+                self._state = self.controller.active  # a reference swap: the next dispatch runs this tier
+        return out
+
+    # ---- stats -------------------------------------------------------------------------------------------
+    def stats_window(self):
+        """Where a stats window starts."""
+        return (len(self.accept_lengths), self.rounds_dispatched, len(self.tier_log), self.spec)
+
+    def stats(self, window) -> SpecStats:
+        acc0, round0, log0, start_tier = window
+        acc = self.accept_lengths[acc0:]
+        history = {0: start_tier} | {i - round0: t for i, t in self.tier_log[log0:]}
+        return SpecStats(rounds=len(acc), round_dispatches=self.rounds_dispatched - round0,
+                         accept_length=float(np.mean(acc)) if acc else 1.0,
+                         accept_length_histogram={str(k): acc.count(k) for k in range(1, self.row_layout.num_steps + 2)},
+                         adaptive=self.controller is not None, tiers=[list(t.shape) for t in self.tiers],
+                         tier_history={str(i): list(t.shape) for i, t in sorted(history.items())},
+                         tier_switches=len(history) - 1)
+
+    def info(self) -> dict:
+        acc = self.accept_lengths[-512:]
+        return {"speculative_num_steps": self.spec.num_steps, "speculative_tier": list(self.spec.shape),
+                "avg_spec_accept_length": sum(acc) / len(acc) if acc else None}
+
+
+def _tier(base: SpecConfig, tier: tuple[int, int, int], adaptive: AdaptiveConfig) -> SpecConfig:
+    s, k, n = tier
+    try:
+        return dataclasses.replace(base, num_steps=s, topk=k, num_draft_tokens=n)
+    except ValueError as e:
+        key = "candidate_tiers" if adaptive.candidate_tiers is not None else "candidate_steps"
+        raise AdaptiveConfigError(f"adaptive config: {key} {list(tier)}: {e}") from e

@@ -1,0 +1,238 @@
+"""EAGLE decoding as pure step functions over one donated device state (`SpecState`).
+
+    spec_prefill_step   the target over the prompts, the first token sampled, then the draft extended
+                        over positions 0..L-1 with the pairs (token t+1, target feature t), leaving
+                        the draft's top-K and feature for the first round
+    round_step          one `spec_round` (draft → tree → verify → accept → commit → extend)
+    draft_step, verify_step   the same round as two executables (a measurement mode)
+
+Each returns (result, state); a result is `round.pack_result`'s [B, W + 2] array (the split round's
+draft step returns the tree). The keys (frozen, hashable) hold everything static and are the
+executables' keys (`jeagle.runtime.executables`).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jeagle.cache import SCRATCH_SLOT, KVCache, assign_rows, init_cache, init_pools
+from jeagle.config import DraftConfig, ModelConfig
+from jeagle.kernels.settings import KernelSettings
+from jeagle.models.common import AttnInputs
+from jeagle.runtime.executables import DeviceShapes, StepBuild, compiler_options
+from jeagle.runtime.steps import Sampling, sampling_shapes
+from jeagle.sampling import sample
+from jeagle.spec.round import (MAX_STOP, RowLayout, SpecConfig, SpecRows, draft_topk, draft_tree, init_rows,
+                               pack_result, spec_round, verify_commit)
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class SpecState:
+    cache: KVCache  # the target's pools and the slot table
+    draft_k: jax.Array  # [L_draft, num_slots, kv_heads, head_dim]: the draft's pools, same slot ids
+    draft_v: jax.Array
+    rows: SpecRows
+
+
+def init_state(model: ModelConfig, draft: DraftConfig, layout: RowLayout, *, num_slots: int, max_reqs: int,
+               max_ctx: int) -> SpecState:
+    dk, dv = init_pools(draft, num_slots=num_slots)
+    rows = init_rows(max_reqs + 1, layout, draft.hidden_size, jnp.dtype(draft.dtype))
+    return SpecState(init_cache(model, num_slots=num_slots, max_reqs=max_reqs, max_ctx=max_ctx), dk, dv, rows)
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class SpecPrefillInputs:
+    tokens: jax.Array  # [B, T]
+    lengths: jax.Array  # [B]
+    row_ids: jax.Array  # [B]
+    slot_count: jax.Array  # [B]
+    slot_flat: jax.Array  # [B * max_ctx]
+    tree_slots: jax.Array  # [B, N_max]
+    scratch_slots: jax.Array  # [B, scratch_max]
+    sampling: Sampling
+    max_new: jax.Array  # [B]
+    stop_ids: jax.Array  # [B, MAX_STOP], -1 padded
+
+
+@dataclass(frozen=True)
+class SpecStatic:
+    """What every executable of one speculative decoder shares."""
+    model: ModelConfig
+    draft: DraftConfig
+    layout: RowLayout  # row widths covering every tier
+    max_reqs: int
+    max_ctx: int
+    num_slots: int
+    unroll_prefill: bool | int
+    unroll_round: bool | int
+    kernels: KernelSettings
+    simulate_accept: float = 0.0  # bench only: a forced accept length (round.verify_commit)
+
+    @property
+    def aux_layers(self) -> tuple[int, ...]:
+        return tuple(self.draft.aux_layer_ids) if self.draft.kind == "eagle3" else ()
+
+    def shapes(self) -> DeviceShapes:
+        """The device shapes these configs imply (no arrays allocated): for worker processes."""
+        from jeagle.models.common import abstract_module
+        from jeagle.models.eagle import EagleHead
+        from jeagle.models.llama import abstract_model
+
+        graphdef, params = nnx.split(abstract_model(self.model))
+        dgraphdef, dparams = nnx.split(abstract_module(EagleHead, self.draft))
+        state = jax.eval_shape(functools.partial(init_state, self.model, self.draft, self.layout,
+                                                 num_slots=self.num_slots, max_reqs=self.max_reqs,
+                                                 max_ctx=self.max_ctx))
+        return DeviceShapes.of((graphdef, dgraphdef), (params, dparams), state)
+
+
+def _abstract(shape, dtype=jnp.int32):
+    return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
+
+
+@dataclass(frozen=True)
+class _SpecKey:
+    static: SpecStatic
+
+    @property
+    def kernels(self) -> KernelSettings:
+        return self.static.kernels
+
+    def compiler_options(self) -> dict:
+        return compiler_options(self.static.kernels, cublas_only=True)
+
+    def _build(self, step, shapes: DeviceShapes, inputs) -> StepBuild:
+        fn = functools.partial(step, self, *shapes.graphdefs)
+        args = (shapes.params, shapes.state, inputs)
+        return StepBuild(fn, args, (1,), shapes.out_shardings(fn, args))
+
+
+@dataclass(frozen=True)
+class SpecPrefillKey(_SpecKey):
+    batch: int
+    length: int
+    phase = "prefill"
+
+    @property
+    def label(self) -> str:
+        return f"spec_prefill-b{self.batch}-t{self.length}"
+
+    def build(self, shapes: DeviceShapes) -> StepBuild:
+        b, t, s = self.batch, self.length, self.static
+        inputs = SpecPrefillInputs(_abstract((b, t)), _abstract((b,)), _abstract((b,)), _abstract((b,)),
+                                   _abstract((b * s.max_ctx,)), _abstract((b, s.layout.num_draft_tokens)),
+                                   _abstract((b, s.layout.scratch)), sampling_shapes(b), _abstract((b,)),
+                                   _abstract((b, MAX_STOP)))
+        return self._build(spec_prefill_step, shapes, inputs)
+
+
+@dataclass(frozen=True)
+class RoundKey(_SpecKey):
+    tier: SpecConfig
+    batch: int
+    kv_len: int
+    greedy: bool
+    phase: str = "round"  # "round" (fused) | "verify" (the split round's second half)
+
+    @property
+    def label(self) -> str:
+        s, k, n = self.tier.shape
+        return f"{self.phase}-b{self.batch}-kv{self.kv_len}-{'greedy' if self.greedy else 'sampled'}-s{s}k{k}n{n}"
+
+    def build(self, shapes: DeviceShapes) -> StepBuild:
+        if self.phase == "round":
+            return self._build(round_step, shapes, _abstract((self.batch,)))
+        tree = jax.eval_shape(functools.partial(draft_step, DraftKey(self.static, self.tier, self.batch, self.kv_len),
+                                                *shapes.graphdefs), shapes.params, shapes.state,
+                              _abstract((self.batch,)))[0]
+        return self._build(verify_step, shapes, (_abstract((self.batch,)), tree))
+
+
+@dataclass(frozen=True)
+class DraftKey(_SpecKey):
+    tier: SpecConfig
+    batch: int
+    kv_len: int
+    phase = "draft"
+
+    @property
+    def label(self) -> str:
+        s, k, n = self.tier.shape
+        return f"draft-b{self.batch}-kv{self.kv_len}-s{s}k{k}n{n}"
+
+    def build(self, shapes: DeviceShapes) -> StepBuild:
+        return self._build(draft_step, shapes, _abstract((self.batch,)))
+
+
+def spec_prefill_step(key: SpecPrefillKey, graphdef, draft_graphdef, params, state: SpecState,
+                      inputs: SpecPrefillInputs):
+    target = nnx.merge(graphdef, params[0])
+    head = nnx.merge(draft_graphdef, params[1])
+    static, cache, x = key.static, state.cache, inputs
+    tokens, lengths, row_ids = x.tokens, x.lengths, x.row_ids
+    b, t = tokens.shape
+    req_to_token, table = assign_rows(cache.req_to_token, row_ids, x.slot_count, x.slot_flat)
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    valid = pos < lengths[:, None]
+    attn = AttnInputs(positions=pos, write_slots=jnp.where(valid, table[:, :t], SCRATCH_SLOT), kv_slots=table[:, :t],
+                      kv_len=lengths)
+    last = jnp.maximum(lengths - 1, 0)
+    out = target(tokens, attn, cache.k, cache.v, logits_index=last, aux_layers=static.aux_layers,
+                 unroll=static.unroll_prefill)
+    s = x.sampling
+    first = sample(out.logits, s.seed, lengths, s.temperature, s.top_k, s.top_p, all_greedy=False)  # greedy rows: argmax
+    # Draft extend: (token t+1, feature t) at position t; the last pair takes the first new token.
+    nxt = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), jnp.int32)], 1)
+    ext_tok = jnp.where(pos == last[:, None], first[:, None], nxt)
+    feature = out.hidden if head.cfg.kind == "eagle1" else out.aux_hidden
+    lm_head = target.embed[...] if target.lm_head is None else target.lm_head[...]
+    dout = head(ext_tok, feature, attn, state.draft_k, state.draft_v, embed=target.embed[...],
+                embed_split=target.vocab_split, lm_head=lm_head, logits_index=last)
+    topk_p, topk_id = draft_topk(head, dout.logits, static.layout.topk)
+    finished = jnp.any(first[:, None] == x.stop_ids, -1) | (x.max_new <= 1)
+    rows = state.rows
+    new = SpecRows(root=first, seq_len=lengths, topk_p=topk_p, topk_id=topk_id,
+                   feature=dout.hidden[jnp.arange(b), last].astype(rows.feature.dtype),
+                   tree_slots=x.tree_slots, scratch_slots=x.scratch_slots, n_generated=jnp.ones_like(lengths),
+                   max_new=x.max_new, stop_ids=x.stop_ids, finished=finished, temperature=s.temperature,
+                   top_k=s.top_k, top_p=s.top_p, seed=s.seed)
+    emitted = jnp.full((b, 2), -1, jnp.int32).at[:, 0].set(first)
+    res = pack_result(emitted, jnp.full((b,), -1, jnp.int32), finished)
+    return res, SpecState(KVCache(k=out.k, v=out.v, req_to_token=req_to_token), dout.k, dout.v,
+                          rows.scatter(row_ids, new))
+
+
+def round_step(key: RoundKey, graphdef, draft_graphdef, params, state: SpecState, row_ids):
+    target, head = nnx.merge(graphdef, params[0]), nnx.merge(draft_graphdef, params[1])
+    s = key.static
+    res, cache, dk, dv, rows = spec_round(target, head, key.tier, state.cache, state.draft_k, state.draft_v,
+                                          state.rows, row_ids, kv_len=key.kv_len, greedy=key.greedy,
+                                          aux_layers=s.aux_layers, unroll=s.unroll_round,
+                                          simulate_accept=s.simulate_accept)
+    return res, SpecState(cache, dk, dv, rows)
+
+
+def draft_step(key: DraftKey, graphdef, draft_graphdef, params, state: SpecState, row_ids):
+    target, head = nnx.merge(graphdef, params[0]), nnx.merge(draft_graphdef, params[1])
+    tree, dk, dv = draft_tree(target, head, key.tier, state.cache, state.draft_k, state.draft_v, state.rows,
+                              row_ids, kv_len=key.kv_len)
+    return tree, SpecState(state.cache, dk, dv, state.rows)
+
+
+def verify_step(key: RoundKey, graphdef, draft_graphdef, params, state: SpecState, inputs):
+    target, head = nnx.merge(graphdef, params[0]), nnx.merge(draft_graphdef, params[1])
+    row_ids, tree = inputs
+    s = key.static
+    res, cache, dk, dv, rows = verify_commit(target, head, key.tier, state.cache, state.draft_k, state.draft_v,
+                                             state.rows, row_ids, tree, kv_len=key.kv_len, greedy=key.greedy,
+                                             aux_layers=s.aux_layers, unroll=s.unroll_round,
+                                             simulate_accept=s.simulate_accept)
+    return res, SpecState(cache, dk, dv, rows)
