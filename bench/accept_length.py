@@ -49,6 +49,7 @@ def main() -> None:
     from jeagle.engine import EngineConfig, speculative, target_only
     from jeagle.fetch import resolve_draft, resolve_target
     from jeagle.heads import default_head_dir
+    from jeagle.kernels.settings import KernelSettings
     from jeagle.sampling import SamplingParams
     from jeagle.spec.round import SpecConfig
     from jeagle.tokenizer import Tokenizer
@@ -59,13 +60,14 @@ def main() -> None:
     tiers = [tuple(int(x) for x in t.split(",")) for t in args.tiers.split(":")]
     buckets = tuple(int(x) for x in args.buckets.split(","))
     datasets = [read_dataset(s) for s in args.dataset]
+    kernels = KernelSettings.from_env()  # JEAGLE_KERNELS, ...: read once, here
     doc = {"device": device_kind(), "head": head_src, "max_new_tokens": args.max_new_tokens,
            "results": [], "lossless": []}
 
     def engine_for(model, head, tier, batch):
         s, k, n = tier
         cfg = EngineConfig(max_batch_size=batch, max_context=args.max_new_tokens + 1024,
-                           batch_buckets=tuple(sorted({b for b in buckets if b < batch} | {batch})))
+                           batch_buckets=tuple(sorted({b for b in buckets if b < batch} | {batch})), kernels=kernels)
         return speculative(model, head, cfg, SpecConfig(num_steps=s, topk=k, num_draft_tokens=n))
 
     model = load_model(target_dir)
@@ -94,7 +96,8 @@ def main() -> None:
         h32 = load_draft(resolve_draft(head_src, target_dir), target=m32.cfg, dtype="float32")
         params = SamplingParams(max_new_tokens=args.lossless_tokens)
         n = min(len(ids), 16)
-        plain = target_only(m32, EngineConfig(max_batch_size=n, max_context=args.lossless_tokens + 1024)).generate(ids, params)
+        plain = target_only(m32, EngineConfig(max_batch_size=n, max_context=args.lossless_tokens + 1024,
+                                              kernels=kernels)).generate(ids, params)
         for tier in tiers:
             outs = engine_for(m32, h32, tier, n).generate(ids, params)
             same = sum(a.token_ids == b.token_ids for a, b in zip(outs, plain))

@@ -35,6 +35,13 @@ def tiers_arg(text: str):
     return tuple(tuple(int(x) for x in t.split(",")) for t in text.split(":"))
 
 
+def set_head(engine, head_params) -> None:
+    """Give a speculative engine's draft head new weights (same graph, so nothing recompiles): the
+    decoder's params are the pair (target params, draft params)."""
+    dec = engine.decoder
+    dec.params = (dec.params[0], head_params)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="smollm2")
@@ -53,6 +60,7 @@ def main(argv=None):
 
     from jeagle.adaptive import AdaptiveConfig
     from jeagle.engine import EngineConfig, speculative
+    from jeagle.kernels.settings import KernelSettings
     from jeagle.sampling import SamplingParams
     from jeagle.spec.round import SpecConfig
 
@@ -67,7 +75,8 @@ def main(argv=None):
         prompts = [list(rng.integers(10, vocab, args.context)) for _ in range(batch)]
         sp = SamplingParams(max_new_tokens=args.phase_tokens, ignore_eos=True)
         max_ctx = args.context + args.phase_tokens + 64
-        ecfg = EngineConfig(max_batch_size=batch, max_context=max_ctx, batch_buckets=(batch,))
+        ecfg = EngineConfig(max_batch_size=batch, max_context=max_ctx, batch_buckets=(batch,),
+                            kernels=KernelSettings.from_env())
         for set_name, tiers in tier_sets.items():
             engines = {f"static {s},{k},{n}": speculative(target, head, ecfg, SpecConfig(s, k, n)) for s, k, n in tiers}
             ad = AdaptiveConfig(**{**adaptive_cfg.__dict__, "candidate_tiers": tiers})
@@ -78,24 +87,23 @@ def main(argv=None):
                 eng.warmup(batch_sizes=[batch], prefill_lengths=[args.context], greedy=(True,), progress=False)
                 # One untimed pass per phase kind, so every code path has run once (then reset the policy).
                 for ph in sorted(set(phases)):
-                    eng.draft_params = head_params[ph]
+                    set_head(eng, head_params[ph])
                     eng.generate(prompts, SamplingParams(max_new_tokens=16, ignore_eos=True))
-                eng.reset_tier()
+                eng.decoder.reset_tier()
                 print(f"[{set_name} B={batch}] {name}: warm in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
             for rep in range(args.repeats):
                 for eng in engines.values():
-                    eng.reset_tier()  # each repeat is the whole workload from the start
+                    eng.decoder.reset_tier()  # each repeat is the whole workload from the start
                 order = list(engines.items())
                 order = order[rep % len(order):] + order[: rep % len(order)]  # rotate: no engine always first
                 for i, ph in enumerate(phases):
                     for name, eng in order:
-                        eng.draft_params = head_params[ph]
+                        set_head(eng, head_params[ph])
                         t0 = time.perf_counter()
-                        eng.last_outputs = eng.generate(prompts, sp)
+                        outs = eng.generate(prompts, sp)
                         wall = time.perf_counter() - t0
                         st = eng.last_stats.to_dict()
                         assert st["compilations"] == 0, (name, st["compilations"])
-                        outs = eng.last_outputs
                         first = max(o.time_to_first_token_s for o in outs)
                         rows.append({"batch": batch, "tiers": set_name, "engine": name, "repeat": rep, "phase_index": i,
                                      "phase": ph,
@@ -105,8 +113,8 @@ def main(argv=None):
                                      "host_blocked_ms": st["host_blocked_ms"],
                                      "tokens_per_s": round(st["new_tokens"] / wall, 1),
                                      "accept_length": round(st["accept_length"], 3),
-                                     "tier_history": st["tier_history"] if eng.controller is not None else None})
-            switches[f"{set_name} B={batch}"] = engines["adaptive"].controller.switches
+                                     "tier_history": st["tier_history"] if eng.adaptive else None})
+            switches[f"{set_name} B={batch}"] = engines["adaptive"].decoder.controller.switches
 
     # ---- summary: per phase and overall, adaptive against every static tier -----------------------------
     summary = []

@@ -81,14 +81,16 @@ def jeagle_rows(target_dir, head_dir, prompts_ids, batches, max_new, repeats, ti
     from jeagle.adaptive import AdaptiveConfig
     from jeagle.checkpoint import load_draft, load_model
     from jeagle.engine import EngineConfig, speculative, target_only
+    from jeagle.kernels.settings import KernelSettings
     from jeagle.sampling import SamplingParams
     from jeagle.spec.round import SpecConfig
 
     model = load_model(target_dir)
     head = load_draft(head_dir, target=model.cfg)
     longest = max(len(p) for p in prompts_ids)
+    # The kernel settings come from the environment (JEAGLE_KERNELS, JEAGLE_PAGED_ATTENTION_SPLITS, ...).
     ec = EngineConfig(max_batch_size=max(batches), batch_buckets=tuple(sorted(set(batches))),
-                      max_context=longest + max_new + 16, **(engine_config or {}))
+                      max_context=longest + max_new + 16, kernels=KernelSettings.from_env(), **(engine_config or {}))
     adaptive = AdaptiveConfig.from_json(adaptive_config) if adaptive_config else AdaptiveConfig()
     make = {"jeagle": lambda: target_only(model, ec),
             "jeagle-eagle": lambda: speculative(model, head, ec, SpecConfig(*tier)),
@@ -108,7 +110,7 @@ def jeagle_rows(target_dir, head_dir, prompts_ids, batches, max_new, repeats, ti
 
             def once():
                 if name == "jeagle-adaptive":
-                    eng.reset_tier()  # every run starts from the initial tier with a fresh EMA
+                    eng.decoder.reset_tier()  # every run starts from the initial tier with a fresh EMA
                 outs = eng.generate(ids, sp)
                 if eng.last_stats.compile_s:
                     raise RuntimeError(f"{name}: the timed run compiled")
@@ -250,6 +252,9 @@ def main(argv=None) -> dict:
         p.error(f"--engine-config: not EngineConfig fields: {bad}")
     if fixed := sorted(set(engine_config) & {"max_batch_size", "batch_buckets", "max_context"}):
         p.error(f"--engine-config: {fixed} follow from --batch-sizes and the prompts")
+    if "kernels" in engine_config:
+        p.error("--engine-config: kernels follow from the environment (JEAGLE_KERNELS, JEAGLE_PAGED_ATTENTION_SPLITS, "
+                "JEAGLE_TRITON_GEMM, JEAGLE_XLA_OPTIONS)")
     tier = tuple(int(x) for x in args.tier.split(","))
     doc = {"bench": "decode", "model": target_dir.name, "draft": str(head_dir), "prompts": args.prompts or "one prompt",
            "max_new_tokens": args.max_new_tokens, "device": device_kind(),

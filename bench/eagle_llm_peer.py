@@ -171,6 +171,7 @@ def main(argv=None) -> dict:
     from jeagle.checkpoint import load_draft, load_model
     from jeagle.engine import EngineConfig, speculative, target_only
     from jeagle.fetch import resolve_draft, resolve_target
+    from jeagle.kernels.settings import KernelSettings
     from jeagle.sampling import SamplingParams
     from jeagle.spec.round import SpecConfig
     from jeagle.tokenizer import Tokenizer
@@ -197,7 +198,8 @@ def main(argv=None) -> dict:
            "commit": git_commit(), "rows": []}
 
     # jeagle: the target alone, then the same head at each tier; batch 1, one prompt after another.
-    ec = EngineConfig(max_batch_size=1, batch_buckets=(1,), max_context=max(map(len, prompts)) + n_new + 256)
+    ec = EngineConfig(max_batch_size=1, batch_buckets=(1,), max_context=max(map(len, prompts)) + n_new + 256,
+                      kernels=KernelSettings.from_env())
     sp = SamplingParams(max_new_tokens=n_new, ignore_eos=True)
     systems = {"jeagle": (target_only(model, ec), None)}
     for t in args.tiers.split(":"):

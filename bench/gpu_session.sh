@@ -163,3 +163,23 @@ if [[ "$steps" == *" profile "* ]]; then  # issue 9: rounds (and target-only ste
       --simulate-accept $tau --steps 64 2>&1 | grep -v "Delay kernel" | tee "$OUT/profile_${shape}_round.log"
   done
 fi
+if [[ "$steps" == *" commitab "* ]]; then  # one commit against another in one call: bench/decode.py, jeagle systems
+  # An older tree travels as old.tar.gz (`git archive --prefix=old/ COMMIT -- . ':!jeagle/heads' ':!bench/results'
+  # | gzip` in a staged part); it runs with this tree's shipped head and GGUF, its own conversion cache. Runs
+  # alternate old, new, old, new (each a fresh process): the spread of the two runs of one tree is the noise.
+  [ -f "$HOME/stage/old.tar.gz" ] || { echo "no old.tar.gz staged"; exit 5; }
+  rm -rf "$HOME/old" && tar xzf "$HOME/stage/old.tar.gz" -C "$HOME" && ln -sfn "$PWD/.data" "$HOME/old/.data"
+  head="$PWD/jeagle/heads/smollm2-135m-instruct-eagle3"
+  mkdir -p "$HOME/jcache_old/gguf" && ln -sf "$gguf" "$HOME/jcache_old/gguf/"
+  for i in ${AB_ROUNDS:-1 2}; do
+    for tree in old new; do
+      dir="$PWD"; cache="$JEAGLE_CACHE"
+      [ "$tree" = old ] && dir="$HOME/old" && cache="$HOME/jcache_old"
+      echo "== $tree run $i ($dir)" | tee -a "$OUT/commitab.log"
+      (cd "$dir" && JEAGLE_CACHE="$cache" PYTHONPATH="$HOME/site:$dir" python3 bench/decode.py --prompts .data/mtbench.jsonl \
+        --draft "$head" --hf-batch-sizes "" --systems jeagle,jeagle-eagle --batch-sizes "${AB_BATCHES:-1,16}" 2>&1 \
+        | grep '^{"bench"' | tee -a "$OUT/commitab_$tree.jsonl" \
+        | python3 -c "import json,sys; [print(r) for r in json.load(sys.stdin)['rows']]" | tee -a "$OUT/commitab.log")
+    done
+  done
+fi

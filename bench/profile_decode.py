@@ -73,6 +73,7 @@ def main(argv=None):
 
     from jeagle.config import ModelConfig
     from jeagle.engine import EngineConfig, speculative, target_only
+    from jeagle.kernels.settings import KernelSettings
     from jeagle.models.llama import random_model
     from jeagle.sampling import SamplingParams
 
@@ -98,7 +99,7 @@ def main(argv=None):
         per_call = (tier.num_steps + 1) if args.spec else args.decode_steps  # most tokens one call emits
         max_new = per_call * (warm_steps + 2 * args.steps + 8)
         ec = EngineConfig(max_batch_size=batch, max_context=args.context + max_new + 64,
-                          decode_steps=args.decode_steps, unroll_layers=unroll)
+                          decode_steps=args.decode_steps, unroll_layers=unroll, kernels=KernelSettings.from_env())
         engine = (speculative(model, head, ec, tier, simulate_accept=args.simulate_accept) if args.spec
                   else target_only(model, ec))
         engine.warmup(batch_sizes=[batch], prefill_lengths=[args.context], greedy=(True,), progress=False)
@@ -112,19 +113,20 @@ def main(argv=None):
             raise RuntimeError(f"batch {batch}: could not get every request running")
         for _ in range(warm_steps):
             engine.step()
-        compiled0, acc0 = engine.compile_seconds, len(getattr(engine, "accept_lengths", ()))
-        jax.block_until_ready(engine.cache)
+        dec = engine.decoder  # its device state (donated through every step) and, speculative, its accept lengths
+        compiled0, acc0 = engine.compile_seconds, len(getattr(dec, "accept_lengths", ()))
+        jax.block_until_ready(dec.state)
         t0 = time.perf_counter()
         for _ in range(args.steps):
             engine.step()
-        jax.block_until_ready(engine.cache)
+        jax.block_until_ready(dec.state)
         wall = time.perf_counter() - t0
         with tempfile.TemporaryDirectory() as d:
             t0 = time.perf_counter()
             with jax.profiler.trace(d, create_perfetto_trace=True):
                 for _ in range(args.steps):
                     engine.step()
-                jax.block_until_ready(engine.cache)
+                jax.block_until_ready(dec.state)
             traced_wall = time.perf_counter() - t0
             ev_all = [e for evs in device_events_by_device(d, with_module=True).values() for e in evs]
         if engine.compile_seconds > compiled0:
@@ -132,7 +134,7 @@ def main(argv=None):
                   "figures include compilation", flush=True)
         if any(r.done for r in reqs):
             raise RuntimeError(f"batch {batch}: a request finished while measured (max_new {max_new})")
-        accepted = list(getattr(engine, "accept_lengths", ()))[acc0:]  # request-rounds of both windows
+        accepted = list(getattr(dec, "accept_lengths", ()))[acc0:]  # request-rounds of both windows
         for r in reqs:
             engine.abort(r)
         while engine.has_work:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import re
 import tempfile
 import time
@@ -139,6 +138,7 @@ def main(argv=None) -> dict:
 
     from jeagle.config import ModelConfig
     from jeagle.engine import EngineConfig, speculative, target_only
+    from jeagle.kernels.settings import KernelSettings
     from jeagle.models.llama import random_model
     from jeagle.sampling import SamplingParams
     from jeagle.spec.round import SpecConfig
@@ -147,6 +147,7 @@ def main(argv=None) -> dict:
     batches = [int(b) for b in args.batch_sizes.split(",")]
     taus = [float(t) for t in args.tau.split(",") if t.strip()]
     s, k, n = (int(x) for x in args.tier.split(","))
+    kernels = KernelSettings.from_env()  # JEAGLE_KERNELS, JEAGLE_PAGED_ATTENTION_SPLITS, ...: read once, here
     bw = copy_bandwidth()
     model = random_model(cfg)
     head = random_eagle3_head(cfg) if taus else None
@@ -160,7 +161,7 @@ def main(argv=None) -> dict:
     max_ctx = args.context + args.max_new_tokens + 64
     doc = {"bench": "scale", "shape": args.shape, "device": jax.devices()[0].device_kind, "devices": len(jax.devices()),
            "jax": jax.__version__, "commit": git_commit(),
-           "kernels": os.environ.get("JEAGLE_KERNELS", "default"), "copy_bandwidth_GBps": round(bw / 1e9, 1),
+           "kernels": kernels.backend or "default", "copy_bandwidth_GBps": round(bw / 1e9, 1),
            "weight_GB_read_per_step": round(weight_bytes / 1e9, 3), "tier": [s, k, n], "max_new_tokens": args.max_new_tokens,
            "context": args.context, "sglang_h100_llama8b": SGLANG_H100, "rows": [], "profiles": []}
     print(f"{args.shape}: {weight_bytes / 1e9:.2f} GB of weights read per step; copy bandwidth {bw / 1e9:.0f} GB/s "
@@ -170,7 +171,7 @@ def main(argv=None) -> dict:
     for tp, (vocab, draft_place) in runs:
         placement = {} if tp == 1 else {"tp_vocab": vocab, "tp_draft": draft_place}
         ec = EngineConfig(max_batch_size=max(batches), batch_buckets=tuple(sorted(set(batches))), max_context=max_ctx,
-                          max_total_tokens=max(batches) * max_ctx + 4096, tp=tp, **placement)
+                          max_total_tokens=max(batches) * max_ctx + 4096, tp=tp, kernels=kernels, **placement)
         # target-only depends on the vocabulary placement only: timed once per (tp, vocab)
         engines = {} if (tp, vocab) in timed_target else {"target-only": target_only(model, ec)}
         timed_target.add((tp, vocab))

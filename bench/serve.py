@@ -84,6 +84,7 @@ def main(argv=None):
     import uvicorn
 
     from jeagle.engine import EngineConfig, speculative, target_only
+    from jeagle.kernels.settings import KernelSettings
     from jeagle.serve import create_app
     from jeagle.spec.round import SpecConfig
 
@@ -94,14 +95,16 @@ def main(argv=None):
     prompts = [[int(x) for x in rng.integers(10, target.cfg.vocab_size, args.prompt_len)] for _ in range(64)]
     top = max(levels)
     buckets = tuple(sorted({1, 2, 4, 8, 16, 32, top} & set(range(1, top + 1))))
-    cfg = EngineConfig(max_batch_size=top, max_context=args.prompt_len + args.max_tokens + 64, batch_buckets=buckets)
+    cfg = EngineConfig(max_batch_size=top, max_context=args.prompt_len + args.max_tokens + 64, batch_buckets=buckets,
+                       kernels=KernelSettings.from_env())
     rows = []
     for name in args.configs.split(","):
         if name == "target-only":
             engine = target_only(target, cfg)
         else:
             engine = speculative(target, head, cfg, SpecConfig(5, 4, 8))
-            engine.draft_params = head_params["high" if name == "eagle-oracle" else "low"]
+            dec = engine.decoder  # its params: (target params, draft params); the same graph, new draft weights
+            dec.params = (dec.params[0], head_params["high" if name == "eagle-oracle" else "low"])
         t0 = time.perf_counter()
         engine.warmup(prefill_lengths=[args.prompt_len], greedy=(True,), progress=False)
         warm = time.perf_counter() - t0

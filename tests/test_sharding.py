@@ -170,7 +170,7 @@ ENGINE_SCRIPT = textwrap.dedent('''
     jax.config.update("jax_default_matmul_precision", "highest")
     from jeagle.engine import EngineConfig, speculative, target_only
     from jeagle.sampling import SamplingParams
-        from jeagle.spec.round import SpecConfig
+    from jeagle.spec.round import SpecConfig
     from tests.spec_models import bigram_target, signed_identity_head, target_config
     cfg = target_config(vocab=96).replace(num_heads=8, num_kv_heads=4, head_dim=4)
     target = bigram_target(cfg, scale=30.0)
@@ -186,7 +186,7 @@ ENGINE_SCRIPT = textwrap.dedent('''
             from flax import nnx
             eng = target_only(target, dataclasses.replace(ec, tp_vocab="replicate"))
             assert eng.decoder.state.cache.k.sharding.spec[2] == "tp"
-            assert tuple(nnx.to_pure_dict(eng.params)["lm_head"].sharding.spec)[:1] in ((), (None,))
+            assert tuple(nnx.to_pure_dict(eng.decoder.params)["lm_head"].sharding.spec)[:1] in ((), (None,))
             got = [o.token_ids for o in eng.generate(prompts, params)]
             assert got == ref, (tp, got, ref)
         spec = speculative(target, head, ec, SpecConfig(num_steps=3, topk=2, num_draft_tokens=4))
@@ -200,7 +200,7 @@ ENGINE_SCRIPT = textwrap.dedent('''
         assert split == [True, tp == 2], (tp, split)  # the head's 2 KV heads split over 2, not over 4
         # tp_draft "auto" (the default): the head itself split where it divides (tp 2), replicated at tp 4
         from flax import nnx
-        wqkv = nnx.to_pure_dict(spec.draft_params)["wqkv"]
+        wqkv = nnx.to_pure_dict(spec.decoder.params[1])["wqkv"]
         assert spec.decoder.draft_split == (tp == 2) and (tuple(wqkv.sharding.spec)[2:3] == ("tp",)) == (tp == 2), \
             (tp, spec.decoder.draft_split, wqkv.sharding)
         print("engine tp", tp, "ok", spec.last_stats.accept_length, flush=True)
@@ -211,9 +211,9 @@ ENGINE_SCRIPT = textwrap.dedent('''
     for draft, vocab in ((eagle3, "shard"),):  # (an EAGLE-1 head split at tp 2: the loop above)
         ec = EngineConfig(max_batch_size=4, max_context=64, tp=2, tp_draft="shard", tp_vocab=vocab)
         spec = speculative(target, draft, ec, SpecConfig(num_steps=3, topk=2, num_draft_tokens=4))
-        placed = nnx.to_pure_dict(spec.draft_params)
+        placed = nnx.to_pure_dict(spec.decoder.params[1])
         assert placed["wqkv"].sharding.spec[2] == "tp" and placed["w_down"].sharding.spec[1] == "tp"
-        assert nnx.to_pure_dict(spec.params)["lm_head"].sharding.spec[0] == ("tp" if vocab == "shard" else None)
+        assert nnx.to_pure_dict(spec.decoder.params[0])["lm_head"].sharding.spec[0] == ("tp" if vocab == "shard" else None)
         if draft is eagle3:
             assert placed["lm_head"].sharding.spec[0] == "tp"
         got = [o.token_ids for o in spec.generate(prompts, params)]

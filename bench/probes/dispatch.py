@@ -39,6 +39,7 @@ def main(argv=None):
     import numpy as np
 
     from jeagle.engine import EngineConfig, speculative
+    from jeagle.kernels.settings import KernelSettings
     from jeagle.sampling import SamplingParams
     from jeagle.spec.round import SpecConfig
 
@@ -47,22 +48,23 @@ def main(argv=None):
     for b in [int(x) for x in args.batch_sizes.split(",")]:
         unroll = True if args.unroll == "all" else int(args.unroll)
         eng = speculative(model, head, EngineConfig(max_batch_size=b, max_context=1024, batch_buckets=(b,),
-                                                    unroll_layers=unroll), SpecConfig(5, 4, 8))
+                                                    unroll_layers=unroll, kernels=KernelSettings.from_env()),
+                          SpecConfig(5, 4, 8))
         t0 = time.perf_counter()
         eng.generate([list(range(100, 356))] * b, SamplingParams(max_new_tokens=32, ignore_eos=True))
         compile_s = time.perf_counter() - t0
         row_ids = np.arange(b, dtype=np.int32)
-        exe = eng._decode_exe(b, eng.kv_buckets[0], True, eng._decode_inputs([], b))
+        dec = eng.decoder  # the speculative decoder: its params, its donated device state, the active tier
+        exe = eng.executables.get(dec.round_key(dec.spec, b, eng.buckets.kv[0], True))
 
         def call():
-            a = eng._decode_inputs([], b)[:-1] + (row_ids,)
-            res, eng.cache, eng.dk, eng.dv, eng.srows = exe(*a)
+            res, dec.state = exe(dec.params, dec.state, row_ids)
             return res
 
         jax.block_until_ready(call())
         disp = []
         for _ in range(20):
-            jax.block_until_ready((eng.cache, eng.srows))
+            jax.block_until_ready(dec.state)
             t0 = time.perf_counter()
             res = call()
             disp.append(time.perf_counter() - t0)

@@ -35,6 +35,7 @@ def main(argv=None):
     import numpy as np
 
     from jeagle.engine import EngineConfig, speculative
+    from jeagle.kernels.settings import KernelSettings
     from jeagle.sampling import SamplingParams
     from jeagle.spec.round import SpecConfig
 
@@ -42,7 +43,8 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     prompts = [list(rng.integers(10, model.cfg.vocab_size, args.context)) for _ in range(args.batch)]
     cfg = EngineConfig(max_batch_size=args.batch, max_context=args.context + args.tokens + 64,
-                       batch_buckets=(args.batch,), verify_done_wait="sync" if args.sync else "dataflow")
+                       batch_buckets=(args.batch,), verify_done_wait="sync" if args.sync else "dataflow",
+                       kernels=KernelSettings.from_env())
     eng = speculative(model, head, cfg, SpecConfig(5, 4, 8))
     sp = SamplingParams(max_new_tokens=args.tokens, ignore_eos=True)
     eng.generate(prompts, sp)

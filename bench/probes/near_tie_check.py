@@ -51,6 +51,7 @@ def main(argv=None) -> int:
     from jeagle.engine import EngineConfig, speculative, target_only
     from jeagle.fetch import resolve_draft, resolve_target
     from jeagle.heads import default_head_dir
+    from jeagle.kernels.settings import KernelSettings
     from jeagle.sampling import SamplingParams
     from jeagle.spec.round import SpecConfig
     from jeagle.tokenizer import Tokenizer
@@ -66,7 +67,8 @@ def main(argv=None) -> int:
     for dtype in ("bfloat16", "float32"):
         model = fp32 if dtype == "float32" else load_model(target_dir, dtype=dtype)
         head = load_draft(head_dir, target=model.cfg, dtype=dtype)
-        ec = EngineConfig(max_batch_size=1, batch_buckets=(1,), max_context=max(map(len, prompts)) + args.max_new_tokens + 16)
+        ec = EngineConfig(max_batch_size=1, batch_buckets=(1,), max_context=max(map(len, prompts)) + args.max_new_tokens + 16,
+                          kernels=KernelSettings.from_env())
         want = [o.token_ids for o in target_only(model, ec).generate(prompts, sp)]
         got = [o.token_ids for o in speculative(model, head, ec, SpecConfig(*map(int, args.tier.split(",")))).generate(prompts, sp)]
         for i, (a, b) in enumerate(zip(want, got)):

@@ -41,15 +41,15 @@ def device_round_ms(engine, b, kv, reps):
     import jax
     import numpy as np
 
-    row_ids = (np.arange(b) % engine.max_reqs).astype(np.int32)
-    exe = engine._decode_exe(b, kv, True, engine._decode_inputs([], b))
+    dec = engine.decoder  # the speculative decoder: its params, its donated device state, the active tier
+    row_ids = (np.arange(b) % engine.max_running).astype(np.int32)
+    exe = engine.executables.get(dec.round_key(dec.spec, b, kv, True))
 
     def run(n):
         t0 = time.perf_counter()
         res = None
         for _ in range(n):
-            args = engine._decode_inputs([], b)[:-1] + (row_ids,)
-            res, engine.cache, engine.dk, engine.dv, engine.srows = exe(*args)
+            res, dec.state = exe(dec.params, dec.state, row_ids)
         jax.block_until_ready(res)
         return time.perf_counter() - t0
 
@@ -70,16 +70,18 @@ def main(argv=None):
 
     import tempfile
 
-    from jeagle.runtime import enable_compile_cache
+    from jeagle.runtime.store import enable_compile_cache
 
     enable_compile_cache(tempfile.mkdtemp(prefix="jeagle-xla-"))  # the modes share executables: compile once
     import jax
 
-    from jeagle.engine import EngineConfig, pick_bucket, speculative
+    from jeagle.engine import EngineConfig, speculative
+    from jeagle.kernels.settings import KernelSettings
     from jeagle.sampling import SamplingParams
     from jeagle.spec.round import SpecConfig
 
     model, head = random_target_and_head(args.shape)
+    kernels = KernelSettings.from_env()
     s, k, n = (int(x) for x in args.tier.split(","))
     prompt = list(range(100, 100 + args.context))
     sp = SamplingParams(max_new_tokens=args.rounds, ignore_eos=True)
@@ -91,14 +93,14 @@ def main(argv=None):
         for mode in args.modes.split(","):
             overlap, wait = MODES[mode]
             eng = speculative(model, head, EngineConfig(max_batch_size=batch, max_context=1024, overlap=overlap,
-                                                        verify_done_wait=wait), SpecConfig(s, k, n))
+                                                        verify_done_wait=wait, kernels=kernels), SpecConfig(s, k, n))
             eng.generate([prompt] * batch, sp)  # compiles
             eng.generate([prompt] * batch, sp)
             st = eng.last_stats.to_dict()
             wall_ms = 1e3 * st["wall_s"] / st["steps"]
             if device_ms is None:
-                kv = pick_bucket(eng.kv_buckets, min(args.context + args.rounds + s + 1, eng.max_ctx))
-                device_ms = device_round_ms(eng, pick_bucket(eng.batch_buckets, batch), kv, args.reps)
+                b, kv = eng.buckets.decode(batch, args.context + args.rounds + s + 1)  # kv capped at the context
+                device_ms = device_round_ms(eng, b, kv, args.reps)
             hb = st["host_blocked_ms"]
             rows.append({"batch": batch, "mode": mode, "rounds": st["steps"], "wall_ms_per_round": round(wall_ms, 3),
                          "host_blocked_ms": {k2: round(v, 3) for k2, v in hb.items()},

@@ -37,6 +37,7 @@ def main(argv=None):
     import numpy as np
 
     from jeagle.engine import EngineConfig, speculative, target_only
+    from jeagle.kernels.settings import KernelSettings
     from jeagle.sampling import SamplingParams
     from jeagle.spec.round import SpecConfig
 
@@ -45,21 +46,28 @@ def main(argv=None):
     out = {"bench": "profile_prefill", "shape": args.shape, "device": device_kind(),
            "commit": git_commit(), "rows": []}
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
-        cfg = EngineConfig(max_batch_size=batch, max_context=args.context + 600, batch_buckets=(batch,))
+        cfg = EngineConfig(max_batch_size=batch, max_context=args.context + 600, batch_buckets=(batch,),
+                           kernels=KernelSettings.from_env())
         eng = target_only(model, cfg) if args.target_only else speculative(model, head, cfg, SpecConfig(5, 4, 8))
         prompts = [list(rng.integers(10, model.cfg.vocab_size, args.context)) for _ in range(batch)]
 
         def prefill():
-            reqs = [eng._make_request(i, pr, SamplingParams(max_new_tokens=512, ignore_eos=True))
+            # What the scheduler does for one prefill group, by hand: checked requests, a row and the
+            # slots of the decoder's layout for each, the (batch, length) bucket, the decoder's dispatch.
+            dec = eng.decoder
+            reqs = [eng.check(pr, SamplingParams(max_new_tokens=512, ignore_eos=True), i)
                     for i, pr in enumerate(prompts)]
             for r in reqs:
-                assert eng._admit(r)
+                got = eng.pool.admit(dec.layout.slots_needed(len(r.prompt), r.max_new, eng.max_context))
+                assert got is not None, "the pool has no room for the batch"
+                r.row, r.slots = got
             t0 = time.perf_counter()
-            res = eng._dispatch_prefill(reqs)
+            b, t = eng.buckets.prefill(len(reqs), max(len(r.prompt) for r in reqs))
+            res = dec.prefill(reqs, b, t)
             np.asarray(res)
             dt = time.perf_counter() - t0
             for r in reqs:
-                eng._release(r)
+                eng.pool.release(r.row, r.slots)
             return dt
 
         prefill()  # compile

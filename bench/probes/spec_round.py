@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from pathlib import Path
@@ -34,15 +33,17 @@ def main(argv=None):
     args = p.parse_args(argv)
 
     from jeagle.engine import EngineConfig, speculative, target_only
+    from jeagle.kernels.settings import KernelSettings
     from jeagle.sampling import SamplingParams
     from jeagle.spec.round import SpecConfig
 
     model, head = random_target_and_head(args.shape)
+    kernels = KernelSettings.from_env()  # JEAGLE_KERNELS, JEAGLE_XLA_OPTIONS, ...: read once, here
     prompt = list(range(100, 100 + args.context))
     rows = []
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
         sp = SamplingParams(max_new_tokens=args.rounds, ignore_eos=True, temperature=args.temperature, seed=0)
-        ar = target_only(model, EngineConfig(max_batch_size=batch, max_context=1024))
+        ar = target_only(model, EngineConfig(max_batch_size=batch, max_context=1024, kernels=kernels))
         ar.generate([prompt] * batch, sp)
         t0 = time.perf_counter()
         ar.generate([prompt] * batch, sp)
@@ -50,15 +51,15 @@ def main(argv=None):
         for tier in args.tiers.split(":"):
             s, k, n = (int(x) for x in tier.split(","))
             for fused in [{"fused": True, "split": False}[x] for x in args.rounds_as.split(",")]:
-                eng = speculative(model, head, EngineConfig(max_batch_size=batch, max_context=1024), SpecConfig(s, k, n),
-                                  fused_round=fused)
+                eng = speculative(model, head, EngineConfig(max_batch_size=batch, max_context=1024, kernels=kernels),
+                                  SpecConfig(s, k, n), fused_round=fused)
                 eng.generate([prompt] * batch, sp)
                 t0 = time.perf_counter()
                 eng.generate([prompt] * batch, sp)
                 wall = time.perf_counter() - t0
                 rounds = eng.last_stats.speculative.rounds / batch
                 rows.append({"batch": batch, "tier": [s, k, n], "fused": fused, "rounds": rounds,
-                             "temperature": args.temperature, "kernels": os.environ.get("JEAGLE_KERNELS", "default"),
+                             "temperature": args.temperature, "kernels": kernels.backend or "default",
                              "ms_per_round": round(1e3 * wall / rounds, 3), "target_decode_ms": round(1e3 * ar_step, 3),
                              "accept_length": round(eng.last_stats.accept_length, 3),
                              "compile_s": round(eng.compile_seconds, 1)})

@@ -32,24 +32,28 @@ from common import device_kind, random_target_and_head  # noqa: E402
 
 def child(args):
     from jeagle.engine import EngineConfig, speculative
+    from jeagle.kernels.settings import KernelSettings
     from jeagle.spec.round import SpecConfig
 
     t0 = time.perf_counter()
     model, head = random_target_and_head(args.shape)
     engine = speculative(model, head, EngineConfig(max_batch_size=args.max_batch, max_context=args.max_context,
                                                    executable_cache_dir=args.store, compile_workers=args.workers,
-                                                   compile_processes=args.processes),
+                                                   compile_processes=args.processes, kernels=KernelSettings.from_env()),
                          SpecConfig(5, 4, 8))
     greedy = (True,) if args.greedy_only else (True, False)
-    plan = engine.warmup_plan(greedy=greedy)
+    plan = engine.warmup_plan(greedy=greedy)  # step keys: each has a phase ("prefill" or "round")
     seconds = engine.warmup(greedy=greedy, progress=False)
-    store = engine._store
+    store = engine.executables.store  # None without --store (or under a mesh)
+    bk = engine.buckets
     print(json.dumps({"seconds": round(seconds, 2), "executables": len(plan),
-                      "prefill": sum(p[0] == "prefill" for p in plan), "rounds": sum(p[0] == "decode" for p in plan),
-                      "loaded": store.loaded, "compiled": store.saved,
+                      "prefill": sum(key.phase == "prefill" for key in plan),
+                      "rounds": sum(key.phase == "round" for key in plan),
+                      "loaded": store.loaded if store is not None else 0,
+                      "compiled": store.saved if store is not None else engine.num_compiled,
                       "process_s": round(time.perf_counter() - t0, 2),
-                      "buckets": {"batch": engine.batch_buckets, "prefill_batch": engine.prefill_batch_buckets,
-                                  "prefill_len": engine.prefill_buckets, "kv": engine.kv_buckets}}))
+                      "buckets": {"batch": bk.batch, "prefill_batch": bk.prefill_batch,
+                                  "prefill_len": bk.prefill_len, "kv": bk.kv}}))
 
 
 def main(argv=None):

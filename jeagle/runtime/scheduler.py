@@ -16,6 +16,7 @@ time is counted apart from serving time.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
 from typing import Callable
@@ -27,6 +28,8 @@ from jeagle.runtime.slots import OutOfSlots, SlotPool
 from jeagle.runtime.stats import Stats, latency_stats
 from jeagle.runtime.verify_done import VerifyDone, verify_done_mode
 from jeagle.sampling import SamplingParams
+
+log = logging.getLogger("jeagle.runtime")
 
 HISTORY = 100_000  # per-step records kept between reset_stats() calls (a server runs for days)
 
@@ -138,7 +141,10 @@ class Engine:
         for r in reqs:
             self.abort(r)
         self._pending.clear()
-        self.verify_done.wait()
+        try:  # after a failed step the last round's results may be the failure itself: drop them
+            self.verify_done.wait()
+        except Exception:
+            log.warning("abort_all: the last step's results failed; dropped", exc_info=True)
         return reqs
 
     def _admit(self, r: Request) -> bool:

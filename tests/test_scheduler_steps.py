@@ -89,3 +89,34 @@ def test_bad_submit_queues_nothing(engines):
     with pytest.raises(PromptTooLong):  # generate checks every prompt before queueing any
         eng.generate([[5, 6], list(range(4, 100))], SamplingParams(max_new_tokens=4))
     assert not eng.has_work
+
+
+@pytest.mark.parametrize("name", ["target-only", "eagle"])
+def test_abort_all_after_a_failed_step_leaves_the_engine_idle_and_usable(engines, alone, name):
+    """What a server does after a step raised: abort everything; nothing in flight is read, a wait on
+    the failed step's results does not raise again, every row and slot is free, and the next request
+    runs as if alone."""
+    from jeagle.runtime.verify_done import VerifyDone
+
+    eng = engines[name]
+    idle = idle_state(eng)
+    reqs = [eng.submit(p, sp) for p, sp in zip(PROMPTS, PARAMS)]
+    eng.step()  # a prefill (and a first step) in flight, two requests still waiting
+
+    def failed(_):
+        raise RuntimeError("the step's results failed on the device")
+
+    kept = eng.verify_done
+    eng.verify_done = VerifyDone("sync", block=failed)
+    eng.verify_done.record(object())
+    try:
+        aborted = eng.abort_all()
+    finally:
+        eng.verify_done = kept
+    assert sorted(r.index for r in aborted) == sorted(r.index for r in reqs if r.out.finish_reason == "abort")
+    assert len(aborted) == 5 and all(r.done for r in reqs)
+    assert not eng.has_work and idle_state(eng) == idle
+    again = eng.submit(PROMPTS[0], PARAMS[0])
+    while eng.has_work:
+        eng.step()
+    assert again.out.token_ids == alone[0]

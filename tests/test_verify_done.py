@@ -7,7 +7,8 @@ import logging
 import jax.numpy as jnp
 import pytest
 
-from jeagle.runtime import STREAM_WAIT_ENV, VerifyDone, latency_stats, verify_done_mode
+from jeagle.runtime.stats import latency_stats
+from jeagle.runtime.verify_done import STREAM_WAIT_ENV, VerifyDone, verify_done_mode
 
 
 class Spy:

@@ -1,0 +1,108 @@
+"""The host's one place for KV slots and rows (jeagle/runtime/slots.py) and for buckets
+(jeagle/runtime/buckets.py), without a model: layouts, the pool's hand-out and take-back, planning a
+padded batch, padding and trimming."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jeagle.cache import SCRATCH_SLOT
+from jeagle.runtime.buckets import Buckets, batch_buckets, pad, pick_bucket, prefill_batch_buckets, unpad
+from jeagle.runtime.config import EngineConfig
+from jeagle.runtime.slots import OutOfSlots, SlotLayout, SlotPool, flat_slots
+
+
+def test_layout_parts_are_disjoint_and_capped_at_the_context():
+    spec = SlotLayout(past_last=6, tree=8, scratch=12)  # S=5, N=8, (S-1)K=12
+    assert spec.context_reserve == 6 and SlotLayout().context_reserve == 0
+    slots = np.arange(100, 100 + spec.slots_needed(10, 20, 512))
+    positions, tree, scratch = spec.split(slots, 10, 20, 512)
+    assert (len(positions), len(tree), len(scratch)) == (36, 8, 12)
+    assert len(set(positions) | set(tree) | set(scratch)) == len(slots)
+    # Near the context end the positions stop at max_ctx; the tree and scratch stay whole.
+    assert spec.positions(500, 100, 512) == 512 and spec.slots_needed(500, 100, 512) == 532
+    # Target-only: the last token's KV is never written.
+    assert SlotLayout().slots_needed(10, 20, 512) == 29
+
+
+def test_pool_hands_out_rows_and_slots_and_takes_them_back():
+    pool = SlotPool(num_slots=11, max_reqs=2)
+    assert (pool.free_rows, pool.free_slots, pool.scratch_row) == (2, 10, 2)
+    row_a, a = pool.admit(4)
+    row_b, b = pool.admit(5)
+    assert {row_a, row_b} == {0, 1}
+    taken = np.concatenate([a, b])
+    assert SCRATCH_SLOT not in taken and len(set(taken)) == 9 and taken.max() <= 10
+    assert pool.admit(1) is None  # no row left: nothing taken
+    assert pool.free_slots == 1
+    pool.release(row_a, a)
+    assert pool.admit(6) is None and (pool.free_rows, pool.free_slots) == (1, 5)  # short of slots: nothing taken
+    row_c, c = pool.admit(5)
+    assert row_c == row_a and len(c) == 5 and not set(c) & set(b)
+    with pytest.raises(OutOfSlots, match="need 3, 0 free of 10"):
+        pool.allocator.alloc(3)
+    with pytest.raises(ValueError, match="invalid slot"):
+        pool.release(row_c, [SCRATCH_SLOT])
+
+
+def test_flat_slots_pads_with_the_scratch_slot():
+    count, flat = flat_slots(4, 8, [np.array([5, 6, 7]), np.array([9])])
+    assert count.tolist() == [3, 1, 0, 0]
+    assert flat.shape == (32,) and flat[:4].tolist() == [5, 6, 7, 9] and (flat[4:] == SCRATCH_SLOT).all()
+
+
+def config(**kw):
+    return EngineConfig(**{"max_batch_size": 16, "max_context": 1024, **kw})
+
+
+def test_batch_tables():
+    assert batch_buckets(12, config()) == (1, 2, 3, 4, 5, 6, 7, 8, 10, 12)
+    assert batch_buckets(12, config(disable_padding=True)) == tuple(range(1, 13))
+    assert batch_buckets(12, config(batch_buckets=(16, 4))) == (4, 16)
+    assert batch_buckets(12, config(max_bucket=12)) == (1, 2, 3, 4, 5, 6, 7, 8, 10, 12)
+    with pytest.raises(ValueError, match="largest batch bucket 8 < max running requests 12"):
+        batch_buckets(12, config(batch_buckets=(4, 8)))
+    with pytest.raises(ValueError, match="--max-bucket 8 < max running requests 12"):
+        batch_buckets(12, config(max_bucket=8))
+    decode = batch_buckets(48, config())
+    assert prefill_batch_buckets(decode, config()) == (1, 4, 16, 48)
+    assert pick_bucket(decode, 9) == 10
+    with pytest.raises(ValueError, match="exceeds the largest bucket 48"):
+        pick_bucket(decode, 49)
+
+
+def test_plans_pick_the_smallest_covering_buckets():
+    b = Buckets(batch=(1, 2, 4, 8), prefill_batch=(1, 4, 8), prefill_len=(16, 64, 256), kv=(128, 256, 512),
+                max_ctx=512, max_prefill_tokens=512)
+    assert b.prefill(3, 17) == (4, 64)
+    assert b.decode(5, 129) == (8, 256)
+    assert b.decode(1, 10_000) == (1, 512)  # prefixes are capped at the context
+    assert b.prefill_fits(8, 64) and not b.prefill_fits(4, 200) and b.prefill_fits(1, 256)
+    prefill, decode = b.warmup_plan()
+    assert (1, 256) in prefill and (4, 256) not in prefill and (8, 64) in prefill
+    assert all(bb == 1 or bb * t <= 512 for bb, t in prefill)
+    assert len(decode) == 12
+    prefill, decode = b.warmup_plan(batch_sizes=[3], prefill_lengths=[20], kv_lengths=[100, 300])
+    assert (prefill, decode) == ([(4, 64)], [(4, 128), (4, 512)])
+
+
+def test_pad_and_unpad():
+    out = pad([3, 4], 4, -1, np.int32)
+    assert out.tolist() == [3, 4, -1, -1] and out.dtype == np.int32
+    rows = pad(np.ones((2, 3)), 4, 0.0, np.float32)
+    assert rows.shape == (4, 3) and rows[2:].sum() == 0
+    assert pad([], 2, 7, np.int32).tolist() == [7, 7]
+    assert unpad(np.arange(8).reshape(4, 2), 2).tolist() == [[0, 1], [2, 3]]
+
+
+def test_kv_buckets_follow_the_kernel_settings():
+    """One bucket (the context) where the paged-attention kernel serves every attention, powers of two
+    with the reference: decided by the config's KernelSettings, not the environment."""
+    from jeagle.kernels.settings import KernelSettings
+
+    heads = (16,)
+    ref = Buckets.for_engine(config(kernels=KernelSettings(backend="reference")), 4, 1024, heads)
+    ker = Buckets.for_engine(config(kernels=KernelSettings(backend="interpret")), 4, 1024, heads)
+    assert len(ref.kv) > 1 and ref.kv[-1] == 1024
+    assert ker.kv == (1024,)
