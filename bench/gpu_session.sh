@@ -168,7 +168,8 @@ if [[ "$steps" == *" commitab "* ]]; then  # one commit against another in one c
   # | gzip` in a staged part); it runs with this tree's shipped head and GGUF, its own conversion cache. Runs
   # alternate old, new, old, new (each a fresh process): the spread of the two runs of one tree is the noise.
   [ -f "$HOME/stage/old.tar.gz" ] || { echo "no old.tar.gz staged"; exit 5; }
-  rm -rf "$HOME/old" && tar xzf "$HOME/stage/old.tar.gz" -C "$HOME" && ln -sfn "$PWD/.data" "$HOME/old/.data"
+  rm -rf "$HOME/old" && tar xzf "$HOME/stage/old.tar.gz" -C "$HOME" && ln -sfn "$PWD/.data" "$HOME/old/.data" \
+    && cp -r jeagle/heads "$HOME/old/jeagle/"  # the shipped head (left out of the archive): the same files
   head="$PWD/jeagle/heads/smollm2-135m-instruct-eagle3"
   mkdir -p "$HOME/jcache_old/gguf" && ln -sf "$gguf" "$HOME/jcache_old/gguf/"
   for i in ${AB_ROUNDS:-1 2}; do
