@@ -1,67 +1,23 @@
-"""`python -m jeagle.generate`: arguments → `GenerateArgs` → the library. Nothing else lives here."""
+"""`python -m jeagle.generate`: arguments → `EngineSpec` + sampling parameters → the library. Nothing else lives here."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from jeagle.cli import build_parser, check_args
 
 
-@dataclass(frozen=True)
-class GenerateArgs:
-    prompts: tuple[str, ...] = ()
-    prompts_file: str | None = None
-    target: str | None = None
-    max_new_tokens: int = 256
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int | None = None
-    chat: bool | None = None  # None = chat template when the tokenizer has one
-    batch_size: int | None = None
-    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
-    ignore_eos: bool = False
-    json: bool = False
-    dtype: str = "bfloat16"
-    max_context: int | None = None
-    max_total_tokens: int | None = None
-    mem_fraction_static: float | None = None
-    decode_steps: int = 1
-    unroll_layers: bool = False
-    layer_unroll: int | None = None
-    draft: str | None = None
-    speculative_algorithm: str | None = None
-    speculative_num_steps: int | None = None
-    speculative_eagle_topk: int | None = None
-    speculative_num_draft_tokens: int | None = None
-    speculative_accept_threshold_single: float = 1.0
-    speculative_accept_threshold_acc: float = 1.0
-    speculative_adaptive: bool = False
-    speculative_adaptive_config: str | None = None
-    buckets: tuple[int, ...] | None = None
-    max_bucket: int | None = None
-    disable_padding: bool = False
-    overlap: bool = True
-    verify_done_wait: str | None = None
-    warmup: bool = False
-    compile_cache_dir: str | None = None
-    no_compile_cache: bool = False
-    compile_workers: int | None = None
-    tp: int = 1
-    tp_vocab: str = "shard"
-    tp_draft: str = "auto"
-
-
-def parse_args(argv: list[str] | None = None) -> GenerateArgs:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The parsed, checked options (the engine's part becomes an `EngineSpec` in `run`); lists as tuples."""
     p = build_parser()
     a = p.parse_args(argv)
     if not a.prompts and not a.prompts_file:
         p.error("give prompts as arguments or --prompts-file")
     check_args(p, a)
-    return GenerateArgs(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in vars(a).items()})
+    return argparse.Namespace(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in vars(a).items()})
 
 
 def read_prompts_file(path: str) -> list[str]:
@@ -79,7 +35,7 @@ def read_prompts_file(path: str) -> list[str]:
     return [line for line in text.splitlines() if line.strip()]
 
 
-def run(args: GenerateArgs) -> dict:
+def run(args: argparse.Namespace) -> dict:
     from jeagle.engine import EngineSpec, build_engine
     from jeagle.fetch import resolve_target
     from jeagle.kernels.settings import KernelSettings

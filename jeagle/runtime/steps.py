@@ -133,8 +133,19 @@ def sampling_shapes(b: int) -> Sampling:
                     _abstract((b,), jnp.uint32))
 
 
+class _TargetKey:
+    """What the target-only step keys share: their kernel settings and XLA options come from `static`."""
+
+    @property
+    def kernels(self) -> KernelSettings:
+        return self.static.kernels
+
+    def compiler_options(self) -> dict:
+        return compiler_options(self.static.kernels, cublas_only=False)
+
+
 @dataclass(frozen=True)
-class PrefillKey:
+class PrefillKey(_TargetKey):
     static: TargetStatic
     batch: int
     length: int
@@ -143,13 +154,6 @@ class PrefillKey:
     @property
     def label(self) -> str:
         return f"prefill-b{self.batch}-t{self.length}"
-
-    @property
-    def kernels(self) -> KernelSettings:
-        return self.static.kernels
-
-    def compiler_options(self) -> dict:
-        return compiler_options(self.static.kernels, cublas_only=False)
 
     def build(self, shapes: DeviceShapes) -> StepBuild:
         b, t, ctx = self.batch, self.length, self.static.max_ctx
@@ -161,7 +165,7 @@ class PrefillKey:
 
 
 @dataclass(frozen=True)
-class DecodeKey:
+class DecodeKey(_TargetKey):
     static: TargetStatic
     batch: int
     kv_len: int
@@ -172,13 +176,6 @@ class DecodeKey:
     @property
     def label(self) -> str:
         return f"decode-b{self.batch}-s{self.steps}-kv{self.kv_len}-{'greedy' if self.greedy else 'sampled'}"
-
-    @property
-    def kernels(self) -> KernelSettings:
-        return self.static.kernels
-
-    def compiler_options(self) -> dict:
-        return compiler_options(self.static.kernels, cublas_only=False)
 
     def build(self, shapes: DeviceShapes) -> StepBuild:
         b = self.batch
