@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from jeagle.config import DTYPES
+from jeagle.config import DTYPE_CHOICES
 
 
 def build_parser(prog: str = "python -m jeagle.generate", prompts: bool = True,
@@ -32,7 +32,12 @@ def build_parser(prog: str = "python -m jeagle.generate", prompts: bool = True,
     p.add_argument("--stop-token-ids", type=lambda s: tuple(int(x) for x in s.split(",") if x), default=())
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON object (outputs + stats) on stdout")
-    p.add_argument("--dtype", default="bfloat16", choices=DTYPES)
+    p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
+                   help="weights and activations (default auto: bfloat16 on a GPU, float32 on a CPU, where bf16 "
+                        "is emulated and picks worse tokens at near ties)")
+    p.add_argument("--deterministic", action="store_true",
+                   help="batch-invariant target forward: greedy output is the same tokens with or without a draft, "
+                        "at any batch size, in bf16 too (slower; jeagle/models/deterministic.py)")
     p.add_argument("--max-context", type=int, default=None, help="context window (default: model's, max 8192)")
     p.add_argument("--max-total-tokens", type=int, default=None, help="KV cache slots")
     p.add_argument("--mem-fraction-static", type=float, default=None,

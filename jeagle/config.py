@@ -17,6 +17,15 @@ from typing import Any
 # Architectures the target model implements, keyed by Hugging Face `model_type`.
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
 DTYPES = ("bfloat16", "float32", "float16")
+DTYPE_CHOICES = ("auto",) + DTYPES  # what the entry points accept: "auto" resolves per backend (auto_dtype)
+
+
+def auto_dtype(platform: str) -> str:
+    """The dtype `--dtype auto` means on a JAX platform: bfloat16 where the hardware computes it natively
+    (GPU, TPU), float32 elsewhere. XLA on a CPU emulates bf16 matmuls by rounding fp32 results, and
+    small models then pick visibly worse tokens at near ties (SmolLM2 answers "What is the capital of
+    France?" with French nonsense in bf16 on a CPU, "Paris" in fp32)."""
+    return "bfloat16" if platform in ("gpu", "tpu", "cuda", "rocm") else "float32"
 
 
 class ConfigError(ValueError):

@@ -13,6 +13,7 @@ target-only decoder (`jeagle.runtime.target`) or a speculative one (`jeagle.spec
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -61,7 +62,7 @@ def speculative(model, draft, config: EngineConfig = EngineConfig(), spec: SpecC
 class EngineSpec:
     """An engine as the command-line options describe it (the same names as the options)."""
     target: str | None = None  # converted dir, Hugging Face dir or .gguf; None: SmolLM2-135M-Instruct
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # "auto" resolves on construction (config.auto_dtype); dtype_auto records that it did
     batch_size: int | None = None  # max running requests; None: the prompts' count, at most 48 (draft) / 16
     max_context: int | None = None
     max_total_tokens: int | None = None
@@ -89,14 +90,39 @@ class EngineSpec:
     tp: int = 1
     tp_vocab: str = "shard"
     tp_draft: str = "auto"
+    deterministic: bool = False  # batch-invariant target forward (KernelSettings.deterministic)
     quiet: bool = False  # no progress lines while fetching or converting
     kernels: KernelSettings = field(default_factory=KernelSettings)
+    dtype_auto: bool = field(default=False, init=False)
+
+    def __post_init__(self):
+        from jeagle.config import DTYPE_CHOICES, ConfigError, auto_dtype
+
+        if self.dtype not in DTYPE_CHOICES:
+            raise ConfigError(f"dtype {self.dtype!r} not in {DTYPE_CHOICES}")
+        if self.deterministic:
+            if self.tp != 1:
+                raise ConfigError("--deterministic runs on one device: drop --tp")
+            object.__setattr__(self, "kernels", dataclasses.replace(self.kernels, deterministic=True))
+        if self.dtype == "auto":
+            import jax
+
+            object.__setattr__(self, "dtype", auto_dtype(jax.default_backend()))
+            object.__setattr__(self, "dtype_auto", True)
+
+    def describe_dtype(self) -> str:
+        """The dtype and why, for the start-up facts."""
+        if not self.dtype_auto:
+            return self.dtype
+        import jax
+
+        return f"{self.dtype} (auto on {jax.default_backend()}; --dtype to override)"
 
     @classmethod
     def from_namespace(cls, ns, **overrides) -> "EngineSpec":
         """The engine options of parsed arguments (an argparse namespace or a dataclass with the same
         names); anything else they hold is ignored."""
-        values = {f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)}
+        values = {f.name: getattr(ns, f.name) for f in fields(cls) if f.init and hasattr(ns, f.name)}
         if isinstance(values.get("buckets"), list):
             values["buckets"] = tuple(values["buckets"])
         return cls(**(values | overrides))

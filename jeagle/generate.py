@@ -35,6 +35,14 @@ def read_prompts_file(path: str) -> list[str]:
     return [line for line in text.splitlines() if line.strip()]
 
 
+def describe_decoding(spec) -> str:
+    if not spec.uses_draft:
+        return "target only"
+    tier = spec.tier()
+    return f"EAGLE draft {Path(spec.draft).name} ({tier.num_steps},{tier.topk},{tier.num_draft_tokens})" + (
+        ", adaptive" if spec.adaptive() else "")
+
+
 def run(args: argparse.Namespace) -> dict:
     from jeagle.engine import EngineSpec, build_engine
     from jeagle.fetch import resolve_target
@@ -45,7 +53,7 @@ def run(args: argparse.Namespace) -> dict:
     texts = list(args.prompts) + (read_prompts_file(args.prompts_file) if args.prompts_file else [])
     spec = EngineSpec.from_namespace(args, quiet=args.json, kernels=KernelSettings.from_env())
     spec.adaptive()  # a bad adaptive config fails before anything loads
-    target_dir = resolve_target(args.target, dtype=args.dtype, quiet=args.json)
+    target_dir = resolve_target(args.target, dtype=spec.dtype, quiet=args.json)
     tokenizer = Tokenizer.from_dir(target_dir)
     use_chat = tokenizer.has_chat_template if args.chat is None else args.chat
     if use_chat and not tokenizer.has_chat_template:
@@ -53,6 +61,9 @@ def run(args: argparse.Namespace) -> dict:
     ids = [tokenizer.encode_chat([{"role": "user", "content": t}]) if use_chat else tokenizer.encode(t)
            for t in texts]
     engine, load_s = build_engine(spec, target_dir, len(ids))
+    if not args.json:
+        print(f"[jeagle] {target_dir.name}, {spec.describe_dtype()}, {describe_decoding(spec)}, "
+              f"batch {engine.max_running}, loaded in {load_s:.1f} s", file=sys.stderr)
     if args.warmup:
         # Only what these prompts can dispatch; every request shares the temperature: greedy or sampled.
         engine.warmup_for([len(x) for x in ids], args.max_new_tokens, greedy=(args.temperature == 0.0,),
@@ -88,7 +99,7 @@ def run(args: argparse.Namespace) -> dict:
     doc = {"outputs": results,
            "stats": stats.to_dict() | {
                "time_to_first_token_s": sum(ttft) / len(ttft) if ttft else None,
-               "tokens_per_second": stats.tokens_per_second, "load_s": load_s, "target": str(target_dir),
+               "tokens_per_second": stats.tokens_per_second, "load_s": load_s, "target": str(target_dir), "dtype": spec.dtype,
                "draft": args.draft if spec.uses_draft else None, "batch_size": engine.max_running}}
     if args.json:
         print(json.dumps(doc))

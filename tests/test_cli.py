@@ -40,6 +40,24 @@ def test_default_dtype_bf16_end_to_end(smollm2_dir):
     assert doc["stats"]["target"] == str(smollm2_dir)
 
 
+def test_readme_command_answers_right_on_this_backend(smollm2_dir):
+    """The README's first command, exactly as typed: `--dtype auto` (the default) is float32 on a CPU,
+    where bf16 is emulated and this question's first token is a near tie bf16 gets wrong."""
+    import jax
+
+    from jeagle.config import auto_dtype
+
+    want = auto_dtype(jax.default_backend())
+    assert want == ("bfloat16" if jax.default_backend() == "gpu" else "float32")
+    proc = subprocess.run([sys.executable, "-m", "jeagle.generate", QUESTION], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "Paris" in proc.stdout
+    assert f"{want} (auto on {jax.default_backend()}" in proc.stderr  # the choice is among the start-up facts
+    doc = json.loads(run_cli("--dtype", "auto", "--json", "--max-new-tokens", "4", QUESTION).stdout)
+    assert doc["stats"]["dtype"] == want
+
+
 def test_json_output_schema(single):
     assert set(single) == {"outputs", "stats"}
     (out,) = single["outputs"]

@@ -69,7 +69,7 @@ def make_app(parts, api_key=None, batch=8):
 
     target, head, tok = parts
     engine = speculative(target, head, EngineConfig(max_batch_size=batch, max_context=128), SpecConfig(3, 2, 5))
-    return create_app(engine, tok, MODEL, api_key), engine
+    return create_app(engine, tok, MODEL, api_key, aliases=("/models/" + MODEL,)), engine
 
 
 @pytest.fixture(scope="module")
@@ -120,6 +120,22 @@ def test_openai_client_completions_and_chat(server, parts, reference):
                                                  stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
     assert chunks[0].choices[0].delta.role == "assistant" and chunks[-1].choices[0].finish_reason == finish
+
+
+def test_model_names_sglang_clients_send(server):
+    """SGLang's conventional `default`, the served name and the target's path are all this model; any
+    other name is a 400 that names the field."""
+    url, _ = server
+    with httpx.Client(base_url=url, timeout=60) as c:
+        for name in ("default", MODEL, "/models/" + MODEL):
+            r = c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 3, "temperature": 0, "model": name})
+            assert r.status_code == 200, (name, r.text)
+            assert r.json()["model"] == MODEL
+        r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                                                 "model": "default"})
+        assert r.status_code == 200, r.text
+        r = c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 3, "model": "Default"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "model"
 
 
 def test_httpx_raw_stream_and_stop_strings(server, parts, reference):

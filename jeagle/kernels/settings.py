@@ -45,6 +45,10 @@ class KernelSettings:
     triton_gemm: bool = False  # True: XLA's own Triton GEMM fusions stay on in speculative executables
     # Extra XLA options for every executable, as sorted (name, value) pairs so the settings stay hashable.
     xla_options: tuple[tuple[str, object], ...] = ()
+    # Deterministic mode (`--deterministic`): the target's forward computes each token's logits the same
+    # way whatever the batch and the tokens per call (jeagle/models/deterministic.py); on a GPU every
+    # executable compiles with cuBLAS matmuls and no autotuning.
+    deterministic: bool = False
 
     def __post_init__(self):
         if self.backend is not None and self.backend not in BACKENDS:
@@ -54,6 +58,8 @@ class KernelSettings:
             object.__setattr__(self, "paged_attention_splits", None)
         elif not (s is None or s == "auto" or (isinstance(s, int) and not isinstance(s, bool) and s >= 1)):
             raise ValueError(f"paged_attention_splits={s!r}: expected None, 'auto' or a count >= 1")
+        if not isinstance(self.deterministic, bool):
+            raise ValueError(f"deterministic must be a bool, got {self.deterministic!r}")
         if not isinstance(self.triton_gemm, bool):
             raise ValueError(f"triton_gemm must be a bool, got {self.triton_gemm!r}")
         if isinstance(self.xla_options, Mapping):  # a dict is accepted and stored as sorted pairs

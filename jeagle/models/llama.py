@@ -27,6 +27,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jeagle.config import ModelConfig
+from jeagle.kernels.settings import current
+from jeagle.models import deterministic
 from jeagle.models.common import (AttnInputs, abstract_module, attention_sublayer, mlp_sublayer, random_module,
                                    rms_norm, rope_cos_sin)
 from jeagle.sharding import embed_rows
@@ -104,6 +106,9 @@ class Llama(nnx.Module):
     ) -> ForwardOut:
         cfg = self.cfg
         w = {name: (getattr(self, name)[...] if getattr(self, name) is not None else None) for name in LAYER_PARAMS}
+        if current().deterministic:  # batch- and token-count-invariant logits (jeagle/models/deterministic.py)
+            return ForwardOut(*deterministic.forward(self, w, tokens, attn, k_pool, v_pool, logits_index=logits_index,
+                                                     aux_layers=aux_layers, unroll=unroll))
         embed = self.embed[...]
         h = embed_rows(embed, tokens, self.vocab_split)
         cos, sin = rope_cos_sin(attn.positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)

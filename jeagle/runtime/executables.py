@@ -78,10 +78,15 @@ def compiler_options(kernels, *, cublas_only: bool) -> dict:
     cublas_only: the speculative executables compile with XLA's Triton GEMM fusions off (cuBLAS for
     every matmul): on the H100 that halves their compile time (4-5 s instead of 8-10 s per round
     executable) and the rounds run as fast or faster (bench/HISTORY.md, "XLA options"); kept on with
-    `KernelSettings.triton_gemm` (JEAGLE_TRITON_GEMM=1). On a CPU no options of ours. Then the
-    settings' own `xla_options` (JEAGLE_XLA_OPTIONS)."""
+    `KernelSettings.triton_gemm` (JEAGLE_TRITON_GEMM=1). Deterministic mode: cuBLAS and no autotuning
+    in every executable, so one matmul shape gets one algorithm everywhere. On a CPU no options of
+    ours. Then the settings' own `xla_options` (JEAGLE_XLA_OPTIONS)."""
     extra = dict(kernels.xla_options)
-    if not cublas_only or jax.default_backend() != "gpu" or kernels.triton_gemm:
+    if jax.default_backend() != "gpu":
+        return extra
+    if kernels.deterministic:  # the same cuBLAS algorithm for the same matmul shape in every executable
+        return {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0} | extra
+    if not cublas_only or kernels.triton_gemm:
         return extra
     return {"xla_gpu_enable_triton_gemm": False} | extra
 

@@ -57,8 +57,9 @@ def serve(args: ServeArgs) -> int:
     if args.warmup:
         engine.warmup(progress=True)
     name = args.served_model_name or target_dir.name
-    print(f"[jeagle.serve] {name} loaded in {load_s:.1f} s; serving on http://{args.host}:{args.port}", file=sys.stderr)
-    uvicorn.run(create_app(engine, tokenizer, name, args.api_key), host=args.host, port=args.port, log_level="warning")
+    print(f"[jeagle.serve] {name} ({spec.dtype}) loaded in {load_s:.1f} s; serving on http://{args.host}:{args.port}", file=sys.stderr)
+    aliases = (spec.target, str(target_dir)) if spec.target else (str(target_dir),)
+    uvicorn.run(create_app(engine, tokenizer, name, args.api_key, aliases), host=args.host, port=args.port, log_level="warning")
     return 0
 
 

@@ -39,10 +39,15 @@ class Served:
     api_key: str | None
     loop: EngineLoop
     created: int
+    aliases: tuple[str, ...] = ()  # other names requests may give as `model` (besides "default")
 
 
-def create_app(engine, tokenizer, model_name: str, api_key: str | None = None) -> Starlette:
-    served = Served(engine, tokenizer, model_name, api_key, EngineLoop(engine), int(time.time()))
+def create_app(engine, tokenizer, model_name: str, api_key: str | None = None, aliases: tuple[str, ...] = ()
+               ) -> Starlette:
+    """aliases: names besides `model_name` and "default" that requests may give as `model` (the
+    server passes the target's path as given and as resolved)."""
+    served = Served(engine, tokenizer, model_name, api_key, EngineLoop(engine), int(time.time()),
+                    tuple(a for a in aliases if a))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -123,7 +128,7 @@ async def complete(request: Request, chat: bool):
     try:
         body = await read_json(request)
         opts = parse_common(body, CHAT_KEYS if chat else COMPLETION_KEYS)
-        check_model(body, s.model_name)
+        check_model(body, s.model_name, s.aliases)
         ids = chat_prompt_ids(body, s.tokenizer) if chat else completion_prompt_ids(body, s.tokenizer)
         params = sampling_params(opts, len(ids), chat, s.engine.max_context, s.engine.context_reserve)
         s.engine.check(ids, params)  # the engine's own checks (vocabulary, slots), nothing queued

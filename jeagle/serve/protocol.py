@@ -83,8 +83,13 @@ def parse_common(body: dict, allowed: set[str]) -> dict:
     }
 
 
-def check_model(body: dict, model_name: str) -> None:
-    if body.get("model") not in (None, model_name):
+DEFAULT_MODEL = "default"  # the name SGLang's server answers to whatever it serves; its clients and docs send it
+
+
+def check_model(body: dict, model_name: str, aliases: tuple[str, ...] = ()) -> None:
+    """A request's `model` must be absent, `default`, the served name, or one of its aliases (the
+    target's path as given on the command line)."""
+    if body.get("model") not in (None, DEFAULT_MODEL, model_name, *aliases):
         raise BadRequest(f"model '{body.get('model')}' is not served here (this server: '{model_name}')", "model",
                          kind="invalid_request_error")
 

@@ -1,0 +1,195 @@
+"""The target's forward in deterministic mode (`--deterministic`, `KernelSettings.deterministic`):
+every token's logits are the same bits whatever else is in the call — how many rows, how many tokens
+per row (a prefill, a one-token decode step, a tree verify), where its keys sit in the pool.
+
+Why the default forward is not: a matmul's reduction order depends on its M (cuBLAS and XLA pick
+other algorithms, split-K or tiles for M = 1, 8 or 128), so the one-token decode step and the tree
+verify over N tokens round a token's activations differently in bf16, and greedy EAGLE parts from
+greedy target-only at near ties. SGLang's `--enable-deterministic-inference` fixes this with
+batch-invariant Triton kernels (fixed tiles, no split-K) and fixed attention splits; this module does
+the same with plain JAX, so it runs on every backend:
+
+- **Per-token work in fixed tiles.** Everything between the attentions (RMSNorm, q|k|v, RoPE, the output
+  projection, the MLP, the residual adds, the final norm and the lm_head) runs through `tiled`: the
+  call's tokens, flattened and padded to a multiple of `TILE`, go through one `lax.map` whose body
+  sees `TILE` tokens. The body is the same computation in every executable, and no op in it mixes
+  rows, so a token's result depends only on the token. (On a GPU the executables also compile with
+  cuBLAS for every matmul and no autotuning: `runtime.executables.compiler_options`.)
+- **Attention in position order, in fixed blocks.** Each query gathers its keys by *position*
+  (0..p: the prefix from the slot table, then — in a tree verify — its ancestors' tree slots at the
+  positions they would have in target-only decoding) and runs an online softmax over blocks of
+  `KV_BLOCK` positions, `TILE` queries at a time. A block past a query's position is masked entirely
+  and leaves (max, sum, accumulator) bit-for-bit unchanged (x·1 + 0), so the number of blocks a call
+  loops over does not matter; a partly visible block holds the same keys at the same offsets in every
+  form. Scores and sums are explicit products and reductions of fixed shapes (no batched dots).
+
+The cost (measured on the GPU in bench/RESULTS.md): the tiles re-read each layer's weights once per
+`TILE` tokens, and attention gathers its keys instead of reading them in place. The draft head keeps
+the fast path: its numbers never reach the output.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from jeagle.models.common import (AttnInputs, attention_output, mlp_sublayer, qkv_rope, rms_norm, rope_cos_sin,
+                                   write_kv)
+
+TILE = 64  # tokens per tile of the per-token work, and queries per attention tile
+KV_BLOCK = 64  # key positions per online-softmax step
+
+
+def tiled(fn, *xs):
+    """fn over `TILE`-row tiles of arrays whose leading dimension is the call's tokens (M): padded to a
+    multiple of `TILE` with zeros, mapped with `lax.map`, unpadded. fn takes and returns tiles."""
+    m = xs[0].shape[0]
+    n = max(1, math.ceil(m / TILE))
+
+    def split(x):
+        x = jnp.pad(x, [(0, n * TILE - m)] + [(0, 0)] * (x.ndim - 1))
+        return x.reshape(n, TILE, *x.shape[1:])
+
+    # The barriers keep XLA from seeing through the padding: it would sink a pad below a matmul (or a
+    # slice above one) and run that matmul at the unpadded M, which is what the tiles are there to avoid.
+    out = jax.lax.map(lambda t: jax.lax.optimization_barrier(fn(*jax.lax.optimization_barrier(t))),
+                      tuple(split(x) for x in xs))
+    return jax.tree.map(lambda y: y.reshape(n * TILE, *y.shape[2:])[:m], out)
+
+
+def key_positions(attn: AttnInputs, t: int):
+    """Each query's keys in position order: (slots [B, T, P], visible [B, T, P]) with P a multiple of
+    KV_BLOCK. Forms: the gathered prefill (keys j <= position, j < kv_len, or attn.mask) and the paged
+    decode / tree verify, whose extra keys are the call's own tokens (extra e at positions[b, e])."""
+    b = attn.positions.shape[0]
+    s = attn.kv_slots.shape[1]
+    if attn.extra_slots is None:
+        p = KV_BLOCK * max(1, math.ceil(s / KV_BLOCK))
+        j = jnp.arange(p, dtype=jnp.int32)
+        slots = jnp.pad(attn.kv_slots, ((0, 0), (0, p - s)))
+        if attn.mask is not None:
+            visible = jnp.pad(attn.mask, ((0, 0), (0, 0), (0, p - s)))
+        else:
+            visible = (j[None, None, :] <= attn.positions[:, :, None]) & (j[None, None, :] < attn.kv_len[:, None, None])
+        return jnp.broadcast_to(slots[:, None, :], (b, t, p)), visible
+    e = attn.extra_slots.shape[1]
+    if e != t:
+        raise ValueError(f"deterministic attention: the extra keys must be the call's own {t} tokens, got {e}")
+    p = KV_BLOCK * max(1, math.ceil((s + e) / KV_BLOCK))
+    j = jnp.arange(p, dtype=jnp.int32)
+    in_prefix = j[None, :] < attn.kv_len[:, None]  # [B, P]
+    prefix_slots = jnp.pad(attn.kv_slots, ((0, 0), (0, p - s)))
+    # Extra key e, seen by query t when extra_mask[b, t, e], sits at position positions[b, e].
+    hit = attn.extra_mask[:, :, :, None] & (attn.positions[:, None, :, None] == j[None, None, None, :])  # [B,T,E,P]
+    extra_slot = jnp.sum(jnp.where(hit, attn.extra_slots[:, None, :, None], 0), axis=2)
+    slots = jnp.where(in_prefix[:, None, :], prefix_slots[:, None, :], extra_slot)
+    visible = in_prefix[:, None, :] | jnp.any(hit, axis=2)
+    return slots, visible
+
+
+def attend(q, slots, visible, last_key, k_pool, v_pool, layer, cfg):
+    """Attention of queries q [M, Hq, D] over their keys (slots, visible [M, P]) in the pools' layer
+    `layer`, `TILE` queries at a time, in blocks of KV_BLOCK positions; fp32, cast to q's dtype."""
+    hkv, d = cfg.num_kv_heads, cfg.head_dim
+    g = cfg.num_heads // hkv
+    nblocks = slots.shape[1] // KV_BLOCK
+    scale = 1.0 / math.sqrt(d)
+
+    def one_tile(qt, st, vt, lt):
+        qf = qt.astype(jnp.float32).reshape(TILE, hkv, g, d) * scale
+        # Blocks past every query of the tile change nothing; skip them.
+        last = jnp.minimum(jnp.max(lt) // KV_BLOCK + 1, nblocks)
+
+        def block(i, carry):
+            m, l, acc = carry
+            sl = jax.lax.dynamic_slice_in_dim(st, i * KV_BLOCK, KV_BLOCK, axis=1)  # [TILE, KB]
+            ok = jax.lax.dynamic_slice_in_dim(vt, i * KV_BLOCK, KV_BLOCK, axis=1)
+            k = k_pool[layer, sl].astype(jnp.float32)  # [TILE, KB, Hkv, D]
+            v = v_pool[layer, sl].astype(jnp.float32)
+            s = jnp.sum(qf[:, None] * k[:, :, :, None, :], axis=-1)  # [TILE, KB, Hkv, G]
+            s = jnp.where(ok[:, :, None, None], s, -jnp.inf)
+            m_new = jnp.maximum(m, jnp.max(s, axis=1))
+            alpha = jnp.exp(jnp.where(m_new == -jnp.inf, 0.0, m - m_new))
+            p = jnp.where(ok[:, :, None, None], jnp.exp(s - m_new[:, None]), 0.0)
+            l = l * alpha + jnp.sum(p, axis=1)
+            acc = acc * alpha[..., None] + jnp.sum(p[..., None] * v[:, :, :, None, :], axis=1)
+            return m_new, l, acc
+
+        init = (jnp.full((TILE, hkv, g), -jnp.inf, jnp.float32), jnp.zeros((TILE, hkv, g), jnp.float32),
+                jnp.zeros((TILE, hkv, g, d), jnp.float32))
+        _, l, acc = jax.lax.fori_loop(0, last, block, init)
+        out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
+        return out.reshape(TILE, hkv * g, d).astype(qt.dtype)
+
+    return tiled(one_tile, q, slots, visible, last_key)
+
+
+def forward(model, w: dict, tokens, attn: AttnInputs, k_pool, v_pool, *, logits_index, aux_layers, unroll):
+    """`Llama.__call__` in deterministic mode: the same inputs (`w`: the stacked layer weights by name)
+    and the fields of its `ForwardOut` as a tuple (logits, hidden, aux_hidden, k, v)."""
+    cfg = model.cfg
+    if model.tp_groups != 1:
+        raise ValueError("deterministic mode runs on one device (tp 1)")
+    b, t = tokens.shape
+    embed = model.embed[...]
+    h = embed[tokens.reshape(-1)]  # [M, H]
+    pos = attn.positions.reshape(-1)
+    slots, visible = key_positions(attn, t)
+    slots, visible = slots.reshape(b * t, -1), visible.reshape(b * t, -1)
+    # Each query's last visible key index (-1: none, a padding token): the blocks a tile must run.
+    last_key = jnp.max(jnp.where(visible, jnp.arange(visible.shape[1], dtype=jnp.int32), -1), axis=-1)
+    cos, sin = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)  # [M, D/2]
+    write = attn.write_slots.reshape(1, -1)
+
+    def layer(i, carry):
+        h, kp, vp = carry
+        wi = {name: (a[i] if a is not None else None) for name, a in w.items()}
+
+        def pre(ht, ct, st):
+            x = rms_norm(ht, wi["attn_norm"], cfg.rms_norm_eps)
+            q, k, v = qkv_rope(x[None], wi, ct[None], st[None], cfg)
+            return q[0], k[0], v[0]
+
+        q, k, v = tiled(pre, h, cos, sin)
+        kp = write_kv(kp, i, write, k[None])
+        vp = write_kv(vp, i, write, v[None])
+        o = attend(q, slots, visible, last_key, kp, vp, i, cfg)
+
+        def post(ht, ot):
+            ht = ht + attention_output(ot[None], wi, cfg)[0]
+            return ht + mlp_sublayer(rms_norm(ht, wi["mlp_norm"], cfg.rms_norm_eps)[None], wi)[0]
+
+        return tiled(post, h, o), kp, vp
+
+    def run_layers(start, stop, h, kp, vp):
+        if unroll is True:
+            for i in range(start, stop):
+                h, kp, vp = layer(i, (h, kp, vp))
+            return h, kp, vp
+        if stop == start:
+            return h, kp, vp
+        k = max(1, min(int(unroll), stop - start))
+        return jax.lax.fori_loop(start, stop, layer, (h, kp, vp), unroll=k)
+
+    aux, start = [], 0
+    for layer_id in sorted(aux_layers):
+        if not 0 <= layer_id <= cfg.num_layers:
+            raise ValueError(f"aux layer {layer_id} outside 0..{cfg.num_layers}")
+        h, k_pool, v_pool = run_layers(start, layer_id, h, k_pool, v_pool)
+        aux.append(h)
+        start = layer_id
+    h, k_pool, v_pool = run_layers(start, cfg.num_layers, h, k_pool, v_pool)
+    order = sorted(range(len(aux_layers)), key=lambda n: aux_layers[n])
+    aux_hidden = (jnp.concatenate([aux[order.index(n)] for n in range(len(aux_layers))], -1).reshape(b, t, -1)
+                  if aux else None)
+
+    final_norm = model.final_norm[...]
+    hidden = tiled(lambda ht: rms_norm(ht, final_norm, cfg.rms_norm_eps), h)
+    head = embed if model.lm_head is None else model.lm_head[...]
+    x = hidden if logits_index is None else hidden.reshape(b, t, -1)[jnp.arange(b), logits_index]
+    logits = tiled(lambda xt: jnp.einsum("th,vh->tv", xt, head, preferred_element_type=jnp.float32), x)
+    if logits_index is None:
+        logits = logits.reshape(b, t, -1)
+    return logits, hidden.reshape(b, t, -1), aux_hidden, k_pool, v_pool
