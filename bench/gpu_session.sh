@@ -5,6 +5,7 @@
 #   .stage3 = smolpart.ac (+ eagle1_head.tar from an earlier eaglepeer, optional). Calls, back to back while warm:
 #   carry .stage1: `bash bench/gpu_session.sh stage`; carry .stage2: `bash bench/gpu_session.sh stage`;
 #   carry .stage3 + .whl: `bash bench/gpu_session.sh run STEPS...` (later calls: carry .whl only).
+# startup (issue 27: first and second start of the README command) needs the staged GGUF like bench.
 # Random-weight steps (tp, profile, kerneltests, kernelbench, kernelround, specbench, overhead, warmup, cmdbuf, adaptive, autotune) need no staging: `bash bench/gpu_session.sh run kerneltests kernelbench kernelround`.
 set -uo pipefail
 mode="${1:-run}"
@@ -183,4 +184,43 @@ if [[ "$steps" == *" commitab "* ]]; then  # one commit against another in one c
         | python3 -c "import json,sys; [print(r) for r in json.load(sys.stdin)['rows']]" | tee -a "$OUT/commitab.log")
     done
   done
+fi
+if [[ "$steps" == *" partings "* ]]; then  # issue 27: where bf16 EAGLE parts from target-only, fp32 gaps; --deterministic cost
+  python3 bench/probes/partings.py --prompts .data/mtbench.jsonl --num-prompts "${PARTINGS_PROMPTS:-80}" \
+    --max-new-tokens "${PARTINGS_TOKENS:-256}" --json-out "$OUT/partings.json" 2>&1 | grep -v '^{"probe"' \
+    | tee "$OUT/partings.log"
+fi
+if [[ "$steps" == *" startup "* ]]; then  # issue 27: the README command, first and second start in a fresh cache
+  # Run 1 converts the staged GGUF and compiles (no fetch: the GGUF is linked in), run 2 is the second start
+  # (the README form, text output), run 3 the same with --json (its stats), then bench/probes/startup.py's
+  # phases of a fourth start. One JSON line per run in startup.jsonl (wall_s: the whole process).
+  [ -f "$gguf" ] || { echo "startup: needs the staged GGUF (.stage1-3)"; exit 6; }
+  sc="$HOME/jcache_startup"; rm -rf "$sc"; mkdir -p "$sc/gguf" && ln -s "$gguf" "$sc/gguf/"
+  q="What is the capital of France?"
+  for i in 1 2 3; do
+    json=(); [ $i = 3 ] && json=(--json)
+    t0=$(date +%s.%N)
+    JEAGLE_CACHE="$sc" python3 -m jeagle.generate "${json[@]}" "$q" > "$sc/run$i.out" 2> "$sc/run$i.err"
+    rc=$?; t1=$(date +%s.%N)
+    python3 - "$i" "$rc" "$t0" "$t1" "$sc" <<'PY' | tee -a "$OUT/startup.jsonl"
+import json, re, sys
+i, rc, t0, t1, sc = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4]), sys.argv[5]
+out, err = open(f"{sc}/run{i}.out").read(), open(f"{sc}/run{i}.err").read()
+row = {"step": "startup", "run": int(i), "rc": rc, "wall_s": round(t1 - t0, 3)}
+if i == "3" and rc == 0:
+    s = json.loads(out)["stats"]
+    row |= {k: s.get(k) for k in ("time_to_first_token_s", "load_s", "compile_s", "compilations",
+                                   "executables_from_store", "new_tokens", "dtype")} | {"decode_wall_s": s.get("wall_s")}
+else:
+    m = re.search(r"loaded in ([\d.]+) s", err)
+    t = re.search(r"TTFT ([\d.]+) s, compile ([\d.]+) s", err)
+    row |= {"load_s": float(m[1]) if m else None, "time_to_first_token_s": float(t[1]) if t else None,
+            "compile_s": float(t[2]) if t else None, "text": out.strip()[:80], "stderr_tail": err[-300:] if rc else ""}
+print(json.dumps(row))
+PY
+  done
+  JEAGLE_CACHE="$sc" python3 bench/probes/startup.py --json "$q" 2> "$OUT/startup_probe.log" \
+    | python3 -c "import json,sys; print(json.dumps({'step': 'startup', 'run': 'probe'} | json.loads(sys.stdin.read())))" \
+    | tee -a "$OUT/startup.jsonl"
+  cat "$OUT/startup_probe.log"
 fi

@@ -1,7 +1,5 @@
 """`python -m jeagle` is `python -m jeagle.generate`."""
 
-import sys
+from jeagle.generate import exit_now, main
 
-from jeagle.generate import main
-
-sys.exit(main())
+exit_now(main())

@@ -202,6 +202,13 @@ def build_engine(spec: EngineSpec, target_dir, n_requests: int | None = None) ->
 
     adaptive = spec.adaptive()
     store = compile_cache(spec)
+    if store is not None and "xla_gpu_per_fusion_autotune_cache_dir" not in dict(spec.kernels.xla_options):
+        # Persisted autotuning: one matmul gets the algorithm its first compilation measured in every later
+        # executable and process, so a prefill with and without a draft compiles to the same kernels (XLA's
+        # own advice for deterministic compilation, docs/determinism.md), and a cold start autotunes less.
+        opts = dict(spec.kernels.xla_options) | {"xla_gpu_per_fusion_autotune_cache_dir":
+                                                 str(Path(store).parent / "autotune")}
+        spec = dataclasses.replace(spec, kernels=dataclasses.replace(spec.kernels, xla_options=opts))
     t_load = time.perf_counter()
     model = load_model(target_dir, dtype=spec.dtype)
     draft = load_speculative_draft(spec, target_dir, model)

@@ -118,12 +118,15 @@ class Tokenizer:
             raise FileNotFoundError(f"no tokenizer.json at {tokenizer_file}")
         try:
             text = tokenizer_file.read_text(encoding="utf-8")
-            json.loads(text)
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        except UnicodeDecodeError as e:
             raise ValueError(f"{tokenizer_file} is not valid JSON: {e}") from None
         try:
             fast = tokenizers.Tokenizer.from_str(text)
         except Exception as e:  # the Rust side raises a bare Exception on a malformed model
+            try:  # Python's JSON error names the place; parsed only on failure (a few MB: 20-50 ms)
+                json.loads(text)
+            except json.JSONDecodeError as je:
+                raise ValueError(f"{tokenizer_file} is not valid JSON: {je}") from None
             raise ValueError(f"{tokenizer_file} is not a valid tokenizer.json: {e}") from None
 
         config = _optional_json(root / "tokenizer_config.json")

@@ -151,6 +151,35 @@ def test_warm_start_loads_every_executable_from_the_store(target, head, workload
     assert not any(exes.store.has(k, exes.build(k).args) for k in other.warmup_plan(prefill_lengths=lengths, greedy=(True,)))
 
 
+def test_preload_for_a_warm_start_compiles_nothing(target, head, workload, tmp_path, no_xla_cache):
+    """A second start without a warm-up (what `jeagle.generate` does): `preload_for` loads what the first
+    start compiled and stored, and runs each once on padding rows; generate() then compiles and loads
+    nothing, and the tokens are the first start's (priming leaves the requests' rows alone)."""
+    prompts, params = workload
+
+    def engine(with_head):
+        cfg = EngineConfig(max_batch_size=4, max_context=96, batch_buckets=(1, 2, 4), executable_cache_dir=str(tmp_path))
+        return speculative(target, head, cfg, SpecConfig(3, 2, 5)) if with_head else target_only(target, cfg)
+
+    for with_head in (True, False):
+        cold = engine(with_head)
+        assert cold.preload_for(list(map(len, prompts)), 15, greedy=(True,)) == 0  # an empty store: nothing
+        want = [o.token_ids for o in cold.generate(prompts, params)]
+        stored = cold.executables.store.saved
+        assert stored == cold.num_compiled > 1 and cold.last_stats.compilations == stored
+
+        warm = engine(with_head)
+        primed, prime = [], warm.decoder.prime
+        warm.decoder.prime = lambda key: primed.append(key) or prime(key)
+        assert warm.preload_for(list(map(len, prompts)), 15, greedy=(True,)) == stored == len(primed)
+        compile_s = warm.compile_seconds
+        assert [o.token_ids for o in warm.generate(prompts, params)] == want
+        stats = warm.last_stats
+        assert stats.compilations == 0 and warm.compile_seconds == compile_s and stats.compile_s == 0
+        assert warm.executables.store.saved == 0 and stats.executables_from_store == stored
+        assert stats.compilations_after_warmup is None  # a preload is not a warm-up
+
+
 def test_store_skips_saving_on_cpu_with_the_compilation_cache(target, head, workload, tmp_path, caplog):
     """The conftest turns JAX's compilation cache on; on XLA:CPU a cache-loaded executable serializes
     without its functions, so the store saves nothing (with one warning) and the engine still runs."""

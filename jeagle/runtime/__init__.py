@@ -7,6 +7,7 @@
     executables.py  one compiled executable per step key: in memory, from the store, or compiled
     store.py        compiled executables on disk and JAX's persistent compilation cache
     warmup.py       compiling a warm-up plan in worker processes
+    startup.py      the devices brought up on a thread while a start imports (jeagle.generate)
     verify_done.py  the wait on a speculative round's verify results
     stats.py        what a generate() call reports
     target.py       the target-only decoder; its pure step functions are in steps.py

@@ -144,8 +144,8 @@ class Buckets:
 
 def pad(values, size: int, fill, dtype) -> np.ndarray:
     """values[0..n) followed by `fill` up to `size` (a batch padded to its bucket). `values` may be rows
-    of a 2-D array; `fill` then fills whole rows."""
-    values = np.asarray(values, dtype) if len(values) else np.zeros((0,), dtype)
+    of a 2-D array (an empty one keeps its row shape); `fill` then fills whole rows."""
+    values = np.asarray(values, dtype) if len(values) else np.zeros((0, *np.shape(values)[1:]), dtype)
     out = np.full((size,) + values.shape[1:], fill, dtype)
     out[: len(values)] = values
     return out

@@ -13,6 +13,7 @@ device state, the step functions and their executables. The scheduler calls:
     unpack(kind, reqs, host)    each request's (new tokens, finished on the device) from a host result
     verify_handle(result)       what the verify_done wait waits on after a step (None: nothing)
     warmup_keys(plan, greedy)   the step keys of a warm-up plan
+    prime(key)                  run key's executable once on padding rows only (a warm start's preload)
     prefix_bound(n, max_new, overlap)   the longest prefix a request can reach (warm-up planning)
     stats_window() / stats(...) the decoder's part of the stats
 
@@ -43,6 +44,8 @@ class Decoder(Protocol):
     def step(self, reqs, b: int, kv: int): ...
 
     def unpack(self, kind: str, reqs, host: np.ndarray) -> list[tuple[np.ndarray, bool]]: ...
+
+    def prime(self, key) -> None: ...
 
 
 def context_size(config, model_cfg) -> int:

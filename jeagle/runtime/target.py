@@ -7,6 +7,9 @@ but the rows and positions. Step functions and keys: runtime/steps.py.
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import numpy as np
 from flax import nnx
 
@@ -33,7 +36,9 @@ class TargetDecoder:
         self.layout = SlotLayout(past_last=-1)
         self.context_reserve = self.layout.context_reserve
         self.num_slots = pool_size(config, mc, self.layout, self.max_ctx, weight_bytes(self.params))
-        state = init_state(mc, num_slots=self.num_slots, max_reqs=self.max_reqs, max_ctx=self.max_ctx)
+        # One executable makes the whole zeroed state (not one per array: each is a compile, or a cache hit).
+        state = jax.jit(functools.partial(init_state, mc, num_slots=self.num_slots, max_reqs=self.max_reqs,
+                                          max_ctx=self.max_ctx))()
         if mesh is not None:
             from jeagle.sharding import replicate
 
@@ -84,6 +89,19 @@ class TargetDecoder:
                                slot_count=count, slot_flat=flat,
                                sampling=Sampling(*sampling_inputs(reqs, b, self._rng)))
         return self._run(self.executables.get(self.prefill_key(b, t)), inputs)[:, None]
+
+    def prime(self, key) -> None:
+        """Run `key`'s executable once on padding rows only (the scratch row, which every padded batch
+        computes on anyway), so that the first dispatch a request waits on does not pay the
+        executable's first run on the device. Leaves nothing pending."""
+        if key.phase == "prefill":
+            out = self.prefill([], key.batch, key.length)
+        elif key.phase == "decode":
+            out = self._run(self.executables.get(key), DecodeInputs(
+                row_ids=pad([], key.batch, self.scratch_row, np.int32), positions=pad([], key.batch, 0, np.int32)))
+        else:
+            return
+        jax.block_until_ready((out, self.state))
 
     def wants_step(self, r) -> bool:
         """Until its last token is dispatched."""

@@ -16,7 +16,9 @@ the next dispatch (`jeagle/adaptive.py`). Step functions and keys: spec/steps.py
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+import jax
 import numpy as np
 from flax import nnx
 
@@ -77,7 +79,9 @@ class SpecDecoder:
         mc = self.model_cfg
         self.max_ctx, self.max_reqs = context_size(config, mc), config.max_batch_size
         self.num_slots = pool_size(config, mc, self.layout, self.max_ctx, weight_bytes(params))
-        state = init_state(mc, draft.cfg, rl, num_slots=self.num_slots, max_reqs=self.max_reqs, max_ctx=self.max_ctx)
+        # One executable makes the whole zeroed state (not one per array: each is a compile, or a cache hit).
+        state = jax.jit(functools.partial(init_state, mc, draft.cfg, rl, num_slots=self.num_slots,
+                                          max_reqs=self.max_reqs, max_ctx=self.max_ctx))()
         if mesh is not None:  # pools split like the target's; the rest replicated
             from jeagle.sharding import replicate, shard_pools
 
@@ -152,12 +156,25 @@ class SpecDecoder:
         inputs = SpecPrefillInputs(
             tokens=tokens, lengths=pad([len(r.prompt) for r in reqs], b, 0, np.int32),
             row_ids=pad([r.row for r in reqs], b, self.scratch_row, np.int32), slot_count=count, slot_flat=flat,
-            tree_slots=pad(tree, b, 0, np.int32).reshape(b, lay.tree),
-            scratch_slots=pad(scratch, b, 0, np.int32).reshape(b, lay.scratch),
+            tree_slots=pad(np.reshape(tree, (len(reqs), lay.tree)), b, 0, np.int32),  # reqs may be none (prime)
+            scratch_slots=pad(np.reshape(scratch, (len(reqs), lay.scratch)), b, 0, np.int32),
             sampling=Sampling(*sampling_inputs(reqs, b, self._rng)),
             max_new=pad([r.max_new for r in reqs], b, 1, np.int32),
-            stop_ids=pad(stops, b, -1, np.int32).reshape(b, MAX_STOP))
+            stop_ids=pad(np.reshape(stops, (len(reqs), MAX_STOP)), b, -1, np.int32))
         return self._run(self.executables.get(self.prefill_key(b, t)), inputs)
+
+    def prime(self, key) -> None:
+        """Run `key`'s executable once on padding rows only (the scratch row, which every padded batch
+        computes on anyway), so that the first dispatch a request waits on does not pay the
+        executable's first run on the device (its kernels and constants loaded: ~0.2 s for a prefill
+        loaded from the store on an H100). Leaves no stats and nothing pending."""
+        if key.phase == "prefill":
+            out = self.prefill([], key.batch, key.length)
+        elif key.phase == "round":
+            out = self._run(self.executables.get(key), pad([], key.batch, self.scratch_row, np.int32))
+        else:
+            return
+        jax.block_until_ready((out, self.state))
 
     def wants_step(self, r) -> bool:
         """Every unfinished request: a round that finishes it reports so."""
