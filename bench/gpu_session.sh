@@ -186,9 +186,13 @@ if [[ "$steps" == *" commitab "* ]]; then  # one commit against another in one c
   done
 fi
 if [[ "$steps" == *" partings "* ]]; then  # issue 27: where bf16 EAGLE parts from target-only, fp32 gaps; --deterministic cost
+  # The default mode over every question; deterministic mode (its cost, its equality) over the first DET_PROMPTS.
   python3 bench/probes/partings.py --prompts .data/mtbench.jsonl --num-prompts "${PARTINGS_PROMPTS:-80}" \
-    --max-new-tokens "${PARTINGS_TOKENS:-256}" --json-out "$OUT/partings.json" 2>&1 | grep -v '^{"probe"' \
-    | tee "$OUT/partings.log"
+    --max-new-tokens "${PARTINGS_TOKENS:-256}" --modes default --json-out "$OUT/partings_default.json" 2>&1 \
+    | grep -v '^{"probe"' | tee "$OUT/partings.log"
+  python3 bench/probes/partings.py --prompts .data/mtbench.jsonl --num-prompts "${DET_PROMPTS:-16}" \
+    --max-new-tokens "${PARTINGS_TOKENS:-256}" --modes default,deterministic --json-out "$OUT/partings_det.json" \
+    2>&1 | grep -v '^{"probe"' | tee -a "$OUT/partings.log"
 fi
 if [[ "$steps" == *" startup "* ]]; then  # issue 27: the README command, first and second start in a fresh cache
   # Run 1 converts the staged GGUF and compiles (no fetch: the GGUF is linked in), run 2 is the second start
