@@ -55,8 +55,11 @@ def build_parser(prog: str = "python -m jeagle.generate", prompts: bool = True,
     rt.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                     help="dispatch the next round before the host processes the last one (default on)")
     rt.add_argument("--verify-done-wait", choices=["sync", "dataflow"], default=None,
-                    help="after a round: hard wait (sync, default) or data dependence only (dataflow; also "
-                         "JEAGLE_VERIFY_DONE_STREAM_WAIT=1)")
+                    help="after a round: data dependence only (dataflow, the default) or a hard wait (sync; also "
+                         "JEAGLE_VERIFY_DONE_STREAM_WAIT=0)")
+    rt.add_argument("--rounds-per-dispatch", type=int, default=1, metavar="R",
+                    help="speculative rounds one dispatch loops on the device, stopping early once every request "
+                         "of the batch has finished; the host reads them with one copy (default 1)")
     rt.add_argument("--warmup", action="store_true",
                     help="compile every (phase, bucket) executable at start-up (progress on stderr)")
     rt.add_argument("--compile-cache-dir", default=None,
@@ -110,6 +113,8 @@ def check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         p.error(f"--layer-unroll must be >= 1, got {a.layer_unroll}")
     if a.tp < 1:
         p.error(f"--tp must be >= 1, got {a.tp}")
+    if a.rounds_per_dispatch < 1:
+        p.error(f"--rounds-per-dispatch must be >= 1, got {a.rounds_per_dispatch}")
     if a.speculative_algorithm in ("EAGLE", "EAGLE3") and not a.draft:
         p.error(f"--speculative-algorithm {a.speculative_algorithm} needs --draft")
     if (a.speculative_adaptive or a.speculative_adaptive_config) and (not a.draft or a.speculative_algorithm == "none"):

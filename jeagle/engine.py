@@ -84,6 +84,7 @@ class EngineSpec:
     disable_padding: bool = False
     overlap: bool = True
     verify_done_wait: str | None = None
+    rounds_per_dispatch: int = 1
     compile_cache_dir: str | None = None
     no_compile_cache: bool = False
     compile_workers: int | None = None
@@ -152,7 +153,8 @@ class EngineSpec:
                             unroll_layers=True if self.unroll_layers else self.layer_unroll,
                             batch_buckets=self.buckets, max_bucket=self.max_bucket,
                             disable_padding=self.disable_padding, overlap=self.overlap,
-                            verify_done_wait=self.verify_done_wait, executable_cache_dir=executable_cache_dir,
+                            verify_done_wait=self.verify_done_wait, rounds_per_dispatch=self.rounds_per_dispatch,
+                            executable_cache_dir=executable_cache_dir,
                             compile_workers=self.compile_workers, tp=self.tp, tp_vocab=self.tp_vocab,
                             tp_draft=self.tp_draft, kernels=self.kernels)
 

@@ -28,24 +28,27 @@ def waiter(mode, spy):
     return VerifyDone(mode, block=spy.block, check=spy.check)
 
 
-def test_sync_by_default(monkeypatch):
+def test_dataflow_by_default(monkeypatch):
     monkeypatch.delenv(STREAM_WAIT_ENV, raising=False)
-    spy = Spy()
-    vd = waiter(verify_done_mode(None), spy)
-    vd.record("round-1")
-    vd.wait()
-    assert spy.blocked == ["round-1"] and spy.checked == [] and not vd.pending
-
-
-def test_dataflow_when_enabled(monkeypatch):
-    monkeypatch.setenv(STREAM_WAIT_ENV, "1")
     spy = Spy()
     vd = waiter(verify_done_mode(None), spy)
     assert vd.mode == "dataflow"
     vd.record("round-1")
     vd.wait()
-    assert spy.checked == ["round-1"] and spy.blocked == []
+    assert spy.checked == ["round-1"] and spy.blocked == [] and not vd.pending
     assert verify_done_mode("sync") == "sync"  # the flag wins over the environment
+
+
+@pytest.mark.parametrize("value", ["0", "false", "off"])
+def test_sync_when_the_environment_turns_the_stream_wait_off(monkeypatch, value):
+    monkeypatch.setenv(STREAM_WAIT_ENV, value)
+    spy = Spy()
+    vd = waiter(verify_done_mode(None), spy)
+    assert vd.mode == "sync"
+    vd.record("round-1")
+    vd.wait()
+    assert spy.blocked == ["round-1"] and spy.checked == [] and not vd.pending
+    assert verify_done_mode("dataflow") == "dataflow"
 
 
 def test_noop_with_nothing_pending():

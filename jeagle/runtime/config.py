@@ -15,6 +15,10 @@ class EngineConfig:
     mem_fraction_static: float | None = None  # ... or this fraction of GPU memory
     max_prefill_tokens: int = 8192  # padded tokens per prefill call (a longer single prompt still runs)
     decode_steps: int = 1  # tokens per decode dispatch (lax.fori_loop inside one executable)
+    # Speculative rounds per dispatch: one executable loops up to this many rounds on the device
+    # (lax.while_loop), stopping early once every row of the batch has finished; the host reads them
+    # with one copy. Output is the same for any value (tests/test_rounds_per_dispatch.py).
+    rounds_per_dispatch: int = 1
     # Layer loop: False (a loop), True (unrolled), k >= 2 (k layers per iteration); None: for the
     # decode and round executables 3 (halves the host's dispatch time per step for +10-30% compile
     # time, bench/HISTORY.md "dispatch"); the decode step unrolled when a layer's weights pass
@@ -27,7 +31,7 @@ class EngineConfig:
     max_bucket: int | None = None  # cap the default list (the largest bucket is then max_batch_size)
     disable_padding: bool = False  # one executable per exact batch size
     overlap: bool = True  # dispatch step r+1 before the host processes step r
-    verify_done_wait: str | None = None  # "sync" | "dataflow"; None: JEAGLE_VERIFY_DONE_STREAM_WAIT, else sync
+    verify_done_wait: str | None = None  # "sync" | "dataflow"; None: JEAGLE_VERIFY_DONE_STREAM_WAIT, else dataflow
     min_kv_bucket: int = 128
     executable_cache_dir: str | None = None  # ExecutableStore root (store.py); None: no store
     compile_workers: int | None = None  # warm-up load/compile threads; None: min(16, CPUs)
@@ -48,5 +52,7 @@ class EngineConfig:
                              f"{self.tp_vocab!r}, {self.tp_draft!r}")
         if self.tp < 1:
             raise ValueError(f"tp must be >= 1, got {self.tp}")
+        if self.rounds_per_dispatch < 1:
+            raise ValueError(f"rounds_per_dispatch must be >= 1, got {self.rounds_per_dispatch}")
         if self.decode_steps < 1:
             raise ValueError(f"decode_steps must be >= 1, got {self.decode_steps}")

@@ -155,6 +155,8 @@ class Engine:
         return True
 
     def _release(self, r: Request) -> None:
+        if r.slots is None:  # released already: an abort from the request's own token callback
+            return
         self.pool.release(r.row, r.slots)
         r.slots = None
 

@@ -27,6 +27,7 @@ class SpecStats:
     tiers: list[list[int]] = field(default_factory=list)  # every (S, K, N) the decoder runs
     tier_history: dict[str, list[int]] = field(default_factory=dict)  # round index (from 0) -> tier from then on
     tier_switches: int = 0
+    rounds_per_dispatch: int = 1  # rounds one dispatch loops on the device (at most; fewer once all rows finish)
 
 
 @dataclass

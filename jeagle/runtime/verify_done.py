@@ -3,15 +3,18 @@
 verify_done. After a speculative round is dispatched, its verify results (the [B, S+3] accept array)
 are the handle the next host step may wait on before it schedules the next round:
 
-    sync      (default) a hard wait: the host blocks until the round's results are ready
-              (`jax.block_until_ready`), as SGLang's `verify_done.synchronize()`.
-    dataflow  the next device computation depends on the round only through its device-resident
-              outputs (rows, cache), which JAX orders on the device; the host does not block. Chosen
-              with `--verify-done-wait dataflow` or `JEAGLE_VERIFY_DONE_STREAM_WAIT=1` (SGLang's
-              `SGLANG_SPEC_V2_VERIFY_DONE_STREAM_WAIT`). The handle must still be live device arrays
+    dataflow  (default) the next device computation depends on the round only through its
+              device-resident outputs (rows, cache), which JAX orders on the device; the host does
+              not block. In JAX the next round's inputs are the last round's outputs, so the
+              CUDA-stream hazard that made SGLang keep `synchronize()` as its default does not exist.
+              The handle must still be live device arrays
               (not deleted or donated); if that check, or anything else, fails, the error is logged
               and the host falls back to the hard wait (which, for a deleted buffer, raises JAX's
               own error rather than carrying on with a result that no longer exists).
+    sync      a hard wait: the host blocks until the round's results are ready
+              (`jax.block_until_ready`), as SGLang's `verify_done.synchronize()`. Chosen with
+              `--verify-done-wait sync` or `JEAGLE_VERIFY_DONE_STREAM_WAIT=0` (SGLang's
+              `SGLANG_SPEC_V2_VERIFY_DONE_STREAM_WAIT`).
 
 The pending handle is consumed once: a second wait without a new round does nothing.
 """
@@ -32,15 +35,16 @@ STREAM_WAIT_ENV = "JEAGLE_VERIFY_DONE_STREAM_WAIT"
 
 
 def verify_done_mode(flag: str | None = None) -> str:
-    """The wait mode: the flag if given, else `dataflow` when JEAGLE_VERIFY_DONE_STREAM_WAIT is true."""
+    """The wait mode: the flag if given, else `sync` when JEAGLE_VERIFY_DONE_STREAM_WAIT is false,
+    else `dataflow`."""
     if flag is not None:
         if flag not in VERIFY_DONE_MODES:
             raise ValueError(f"--verify-done-wait {flag!r}: expected one of {VERIFY_DONE_MODES}")
         return flag
     env = os.environ.get(STREAM_WAIT_ENV, "").strip().lower()
-    if env in ("", "0", "false", "no", "off"):
+    if env in ("0", "false", "no", "off"):
         return "sync"
-    if env in ("1", "true", "yes", "on"):
+    if env in ("", "1", "true", "yes", "on"):
         return "dataflow"
     raise ValueError(f"{STREAM_WAIT_ENV}={env!r}: expected 1/true/yes or 0/false/no")
 
@@ -57,7 +61,7 @@ def _check_live(arrays) -> None:
 class VerifyDone:
     """The pending verify results of the last round and the wait on them; see the module docstring."""
 
-    def __init__(self, mode: str = "sync", *, block: Callable[[Any], Any] = jax.block_until_ready,
+    def __init__(self, mode: str = "dataflow", *, block: Callable[[Any], Any] = jax.block_until_ready,
                  check: Callable[[Any], None] = _check_live):
         if mode not in VERIFY_DONE_MODES:
             raise ValueError(f"verify_done mode {mode!r}: expected one of {VERIFY_DONE_MODES}")

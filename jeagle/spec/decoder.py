@@ -57,6 +57,9 @@ class SpecDecoder:
         self._state = self.controller.active if self.controller is not None else self.tier_states[0]
         self.row_layout = RowLayout.covering(self.tiers)
         self.fused_round = fused_round
+        self.rounds_per_dispatch = config.rounds_per_dispatch
+        if self.rounds_per_dispatch > 1 and not fused_round:
+            raise ValueError("rounds_per_dispatch > 1 needs the fused round (fused_round=True)")
         rl = self.row_layout
         self.layout = SlotLayout(past_last=rl.num_steps + 1, tree=rl.num_draft_tokens, scratch=rl.scratch)
         self.context_reserve = self.layout.context_reserve
@@ -118,7 +121,7 @@ class SpecDecoder:
         return SpecPrefillKey(self.static, b, t)
 
     def round_key(self, tier: SpecConfig, b: int, kv: int, greedy: bool) -> RoundKey:
-        return RoundKey(self.static, tier, b, kv, greedy)
+        return RoundKey(self.static, tier, b, kv, greedy, rounds=self.rounds_per_dispatch)
 
     def warmup_keys(self, prefill, decode, greedy=(True, False)) -> list:
         """Prefill keys for the (b, t) pairs, then every tier's fused rounds for the (b, kv) pairs in
@@ -127,8 +130,10 @@ class SpecDecoder:
                 + [self.round_key(tier, b, kv, g) for tier in self.tiers for g in greedy for b, kv in decode])
 
     def prefix_bound(self, prompt_len: int, max_new: int, overlap: bool) -> int:
-        # Dispatch bounds L by tokens received + (S+1) per unread round: two with overlap, one without.
-        return min(prompt_len + max_new + (self.row_layout.num_steps + 1) * (2 if overlap else 1), self.max_ctx)
+        # Dispatch bounds L by tokens received + (S+1) per unread round: two dispatches' rounds with
+        # overlap, one dispatch's without.
+        unread = self.rounds_per_dispatch * (2 if overlap else 1)
+        return min(prompt_len + max_new + (self.row_layout.num_steps + 1) * unread, self.max_ctx)
 
     # ---- dispatch ----------------------------------------------------------------------------------------
     def _run(self, exe, inputs):
@@ -181,8 +186,9 @@ class SpecDecoder:
         return not r.done
 
     def prefix_needed(self, r) -> int:
-        # L <= prompt + tokens received + (S+1) per unread round, this one included.
-        return len(r.prompt) + len(r.out.token_ids) + (self.row_layout.num_steps + 1) * (r.dispatched + 1 - r.processed)
+        # L <= prompt + tokens received + (S+1) per unread round, this dispatch's included.
+        unread = self.rounds_per_dispatch * (r.dispatched + 1 - r.processed)
+        return len(r.prompt) + len(r.out.token_ids) + (self.row_layout.num_steps + 1) * unread
 
     def step(self, reqs, b: int, kv: int):
         row_ids = pad([r.row for r in reqs], b, self.scratch_row, np.int32)
@@ -210,14 +216,18 @@ class SpecDecoder:
         return result  # the next host step waits on this round's verify results (runtime/verify_done.py)
 
     def unpack(self, kind: str, reqs, host: np.ndarray) -> list[tuple[np.ndarray, bool]]:
-        res = RoundResult.unpack(host[: len(reqs)])
+        """Each request's tokens (every round of the dispatch, in order) and whether the device
+        finished it; the rounds' accept lengths go to the stats and the adaptive controller."""
+        host = host[: len(reqs)]
+        rounds = [RoundResult.unpack(host)] if host.ndim == 2 else [RoundResult.unpack(host[:, j])
+                                                                    for j in range(host.shape[1])]
         accepted, out = [], []
         for i, r in enumerate(reqs):
             r.processed += 1
-            toks = res.tokens[i]
-            out.append((toks[toks >= 0], bool(res.finished[i])))
-            if not r.done and kind == "step" and res.accepted[i] >= 0:
-                accepted.append(int(res.accepted[i]))
+            toks = np.concatenate([res.tokens[i] for res in rounds])
+            out.append((toks[toks >= 0], any(bool(res.finished[i]) for res in rounds)))
+            if not r.done and kind == "step":
+                accepted.extend(int(res.accepted[i]) for res in rounds if res.accepted[i] >= 0)
         if accepted:
             self.accept_lengths.extend(a + 1 for a in accepted)
             if len(self.accept_lengths) > ACCEPT_HISTORY:
@@ -241,7 +251,7 @@ class SpecDecoder:
                          accept_length_histogram={str(k): acc.count(k) for k in range(1, self.row_layout.num_steps + 2)},
                          adaptive=self.controller is not None, tiers=[list(t.shape) for t in self.tiers],
                          tier_history={str(i): list(t.shape) for i, t in sorted(history.items())},
-                         tier_switches=len(history) - 1)
+                         tier_switches=len(history) - 1, rounds_per_dispatch=self.rounds_per_dispatch)
 
     def info(self) -> dict:
         acc = self.accept_lengths[-512:]

@@ -141,11 +141,13 @@ class RoundKey(_SpecKey):
     kv_len: int
     greedy: bool
     phase: str = "round"  # "round" (fused) | "verify" (the split round's second half)
+    rounds: int = 1  # rounds per dispatch, looped on the device (fused rounds only)
 
     @property
     def label(self) -> str:
         s, k, n = self.tier.shape
-        return f"{self.phase}-b{self.batch}-kv{self.kv_len}-{'greedy' if self.greedy else 'sampled'}-s{s}k{k}n{n}"
+        r = f"-r{self.rounds}" if self.rounds > 1 else ""
+        return f"{self.phase}-b{self.batch}-kv{self.kv_len}-{'greedy' if self.greedy else 'sampled'}-s{s}k{k}n{n}{r}"
 
     def build(self, shapes: DeviceShapes) -> StepBuild:
         if self.phase == "round":
@@ -211,13 +213,37 @@ def spec_prefill_step(key: SpecPrefillKey, graphdef, draft_graphdef, params, sta
 
 
 def round_step(key: RoundKey, graphdef, draft_graphdef, params, state: SpecState, row_ids):
+    """`key.rounds` rounds over the rows `row_ids`: the first always, the rest in a `lax.while_loop`
+    that stops once every real row (not the scratch row that pads the batch) has finished. Result:
+    [B, W + 2] for one round, else [B, rounds, W + 2], where a round that did not run reads as one
+    that emitted nothing (tokens and accepted -1, finished 0)."""
     target, head = nnx.merge(graphdef, params[0]), nnx.merge(draft_graphdef, params[1])
     s = key.static
-    res, cache, dk, dv, rows = spec_round(target, head, key.tier, state.cache, state.draft_k, state.draft_v,
-                                          state.rows, row_ids, kv_len=key.kv_len, greedy=key.greedy,
-                                          aux_layers=s.aux_layers, unroll=s.unroll_round,
-                                          simulate_accept=s.simulate_accept)
-    return res, SpecState(cache, dk, dv, rows)
+
+    def one(st: SpecState):
+        res, cache, dk, dv, rows = spec_round(target, head, key.tier, st.cache, st.draft_k, st.draft_v, st.rows,
+                                              row_ids, kv_len=key.kv_len, greedy=key.greedy, aux_layers=s.aux_layers,
+                                              unroll=s.unroll_round, simulate_accept=s.simulate_accept)
+        return res, SpecState(cache, dk, dv, rows)
+
+    res, state = one(state)
+    if key.rounds == 1:
+        return res, state
+    padding = row_ids == s.max_reqs  # the scratch row
+
+    def live(carry):
+        i, st, _ = carry
+        return (i < key.rounds) & ~jnp.all(st.rows.finished[row_ids] | padding)
+
+    def body(carry):
+        i, st, out = carry
+        res, st = one(st)
+        return i + 1, st, out.at[:, i].set(res)
+
+    empty = jnp.concatenate([jnp.full(res.shape[:1] + (key.rounds, res.shape[1] - 1), -1, res.dtype),
+                             jnp.zeros(res.shape[:1] + (key.rounds, 1), res.dtype)], -1)
+    _, state, out = jax.lax.while_loop(live, body, (jnp.int32(1), state, empty.at[:, 0].set(res)))
+    return out, state
 
 
 def draft_step(key: DraftKey, graphdef, draft_graphdef, params, state: SpecState, row_ids):
