@@ -86,7 +86,7 @@ def test_autoregressive_engine_overlap_off_and_warmup(target, workload):
     engine.warmup(prefill_lengths=[max(map(len, prompts))], greedy=(True,), progress=False)
     assert [o.token_ids for o in engine.generate(prompts, params)] == want
     assert engine.last_stats.compilations_after_warmup == 0
-    assert engine.last_stats.verify_done_wait == "sync"  # recorded, though only rounds wait on it
+    assert engine.last_stats.verify_done_wait == "dataflow"  # the default, recorded though only rounds wait on it
 
 
 def test_bucket_options():
