@@ -81,6 +81,15 @@ def test_a_tokens_logits_do_not_depend_on_the_rest_of_the_call(target):
     lengths = [7, 48, 1, 20, 33]
     batched = forward(target, toks, prefill_attn(lengths, 48, base=9), 512, DET).logits[3, :20]
     np.testing.assert_array_equal(np.asarray(alone), np.asarray(batched))
+    # 12 x 48 tokens: more tiles than run straight-line (the lax.map path of `tiled`).
+    from jeagle.models.deterministic import TILE, UNROLL_TILES
+
+    toks = rng.integers(5, 2048, size=(12, 48)).astype(np.int32)
+    toks[10, :20] = seq
+    assert 12 * 48 > TILE * UNROLL_TILES
+    lengths = [48] * 10 + [20, 5]
+    mapped = forward(target, toks, prefill_attn(lengths, 48, base=3), 1024, DET).logits[10, :20]
+    np.testing.assert_array_equal(np.asarray(alone), np.asarray(mapped))
 
     # Positions 0..14 prefilled, then 15..19 as a chain "tree" (each token sees its ancestors).
     k, v = init_pools(target.cfg, num_slots=128)

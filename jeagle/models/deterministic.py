@@ -42,9 +42,16 @@ TILE = 64  # tokens per tile of the per-token work, and queries per attention ti
 KV_BLOCK = 64  # key positions per online-softmax step
 
 
+UNROLL_TILES = 8  # up to this many tiles run as straight-line code; more go through a lax.map loop
+
+
 def tiled(fn, *xs):
     """fn over `TILE`-row tiles of arrays whose leading dimension is the call's tokens (M): padded to a
-    multiple of `TILE` with zeros, mapped with `lax.map`, unpadded. fn takes and returns tiles."""
+    multiple of `TILE` with zeros, each tile through fn, unpadded. fn takes and returns tiles.
+
+    A few tiles (decode steps, rounds, short prefills) run one after another as straight-line code: a
+    loop would cost a host round trip per iteration on a GPU (XLA reads a while loop's predicate
+    back). Many (long prefills) go through `lax.map`. Either way every tile is the same computation."""
     m = xs[0].shape[0]
     n = max(1, math.ceil(m / TILE))
 
@@ -54,8 +61,15 @@ def tiled(fn, *xs):
 
     # The barriers keep XLA from seeing through the padding: it would sink a pad below a matmul (or a
     # slice above one) and run that matmul at the unpadded M, which is what the tiles are there to avoid.
-    out = jax.lax.map(lambda t: jax.lax.optimization_barrier(fn(*jax.lax.optimization_barrier(t))),
-                      tuple(split(x) for x in xs))
+    def one(t):
+        return jax.lax.optimization_barrier(fn(*jax.lax.optimization_barrier(t)))
+
+    tiles = tuple(split(x) for x in xs)
+    if n <= UNROLL_TILES:
+        outs = [one(tuple(x[i] for x in tiles)) for i in range(n)]
+        out = jax.tree.map(lambda *ys: jnp.stack(ys), *outs)
+    else:
+        out = jax.lax.map(one, tiles)
     return jax.tree.map(lambda y: y.reshape(n * TILE, *y.shape[2:])[:m], out)
 
 
@@ -89,7 +103,7 @@ def key_positions(attn: AttnInputs, t: int):
     return slots, visible
 
 
-def attend(q, slots, visible, last_key, k_pool, v_pool, layer, cfg):
+def attend(q, slots, visible, k_pool, v_pool, layer, cfg):
     """Attention of queries q [M, Hq, D] over their keys (slots, visible [M, P]) in the pools' layer
     `layer`, `TILE` queries at a time, in blocks of KV_BLOCK positions; fp32, cast to q's dtype."""
     hkv, d = cfg.num_kv_heads, cfg.head_dim
@@ -97,10 +111,8 @@ def attend(q, slots, visible, last_key, k_pool, v_pool, layer, cfg):
     nblocks = slots.shape[1] // KV_BLOCK
     scale = 1.0 / math.sqrt(d)
 
-    def one_tile(qt, st, vt, lt):
+    def one_tile(qt, st, vt):
         qf = qt.astype(jnp.float32).reshape(TILE, hkv, g, d) * scale
-        # Blocks past every query of the tile change nothing; skip them.
-        last = jnp.minimum(jnp.max(lt) // KV_BLOCK + 1, nblocks)
 
         def block(i, carry):
             m, l, acc = carry
@@ -119,11 +131,13 @@ def attend(q, slots, visible, last_key, k_pool, v_pool, layer, cfg):
 
         init = (jnp.full((TILE, hkv, g), -jnp.inf, jnp.float32), jnp.zeros((TILE, hkv, g), jnp.float32),
                 jnp.zeros((TILE, hkv, g, d), jnp.float32))
-        _, l, acc = jax.lax.fori_loop(0, last, block, init)
+        # Every block of the call, unrolled: a block past all of the tile's queries changes nothing
+        # (skipping it would need a while loop, which costs more on a GPU than the block).
+        _, l, acc = jax.lax.fori_loop(0, nblocks, block, init, unroll=True)
         out = jnp.where(l[..., None] > 0, acc / jnp.where(l > 0, l, 1.0)[..., None], 0.0)
         return out.reshape(TILE, hkv * g, d).astype(qt.dtype)
 
-    return tiled(one_tile, q, slots, visible, last_key)
+    return tiled(one_tile, q, slots, visible)
 
 
 def forward(model, w: dict, tokens, attn: AttnInputs, k_pool, v_pool, *, logits_index, aux_layers, unroll):
@@ -138,8 +152,6 @@ def forward(model, w: dict, tokens, attn: AttnInputs, k_pool, v_pool, *, logits_
     pos = attn.positions.reshape(-1)
     slots, visible = key_positions(attn, t)
     slots, visible = slots.reshape(b * t, -1), visible.reshape(b * t, -1)
-    # Each query's last visible key index (-1: none, a padding token): the blocks a tile must run.
-    last_key = jnp.max(jnp.where(visible, jnp.arange(visible.shape[1], dtype=jnp.int32), -1), axis=-1)
     cos, sin = rope_cos_sin(pos, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)  # [M, D/2]
     write = attn.write_slots.reshape(1, -1)
 
@@ -155,7 +167,7 @@ def forward(model, w: dict, tokens, attn: AttnInputs, k_pool, v_pool, *, logits_
         q, k, v = tiled(pre, h, cos, sin)
         kp = write_kv(kp, i, write, k[None])
         vp = write_kv(vp, i, write, v[None])
-        o = attend(q, slots, visible, last_key, kp, vp, i, cfg)
+        o = attend(q, slots, visible, kp, vp, i, cfg)
 
         def post(ht, ot):
             ht = ht + attention_output(ot[None], wi, cfg)[0]
