@@ -78,6 +78,24 @@ def chat_ids(tok, texts: list[str]) -> list[list[int]]:
     return [tok.encode_chat([{"role": "user", "content": t}]) for t in texts]
 
 
+def prompt_logits(model, ids: list[int], last_only: bool = True):
+    """The target's logits over `ids` from one prefill-shaped forward, float64 on the host: the
+    next-token logits [V] after `ids` (last_only), else every position's [T, V]."""
+    import jax.numpy as jnp
+    import numpy as np
+
+    from jeagle.cache import init_pools
+    from jeagle.models.common import AttnInputs
+
+    t = len(ids)
+    pos = jnp.arange(t, dtype=jnp.int32)[None]
+    k, v = init_pools(model.cfg, num_slots=t + 2)
+    attn = AttnInputs(positions=pos, write_slots=pos + 1, kv_slots=pos + 1, kv_len=jnp.asarray([t], jnp.int32))
+    out = model(jnp.asarray([ids], jnp.int32), attn, k, v,
+                logits_index=jnp.asarray([t - 1], jnp.int32) if last_only else None)
+    return np.asarray(out.logits[0], np.float64)
+
+
 # ---- timing ---------------------------------------------------------------------------------------------
 def median_run(fn, repeats: int) -> tuple[float, dict]:
     """fn() -> (new tokens, info); returns (tokens/s, info) of the median run."""

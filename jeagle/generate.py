@@ -41,7 +41,7 @@ def describe_decoding(spec) -> str:
         return "target only"
     tier = spec.tier()
     return f"EAGLE draft {Path(spec.draft).name} ({tier.num_steps},{tier.topk},{tier.num_draft_tokens})" + (
-        ", adaptive" if spec.adaptive() else "")
+        ", adaptive" if spec.speculative_adaptive or spec.speculative_adaptive_config else "")
 
 
 def run(args: argparse.Namespace) -> dict:

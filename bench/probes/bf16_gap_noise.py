@@ -5,37 +5,41 @@ continuation, in bf16 and in fp32; at every position, |gap_bf16 - gap_fp32| for 
     python bench/probes/bf16_gap_noise.py
 """
 
+from __future__ import annotations
+
 import sys
 from pathlib import Path
 
-import jax.numpy as jnp
-import numpy as np
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common puts the repo root on the path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+from common import prompt_logits  # noqa: E402
 
-from jeagle.fetch import resolve_target  # noqa: E402
-from jeagle.checkpoint import load_model  # noqa: E402
-from jeagle.tokenizer import Tokenizer  # noqa: E402
-from jeagle.cache import init_pools  # noqa: E402
-from jeagle.models.common import AttnInputs  # noqa: E402
-
-td = resolve_target(None, dtype="bfloat16", quiet=True)
-tok = Tokenizer.from_dir(td)
-text = "Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural experiences and must-see attractions. " * 3
-ids = tok.encode_chat([{"role": "user", "content": text}]) + tok.encode(" Hawaii is a paradise of volcanic beaches, lush valleys and a rich culture that welcomes every visitor with aloha. The first stop on my trip was Honolulu.")
+PROMPT = ("Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural experiences "
+          "and must-see attractions. ") * 3
+CONTINUATION = (" Hawaii is a paradise of volcanic beaches, lush valleys and a rich culture that welcomes every "
+                "visitor with aloha. The first stop on my trip was Honolulu.")
 
 
-def logits(m):
-    t = len(ids); pos = jnp.arange(t, dtype=jnp.int32)[None]
-    k, v = init_pools(m.cfg, num_slots=t + 2)
-    a = AttnInputs(positions=pos, write_slots=pos + 1, kv_slots=pos + 1, kv_len=jnp.asarray([t], jnp.int32))
-    return np.asarray(m(jnp.asarray([ids], jnp.int32), a, k, v).logits[0], np.float64)
+def main() -> None:
+    import numpy as np
+
+    from jeagle.checkpoint import load_model
+    from jeagle.fetch import resolve_target
+    from jeagle.tokenizer import Tokenizer
+
+    target_dir = resolve_target(None, dtype="bfloat16", quiet=True)
+    tok = Tokenizer.from_dir(target_dir)
+    ids = tok.encode_chat([{"role": "user", "content": PROMPT}]) + tok.encode(CONTINUATION)
+    lb, lf = (prompt_logits(load_model(target_dir, dtype=d), ids, last_only=False) for d in ("bfloat16", "float32"))
+    top2 = np.argsort(-lf, -1)[:, :2]
+    r = np.arange(len(ids))
+    gap = lambda lg: lg[r, top2[:, 0]] - lg[r, top2[:, 1]]  # noqa: E731
+    d = np.abs(gap(lf) - gap(lb))
+    print(len(ids), "|gap_bf16 - gap_fp32| over top-2 pairs: median %.3f p75 %.3f p90 %.3f max %.3f"
+          % tuple(np.percentile(d, [50, 75, 90, 100])))
+    print("|logit bf16 - fp32| of the top token: median %.3f p90 %.3f"
+          % tuple(np.percentile(np.abs(lb[r, top2[:, 0]] - lf[r, top2[:, 0]]), [50, 90])))
 
 
-lb, lf = logits(load_model(td, dtype="bfloat16")), logits(load_model(td, dtype="float32"))
-top2 = np.argsort(-lf, -1)[:, :2]
-r = np.arange(len(ids))
-gf = lf[r, top2[:, 0]] - lf[r, top2[:, 1]]; gb = lb[r, top2[:, 0]] - lb[r, top2[:, 1]]
-d = np.abs(gf - gb)
-print(len(ids), "|gap_bf16 - gap_fp32| over top-2 pairs: median %.3f p75 %.3f p90 %.3f max %.3f" % tuple(np.percentile(d, [50, 75, 90, 100])))
-print("|logit bf16 - fp32| of the top token: median %.3f p90 %.3f" % tuple(np.percentile(np.abs(lb[r, top2[:,0]] - lf[r, top2[:,0]]), [50, 90])))
+if __name__ == "__main__":
+    main()

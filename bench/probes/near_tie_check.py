@@ -18,23 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common puts the repo root on the path
 
-from common import chat_ids, read_prompts  # noqa: E402
-
-
-def next_logits(model, ids: list[int]):
-    """The target's next-token logits after `ids` (one prefill-shaped forward), float64."""
-    import jax.numpy as jnp
-    import numpy as np
-
-    from jeagle.cache import init_pools
-    from jeagle.models.common import AttnInputs
-
-    t = len(ids)
-    pos = jnp.arange(t, dtype=jnp.int32)[None]
-    k, v = init_pools(model.cfg, num_slots=t + 2)
-    attn = AttnInputs(positions=pos, write_slots=pos + 1, kv_slots=pos + 1, kv_len=jnp.asarray([t], jnp.int32))
-    return np.asarray(model(jnp.asarray([ids], jnp.int32), attn, k, v,
-                            logits_index=jnp.asarray([t - 1], jnp.int32)).logits[0], np.float64)
+from common import chat_ids, prompt_logits, read_prompts  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -79,7 +63,7 @@ def main(argv=None) -> int:
                 ids = prompts[i] + a[:at]
                 line += f", parts at token {at} (target-only {a[at]}, EAGLE {b[at]})"
                 for name, m in ((dtype, model), ("float32", fp32)):
-                    lg = next_logits(m, ids)
+                    lg = prompt_logits(m, ids)
                     line += (f"; {name} forward: argmax {int(lg.argmax())}, logit({a[at]}) - logit({b[at]}) = "
                              f"{lg[a[at]] - lg[b[at]]:+.4f}")
             print(line, flush=True)

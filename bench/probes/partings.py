@@ -20,23 +20,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common puts the repo root on the path
 
-from common import chat_ids, device_kind, emit, git_commit, read_prompts  # noqa: E402
+from common import chat_ids, device_kind, emit, git_commit, prompt_logits, read_prompts  # noqa: E402
 
 
 def fp32_gap(model, ids: list[int], a: int, b: int) -> float:
     """logit(a) - logit(b) after `ids`, from one fp32 prefill-shaped forward."""
-    import jax.numpy as jnp
-    import numpy as np
-
-    from jeagle.cache import init_pools
-    from jeagle.models.common import AttnInputs
-
-    t = len(ids)
-    pos = jnp.arange(t, dtype=jnp.int32)[None]
-    k, v = init_pools(model.cfg, num_slots=t + 2)
-    attn = AttnInputs(positions=pos, write_slots=pos + 1, kv_slots=pos + 1, kv_len=jnp.asarray([t], jnp.int32))
-    lg = np.asarray(model(jnp.asarray([ids], jnp.int32), attn, k, v, logits_index=jnp.asarray([t - 1], jnp.int32)
-                          ).logits[0], np.float64)
+    lg = prompt_logits(model, ids)
     return float(lg[a] - lg[b])
 
 

@@ -174,3 +174,35 @@ def random_module(cls, cfg, seed: int = 0):
     from flax import nnx
 
     return nnx.jit(lambda: cls(cfg, rngs=nnx.Rngs(seed)))()
+
+
+def run_layers_with_aux(layer, num_layers: int, aux_layers, carry, unroll):
+    """The decoder layers 0..num_layers-1 over `carry` = (h, k_pool, v_pool), with `layer(i, carry)`
+    one layer (`i` a Python int when unrolled, else a traced index). unroll: True (every layer
+    inline), k >= 2 (k layers per `fori_loop` iteration: fewer iterations, each of which the GPU
+    runtime steps from the host, bench/HISTORY.md "dispatch"), else a plain loop.
+
+    The aux states (EAGLE-3 features) are the residual stream *entering* each layer of `aux_layers`:
+    the loop runs in segments cut at those layers, so no per-layer select is needed. Returns (carry,
+    aux [..., len(aux_layers) * H] in the order aux_layers lists them, or None)."""
+
+    def run(start, stop, carry):
+        if unroll is True:
+            for i in range(start, stop):
+                carry = layer(i, carry)
+            return carry
+        if stop == start:
+            return carry
+        k = max(1, min(int(unroll), stop - start))
+        return jax.lax.fori_loop(start, stop, layer, carry, unroll=k)
+
+    aux, start = [], 0
+    for layer_id in sorted(aux_layers):
+        if not 0 <= layer_id <= num_layers:
+            raise ValueError(f"aux layer {layer_id} outside 0..{num_layers}")
+        carry = run(start, layer_id, carry)
+        aux.append(carry[0])
+        start = layer_id
+    carry = run(start, num_layers, carry)
+    order = sorted(range(len(aux_layers)), key=lambda n: aux_layers[n])
+    return carry, (jnp.concatenate([aux[order.index(n)] for n in range(len(aux_layers))], -1) if aux else None)

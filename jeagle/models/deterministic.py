@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 from jeagle.models.common import (AttnInputs, attention_output, mlp_sublayer, qkv_rope, rms_norm, rope_cos_sin,
-                                   write_kv)
+                                   run_layers_with_aux, write_kv)
 
 TILE = 64  # tokens per tile of the per-token work, and queries per attention tile
 KV_BLOCK = 64  # key positions per online-softmax step
@@ -175,27 +175,10 @@ def forward(model, w: dict, tokens, attn: AttnInputs, k_pool, v_pool, *, logits_
 
         return tiled(post, h, o), kp, vp
 
-    def run_layers(start, stop, h, kp, vp):
-        if unroll is True:
-            for i in range(start, stop):
-                h, kp, vp = layer(i, (h, kp, vp))
-            return h, kp, vp
-        if stop == start:
-            return h, kp, vp
-        k = max(1, min(int(unroll), stop - start))
-        return jax.lax.fori_loop(start, stop, layer, (h, kp, vp), unroll=k)
-
-    aux, start = [], 0
-    for layer_id in sorted(aux_layers):
-        if not 0 <= layer_id <= cfg.num_layers:
-            raise ValueError(f"aux layer {layer_id} outside 0..{cfg.num_layers}")
-        h, k_pool, v_pool = run_layers(start, layer_id, h, k_pool, v_pool)
-        aux.append(h)
-        start = layer_id
-    h, k_pool, v_pool = run_layers(start, cfg.num_layers, h, k_pool, v_pool)
-    order = sorted(range(len(aux_layers)), key=lambda n: aux_layers[n])
-    aux_hidden = (jnp.concatenate([aux[order.index(n)] for n in range(len(aux_layers))], -1).reshape(b, t, -1)
-                  if aux else None)
+    (h, k_pool, v_pool), aux_hidden = run_layers_with_aux(layer, cfg.num_layers, aux_layers, (h, k_pool, v_pool),
+                                                          unroll)
+    if aux_hidden is not None:
+        aux_hidden = aux_hidden.reshape(b, t, -1)
 
     final_norm = model.final_norm[...]
     hidden = tiled(lambda ht: rms_norm(ht, final_norm, cfg.rms_norm_eps), h)

@@ -30,7 +30,7 @@ from jeagle.config import ModelConfig
 from jeagle.kernels.settings import current
 from jeagle.models import deterministic
 from jeagle.models.common import (AttnInputs, abstract_module, attention_sublayer, mlp_sublayer, random_module,
-                                   rms_norm, rope_cos_sin)
+                                   rms_norm, rope_cos_sin, run_layers_with_aux)
 from jeagle.sharding import embed_rows
 
 # The per-layer weights, in the order a layer uses them.
@@ -113,35 +113,9 @@ class Llama(nnx.Module):
         h = embed_rows(embed, tokens, self.vocab_split)
         cos, sin = rope_cos_sin(attn.positions, cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
 
-        def run_layers(start, stop, h, kp, vp):
-            if unroll is True:
-                for i in range(start, stop):
-                    h, kp, vp = self._layer(i, h, kp, vp, w, cos, sin, attn)
-                return h, kp, vp
-            if stop - start == 0:
-                return h, kp, vp
-
-            def body(i, carry):
-                return self._layer(i, *carry, w, cos, sin, attn)
-
-            # A partial unroll (k layers per iteration) cuts the loop's iterations, each of which the
-            # GPU runtime steps from the host (bench/HISTORY.md, "dispatch").
-            k = max(1, min(int(unroll), stop - start))
-            return jax.lax.fori_loop(start, stop, body, (h, kp, vp), unroll=k)
-
-        # The aux states are the residual stream *entering* each chosen layer: run the loop in
-        # segments cut at those layers so no per-layer select is needed.
-        aux = []
-        start = 0
-        for layer_id in sorted(aux_layers):
-            if not 0 <= layer_id <= cfg.num_layers:
-                raise ValueError(f"aux layer {layer_id} outside 0..{cfg.num_layers}")
-            h, k_pool, v_pool = run_layers(start, layer_id, h, k_pool, v_pool)
-            aux.append(h)
-            start = layer_id
-        h, k_pool, v_pool = run_layers(start, cfg.num_layers, h, k_pool, v_pool)
-        order = sorted(range(len(aux_layers)), key=lambda n: aux_layers[n])
-        aux_hidden = jnp.concatenate([aux[order.index(n)] for n in range(len(aux_layers))], -1) if aux else None
+        (h, k_pool, v_pool), aux_hidden = run_layers_with_aux(
+            lambda i, carry: self._layer(i, *carry, w, cos, sin, attn), cfg.num_layers, aux_layers,
+            (h, k_pool, v_pool), unroll)
 
         hidden = rms_norm(h, self.final_norm[...], cfg.rms_norm_eps)
         head = embed if self.lm_head is None else self.lm_head[...]
