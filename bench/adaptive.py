@@ -11,7 +11,8 @@ weights of the next phase (same graph, new values), in the same order:
     mid    fc noise --mid-noise: partial acceptance
     low    the sign-flipped head: never the target's token (accepts nothing)
 
-Engines: one per static tier and one adaptive engine over the same tiers (one set of chain tiers
+Engines: one per static tier and one adaptive engine per policy of `--policies` (throughput: the
+default, expected tokens per second from measured round times; ema: SGLang's) over the same tiers (one set of chain tiers
 (K = 1, SGLang's restriction) and, with --tree-tiers, one set of tree tiers). All warm (every
 executable compiled before timing), greedy, `--batch` requests of `--phase-tokens` new tokens per
 phase, the whole phase sequence `--repeats` times (policy reset, engine order rotated each time):
@@ -52,6 +53,7 @@ def main(argv=None):
     p.add_argument("--tree-tiers", type=tiers_arg, default=None, help="e.g. 1,4,3:3,4,8:6,4,16")
     p.add_argument("--mid-noise", type=float, default=0.02)
     p.add_argument("--adaptive-config", default=None, help="JSON file (default: the policy's defaults)")
+    p.add_argument("--policies", default="throughput,ema", help="adaptive policies, one engine each")
     p.add_argument("--context", type=int, default=128, help="prompt tokens")
     p.add_argument("--repeats", type=int, default=3, help="whole-workload repeats (per-phase figures: medians)")
     args = p.parse_args(argv)
@@ -66,7 +68,8 @@ def main(argv=None):
 
     phases = args.phases.split(",")
     target, head_params, head = phased_models(args.shape, args.mid_noise)
-    adaptive_cfg = AdaptiveConfig.from_json(args.adaptive_config) if args.adaptive_config else AdaptiveConfig()
+    # The file's keys (each policy fills the ones it omits with its own defaults).
+    adaptive_doc = json.loads(open(args.adaptive_config).read()) if args.adaptive_config else {}
     rng = np.random.default_rng(0)
     vocab = target.cfg.vocab_size
     tier_sets = {"chain": args.chain_tiers} | ({"tree": args.tree_tiers} if args.tree_tiers else {})
@@ -79,9 +82,10 @@ def main(argv=None):
                             kernels=KernelSettings.from_env())
         for set_name, tiers in tier_sets.items():
             engines = {f"static {s},{k},{n}": speculative(target, head, ecfg, SpecConfig(s, k, n)) for s, k, n in tiers}
-            ad = AdaptiveConfig(**{**adaptive_cfg.__dict__, "candidate_tiers": tiers})
             mid = tiers[len(tiers) // 2]
-            engines["adaptive"] = speculative(target, head, ecfg, SpecConfig(*mid), adaptive=ad)
+            for policy in args.policies.split(","):
+                ad = AdaptiveConfig.from_dict({**adaptive_doc, "candidate_tiers": tiers, "policy": policy})
+                engines[f"adaptive {policy}"] = speculative(target, head, ecfg, SpecConfig(*mid), adaptive=ad)
             for name, eng in engines.items():
                 t0 = time.perf_counter()
                 eng.warmup(batch_sizes=[batch], prefill_lengths=[args.context], greedy=(True,), progress=False)
@@ -113,37 +117,44 @@ def main(argv=None):
                                      "host_blocked_ms": st["host_blocked_ms"],
                                      "tokens_per_s": round(st["new_tokens"] / wall, 1),
                                      "accept_length": round(st["accept_length"], 3),
-                                     "tier_history": st["tier_history"] if eng.adaptive else None})
-            switches[f"{set_name} B={batch}"] = engines["adaptive"].decoder.controller.switches
+                                     "tier_history": st["tier_history"] if eng.adaptive else None,
+                                     "adaptive_state": st["adaptive_state"]})
+            switches[f"{set_name} B={batch}"] = {n: e.decoder.controller.switches for n, e in engines.items()
+                                                 if e.adaptive}
 
     # ---- summary: per phase and overall, adaptive against every static tier -----------------------------
     summary = []
     for key in sorted({(r["batch"], r["tiers"]) for r in rows}):
         sel = [r for r in rows if (r["batch"], r["tiers"]) == key]
         names = list(dict.fromkeys(r["engine"] for r in sel))
-        print(f"\nbatch {key[0]}, {key[1]} tiers: tokens/s (accept length)")
-        print(f"{'phase':>10} " + " ".join(f"{n:>18}" for n in names) + f" {'adaptive/best':>13}")
+        adaptive = [n for n in names if n.startswith("adaptive")]
+        static = [n for n in names if n not in adaptive]
+        print(f"\nbatch {key[0]}, {key[1]} tiers: tokens/s (accept length); last columns: each adaptive engine / "
+              "the best static tier")
+        print(f"{'phase':>10} " + " ".join(f"{n:>20}" for n in names) + "".join(f" {n[9:] + '/best':>15}" for n in adaptive))
         for i, ph in enumerate(phases):
             # Median over repeats of each engine's tokens/s in this phase.
             by = {n: {"tokens_per_s": float(np.median([r["tokens_per_s"] for r in sel if r["phase_index"] == i
                                                          and r["engine"] == n])),
                       "accept_length": float(np.median([r["accept_length"] for r in sel if r["phase_index"] == i
                                                           and r["engine"] == n]))} for n in names}
-            best = max(by[n]["tokens_per_s"] for n in names if n != "adaptive")
-            ratio = by["adaptive"]["tokens_per_s"] / best
-            print(f"{i}:{ph:>8} " + " ".join(f"{by[n]['tokens_per_s']:>11.1f} ({by[n]['accept_length']:>4.2f})"
-                                            for n in names) + f" {ratio:>13.3f}")
-            summary.append({"batch": key[0], "tiers": key[1], "phase_index": i, "phase": ph, "adaptive_over_best": ratio,
-                            "median_tokens_per_s": {n: by[n]["tokens_per_s"] for n in names}})
+            best = max(by[n]["tokens_per_s"] for n in static)
+            ratios = {n: by[n]["tokens_per_s"] / best for n in adaptive}
+            print(f"{i}:{ph:>8} " + " ".join(f"{by[n]['tokens_per_s']:>13.1f} ({by[n]['accept_length']:>4.2f})"
+                                            for n in names) + "".join(f" {ratios[n]:>15.3f}" for n in adaptive))
+            summary.append({"batch": key[0], "tiers": key[1], "phase_index": i, "phase": ph,
+                            "adaptive_over_best": ratios, "median_tokens_per_s": {n: by[n]["tokens_per_s"] for n in names}})
         overall = {n: sum(r["tokens"] for r in sel if r["engine"] == n) / sum(r["wall_s"] for r in sel if r["engine"] == n)
                    for n in names}
-        print(f"{'overall':>10} " + " ".join(f"{overall[n]:>18.1f}" for n in names)
-              + f" {overall['adaptive'] / max(v for n, v in overall.items() if n != 'adaptive'):>13.3f}")
-        summary.append({"batch": key[0], "tiers": key[1], "phase": "overall", "tokens_per_s": overall})
+        best = max(overall[n] for n in static)
+        print(f"{'overall':>10} " + " ".join(f"{overall[n]:>20.1f}" for n in names)
+              + "".join(f" {overall[n] / best:>15.3f}" for n in adaptive))
+        summary.append({"batch": key[0], "tiers": key[1], "phase": "overall", "tokens_per_s": overall,
+                        "adaptive_over_best": {n: overall[n] / best for n in adaptive}})
     print(json.dumps({"bench": "adaptive", "shape": args.shape, "device": device_kind(),
                       "commit": git_commit(), "phases": phases,
                       "phase_tokens": args.phase_tokens, "mid_noise": args.mid_noise,
-                      "adaptive_config": adaptive_cfg.__dict__, "switches_last_repeat": switches, "summary": summary,
+                      "adaptive_config": adaptive_doc, "policies": args.policies.split(","), "switches_last_repeat": switches, "summary": summary,
                       "rows": rows}, default=list))
 
 

@@ -12,9 +12,11 @@ import glob
 import gzip
 import json
 import os
+import re
 import subprocess
 import sys
 import time
+from collections import Counter, defaultdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -207,25 +209,189 @@ def device_events(trace_dir: str):
     return [e for evs in device_events_by_device(trace_dir).values() for e in evs]
 
 
-def device_events_by_device(trace_dir: str, with_module: bool = False) -> dict[str, list[tuple]]:
-    """{device process name: [(name, duration_us), ...]} of the ops the trace puts on GPU streams;
-    with_module: [(name, duration_us, start_us, hlo module or "")] (the module: which executable ran it)."""
+def trace_events(trace_dir: str) -> list[dict]:
+    """Every event of the latest trace json under `trace_dir` (a `jax.profiler.trace` folder)."""
     files = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
     files += glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
     if not files:
         raise RuntimeError(f"no trace json under {trace_dir}")
     with gzip.open(sorted(files)[-1]) as f:
         doc = json.load(f)
-    events = doc["traceEvents"] if isinstance(doc, dict) else doc
+    return doc["traceEvents"] if isinstance(doc, dict) else doc
+
+
+def device_events_by_device(trace_dir: str, with_module: bool = False,
+                            with_args: bool = False) -> dict[str, list[tuple]]:
+    """{device process name: [(name, duration_us), ...]} of the ops the trace puts on GPU streams;
+    with_module: [(name, duration_us, start_us, hlo module or "")] (the module: which executable ran it);
+    with_args: the same with the event's args (dict) last (`PhaseMap` reads them)."""
+    events = trace_events(trace_dir)
     gpu_pids = {e["pid"]: str(e["args"]["name"]) for e in events if e.get("ph") == "M"
                 and e.get("name") == "process_name" and "gpu" in str(e.get("args", {}).get("name", "")).lower()}
     out: dict[str, list[tuple]] = {name: [] for name in gpu_pids.values()}
     for e in events:
         if e.get("ph") == "X" and e.get("pid") in gpu_pids:
-            dur = float(e.get("dur", 0))
-            if with_module:
-                args = e.get("args") or {}
-                out[gpu_pids[e["pid"]]].append((e["name"], dur, float(e.get("ts", 0)), str(args.get("hlo_module", ""))))
-            else:
-                out[gpu_pids[e["pid"]]].append((e["name"], dur))
+            dur, args = float(e.get("dur", 0)), e.get("args") or {}
+            row = (e["name"], dur)
+            if with_module or with_args:
+                row += (float(e.get("ts", 0)), str(args.get("hlo_module", "")))
+            out[gpu_pids[e["pid"]]].append(row + (args,) if with_args else row)
     return out
+
+
+# ---- device time by phase: named scopes through the optimized HLO -----------------------------------------
+# A GPU kernel's trace event carries as args the key=value pairs of the XLA annotations on the launching
+# thread (openxla/xla: xla/backends/gpu/runtime/annotation.cc writes "XlaModule:#hlo_module=M,program_id=..#"
+# per executable and "Thunk:#name=N,hlo_op=I,unique_hlo_op_id=..#" per thunk; xla/backends/profiler/gpu/
+# cupti_collector.cc turns them into stats, innermost first; xla/tsl/profiler/convert/xplane_to_trace_events.cc
+# writes every stat but internal ones, program_id included, as an arg): `hlo_op` (the HLO instruction),
+# `hlo_module` (the executable's module), `name` (the instruction's op_name less the module's common prefix),
+# `unique_hlo_op_id` (detailed annotations add `op_name`, `op_type`, `shape`), and the collector's own
+# (`correlation_id`, `context_id`, occupancy, `tf_op`). While profiling, command buffers run thunk by thunk
+# (command_buffer_thunk.cc), so kernels inside them are annotated too. XLA CPU's thunk events (host
+# threads) carry `hlo_op` and `hlo_module` as well. An instruction's op_name (its metadata in the optimized
+# HLO) holds the named-scope path: jit(round_step)/.../verify_forward/dot_general.
+_HLO_INSTR = re.compile(r"^\s+(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
+_HLO_COMP = re.compile(r"^(?:ENTRY\s+)?%?([\w.\-]+)\s*[({]")
+_HLO_OP_NAME = re.compile(r'\bop_name="((?:[^"\\]|\\.)*)"')
+_HLO_CALLS = re.compile(r"\b(?:calls|to_apply|body|condition|true_computation|false_computation|branch_computations"
+                        r"|called_computations)=(\{[^}]*\}|%?[\w.\-]+)")
+
+
+def scope_of(op_name: str, scopes) -> str | None:
+    """The first (outermost) of `scopes` that is a component of the op_name path, else None."""
+    return next((part for part in op_name.split("/") if part in scopes), None)
+
+
+def parse_hlo(text: str):
+    """(module name, entry computation, {computation: [instruction]}, {instruction: (op_name, [called
+    computation], [operand])}) of an HLO module's text (`compiled.as_text()`: one instruction a line)."""
+    module, entry, comps, instrs, comp = "", None, {}, {}, None
+    for line in text.splitlines():
+        if line.startswith("HloModule "):
+            module = line.split()[1].rstrip(",")
+        elif not line[:1].isspace() and line.rstrip().endswith("{") and (m := _HLO_COMP.match(line)):
+            comp = m.group(1)
+            comps[comp] = []
+            if line.startswith("ENTRY"):
+                entry = comp
+        elif line.startswith("}"):
+            comp = None
+        elif comp is not None and (m := _HLO_INSTR.match(line)):
+            rest = m.group(2)
+            op = _HLO_OP_NAME.search(rest)
+            calls = [c for g in _HLO_CALLS.findall(rest) for c in re.findall(r"%?([\w.\-]+)", g)]
+            comps[comp].append(m.group(1))
+            instrs[m.group(1)] = (op.group(1) if op else "", calls, re.findall(r"%([\w.\-]+)", rest))
+    return module, entry, comps, instrs
+
+
+def hlo_phases(text: str, scopes) -> tuple[str, dict[str, str]]:
+    """(module name, {instruction: phase}) of an optimized HLO module. An instruction's phase is the first of
+    `scopes` in its own op_name; else the one most instructions of the computations it calls have (a fusion
+    whose root carries no scope, a call, a while); else its caller's (the body of a while, a fused computation;
+    passed down where the caller's phase is its own or all its callees'); else, for an instruction without
+    metadata (made by an XLA pass), the one most of its users, else of its operands, have; else "other"."""
+    module, entry, comps, instrs = parse_hlo(text)
+    own = {i: scope_of(op, scopes) for i, (op, *_) in instrs.items()}
+    votes: dict[str, Counter] = {}
+
+    def comp_votes(c: str) -> Counter:  # explicit scopes inside computation c, nested calls included
+        if c not in votes:
+            votes[c] = Counter()  # (HLO calls have no cycles: a guard only)
+            v = Counter(own[i] for i in comps.get(c, ()) if own[i])
+            for i in comps.get(c, ()):
+                for called in instrs[i][1]:
+                    v.update(comp_votes(called))
+            votes[c] = v
+        return votes[c]
+
+    phases: dict[str, str | None] = {}
+    todo, seen = [(entry, None)] + [(c, None) for c in comps if c != entry], set()
+    while todo:
+        c, inherited = todo.pop(0)
+        if c is None or c in seen or c not in comps:
+            continue
+        seen.add(c)
+        down = {}
+        for i in comps[c]:
+            v = Counter()
+            for called in instrs[i][1]:
+                v.update(comp_votes(called))
+            phases[i] = own[i] or (v.most_common(1)[0][0] if v else None) or inherited
+            down[i] = phases[i] if own[i] or len(v) < 2 else None  # a mixed caller passes nothing down
+        names = set(comps[c])
+        users = defaultdict(list)
+        for i in comps[c]:
+            for o in instrs[i][2]:
+                if o in names:
+                    users[o].append(i)
+        for _ in range(len(comps[c])):  # no metadata: the neighbours' phase, until nothing changes
+            changed = False
+            for i in comps[c]:
+                if phases[i] is None and not instrs[i][0]:
+                    near = ([phases[u] for u in users[i] if phases[u] not in (None, "other")]
+                            or [phases[o] for o in instrs[i][2] if o in names and phases[o] not in (None, "other")])
+                    if near:
+                        phases[i] = down[i] = Counter(near).most_common(1)[0][0]
+                        changed = True
+            if not changed:
+                break
+        for i in comps[c]:
+            phases[i] = phases[i] or "other"
+            todo[:0] = [(called, down[i]) for called in instrs[i][1]]
+    return module, phases
+
+
+def kernel_name(instruction: str) -> str:
+    """The name XLA gives the GPU kernel of an instruction (llvm_ir::SanitizeFunctionName: "loop_add_fusion.3"
+    runs as "loop_add_fusion_3")."""
+    return re.sub(r"[^A-Za-z0-9_$]", "_", instruction)
+
+
+class PhaseMap:
+    """A trace event -> its phase, from the optimized HLO of the executables that ran (`hlo_phases`).
+
+    An event is looked up by its `hlo_op` arg in its `hlo_module`'s instructions (executables sharing a
+    module name, e.g. one per prefix bucket, vote); else by the scope in its `name` / `long_name` / `tf_op`
+    arg; else by its own name as a kernel name of an instruction; else it is "unattributed"."""
+
+    def __init__(self, hlo_texts, scopes):
+        self.scopes = tuple(scopes)
+        self.ops: dict[str, dict[str, Counter]] = defaultdict(lambda: defaultdict(Counter))
+        self.kernels: dict[str, dict[str, Counter]] = defaultdict(lambda: defaultdict(Counter))
+        for text in hlo_texts:
+            module, phases = hlo_phases(text, self.scopes)
+            for instr, phase in phases.items():
+                self.ops[module][instr][phase] += 1
+                self.kernels[module][kernel_name(instr)][phase] += 1
+
+    @staticmethod
+    def _lookup(table, module: str, key: str) -> str | None:
+        votes = Counter()
+        for m in ([module] if module else list(table)):
+            votes.update(table.get(m, {}).get(key, {}))
+        return votes.most_common(1)[0][0] if votes else None
+
+    def __call__(self, name: str, args: dict | None = None) -> str:
+        args = args or {}
+        module = str(args.get("hlo_module", ""))
+        # (One instruction; should a trace join nested ones, a while's and its body's, the scoped one wins.)
+        found = [self._lookup(self.ops, module, op) for op in re.split(r"[\s,;]+", str(args.get("hlo_op", ""))) if op]
+        if any(found):
+            return next((ph for ph in found if ph not in (None, "other")), "other")
+        for key in ("name", "long_name", "tf_op", "op_name"):
+            if phase := scope_of(str(args.get(key, "")), self.scopes):
+                return phase
+        return self._lookup(self.kernels, module, kernel_name(name)) or "unattributed"
+
+    def busy_us(self, events) -> dict[str, tuple[int, float]]:
+        """{phase: (ops, busy us)} of `events` ((name, duration_us, start_us, module, args), as
+        `device_events_by_device(..., with_args=True)` gives them), in `scopes` order, then "other" and
+        "unattributed"."""
+        out: dict[str, list] = {p: [0, 0.0] for p in (*self.scopes, "other", "unattributed")}
+        for name, dur, *_, args in events:
+            row = out[self(name, args)]
+            row[0] += 1
+            row[1] += dur
+        return {p: (c, t) for p, (c, t) in out.items() if c}

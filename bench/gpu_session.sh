@@ -6,7 +6,7 @@
 #   carry .stage1: `bash bench/gpu_session.sh stage`; carry .stage2: `bash bench/gpu_session.sh stage`;
 #   carry .stage3 + .whl: `bash bench/gpu_session.sh run STEPS...` (later calls: carry .whl only).
 # startup (issue 27: first and second start of the README command) needs the staged GGUF like bench.
-# Random-weight steps (tp, profile, kerneltests, kernelbench, kernelround, specbench, overhead, warmup, cmdbuf, adaptive, autotune) need no staging: `bash bench/gpu_session.sh run kerneltests kernelbench kernelround`.
+# Random-weight steps (tp, profile, phases, kerneltests, kernelbench, kernelround, specbench, overhead, warmup, cmdbuf, adaptive, autotune) need no staging: `bash bench/gpu_session.sh run kerneltests kernelbench kernelround`.
 set -uo pipefail
 mode="${1:-run}"
 stage_in() {  # whatever staged parts this call carries -> $HOME/stage; unpack the data archives once
@@ -162,6 +162,23 @@ if [[ "$steps" == *" profile "* ]]; then  # issue 9: rounds (and target-only ste
       2>&1 | grep -v "Delay kernel" | tee "$OUT/profile_${shape}_target.log"
     python3 bench/profile_decode.py --shape $shape --batch-sizes "$batches" --spec 5,4,8 \
       --simulate-accept $tau --steps 64 2>&1 | grep -v "Delay kernel" | tee "$OUT/profile_${shape}_round.log"
+  done
+fi
+if [[ "$steps" == *" phases "* ]]; then  # issue 22: each phase's share of a round (named scopes), per split choice
+  # One log (phases.log) and one JSON line per run (phases.jsonl): the target step, then the round at each
+  # JEAGLE_PAGED_ATTENTION_SPLITS choice; SmolLM2 at tau 3.15 (the shipped head on MT-bench), the 8B shape at 4.68.
+  for shape in ${PHASES_SHAPES:-smollm2 llama8b}; do
+    tau=4.68; batches="${PHASES_8B_BATCHES:-1,16}"
+    [ "$shape" = smollm2 ] && tau=3.15 && batches="${PHASES_BATCHES:-1,48}"
+    echo "== $shape target step" | tee -a "$OUT/phases.log"
+    python3 bench/profile_decode.py --shape $shape --batch-sizes "$batches" --steps "${PHASES_STEPS:-48}" 2>&1 \
+      | grep -v "Delay kernel" | tee -a "$OUT/phases.log" | grep '^{"bench"' >> "$OUT/phases.jsonl"
+    for splits in ${SPLIT_CHOICES:-1 auto}; do
+      echo "== $shape round 5,4,8 tau $tau JEAGLE_PAGED_ATTENTION_SPLITS=$splits" | tee -a "$OUT/phases.log"
+      JEAGLE_PAGED_ATTENTION_SPLITS=$splits python3 bench/profile_decode.py --shape $shape --batch-sizes "$batches" \
+        --spec 5,4,8 --simulate-accept $tau --steps "${PHASES_STEPS:-48}" 2>&1 | grep -v "Delay kernel" \
+        | tee -a "$OUT/phases.log" | grep '^{"bench"' | sed "s/^{/{\"splits\": \"$splits\", /" >> "$OUT/phases.jsonl"
+    done
   done
 fi
 if [[ "$steps" == *" commitab "* ]]; then  # one commit against another in one call: bench/decode.py, jeagle systems

@@ -12,6 +12,14 @@ full bucket's executables are compiled and run, and no prefill is timed). When t
 op's HLO module (GPU traces do), the prefill executables are left out of the per-step figures and the
 device's idle time between the decode executables' ops (the host gaps) is reported with the largest gaps.
 
+`--phases` (on with `--spec`) splits the device-busy time of a round by phase, the named scopes of
+`jeagle/spec/round.py` (draft_step, draft_topk, tree_build, verify_forward, accept, finish, draft_extend,
+commit; "other": ops outside them, e.g. the rows' gather; "unattributed": ops no executable's HLO names):
+each GPU op's `hlo_op` arg is looked up in the optimized HLO of the engine's executables, whose
+instructions carry the scope path in their op_name (`bench/common.PhaseMap`). Printed per batch size as
+ms and ops per round and share of busy time, and in the JSON row as `busy_ms_by_phase` (ms per round).
+A CPU run's trace has no GPU ops: no phase table then.
+
     python bench/profile_decode.py --shape smollm2 --batch-sizes 1,16
     python bench/profile_decode.py --shape llama8b --batch-sizes 1,48 --spec 5,4,8 --simulate-accept 4.68
 """
@@ -23,7 +31,7 @@ import collections
 import tempfile
 import time
 
-from common import SHAPES, device_events_by_device, device_kind, emit, random_eagle3_head
+from common import SHAPES, PhaseMap, device_events_by_device, device_kind, emit, random_eagle3_head
 
 
 def decode_phase(events: list[tuple]) -> tuple[list[tuple], bool]:
@@ -44,6 +52,23 @@ def idle_gaps(events: list[tuple], top: int = 5) -> tuple[float, list[float]]:
             gaps.append(s - end)
         end = t if end is None else max(end, t)
     return sum(gaps), sorted(gaps, reverse=True)[:top]
+
+
+def phase_busy(events: list[tuple], hlo_texts: list[str]) -> dict[str, tuple[int, float]]:
+    """{phase: (device ops, busy us)} of `events` (with their args), by the named scopes of a round."""
+    from jeagle.spec.round import PHASES
+
+    return PhaseMap(hlo_texts, PHASES).busy_us(events) if events else {}
+
+
+def print_phases(by_phase: dict, n: int, unit: str, busy_us: float) -> None:
+    """The phase table: device ms and ops per unit, share of the busy time."""
+    if not by_phase:
+        print("phases: no GPU ops in the trace (a CPU run?): no phase table")
+        return
+    print(f"{'phase':<16} {'ms/' + unit:>9} {'ops/' + unit:>9} {'share':>7}")
+    for ph, (c, t) in by_phase.items():
+        print(f"{ph:<16} {t / 1e3 / n:>9.3f} {c / n:>9.1f} {t / busy_us:>7.1%}")
 
 
 def unroll_arg(v: str):
@@ -67,7 +92,10 @@ def main(argv=None):
     p.add_argument("--top", type=int, default=20)
     p.add_argument("--spec", default=None, metavar="S,K,N", help="profile EAGLE-3 rounds of this tier")
     p.add_argument("--simulate-accept", type=float, default=4.68, help="τ of the --spec rounds")
+    p.add_argument("--phases", action=argparse.BooleanOptionalAction, default=None,
+                   help="device time per phase of the round (named scopes); default: on with --spec")
     args = p.parse_args(argv)
+    phases = bool(args.spec) if args.phases is None else args.phases
 
     import jax
 
@@ -102,6 +130,7 @@ def main(argv=None):
                           decode_steps=args.decode_steps, unroll_layers=unroll, kernels=KernelSettings.from_env())
         engine = (speculative(model, head, ec, tier, simulate_accept=args.simulate_accept) if args.spec
                   else target_only(model, ec))
+        plan = engine.warmup_plan(batch_sizes=[batch], prefill_lengths=[args.context], greedy=(True,))
         engine.warmup(batch_sizes=[batch], prefill_lengths=[args.context], greedy=(True,), progress=False)
         sp = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
         reqs = [engine.submit(prompt, sp) for _ in range(batch)]
@@ -128,13 +157,15 @@ def main(argv=None):
                     engine.step()
                 jax.block_until_ready(dec.state)
             traced_wall = time.perf_counter() - t0
-            ev_all = [e for evs in device_events_by_device(d, with_module=True).values() for e in evs]
+            ev_all = [e for evs in device_events_by_device(d, with_args=True).values() for e in evs]
         if engine.compile_seconds > compiled0:
             print(f"batch {batch}: the measured steps compiled ({engine.compile_seconds - compiled0:.1f} s): the "
                   "figures include compilation", flush=True)
         if any(r.done for r in reqs):
             raise RuntimeError(f"batch {batch}: a request finished while measured (max_new {max_new})")
         accepted = list(getattr(dec, "accept_lengths", ()))[acc0:]  # request-rounds of both windows
+        # The optimized HLO of what ran: the warm-up plan's decode executables, all in memory by now.
+        hlo = [engine.executables.get(k).as_text() for k in plan if "prefill" not in k.label] if phases else []
         for r in reqs:
             engine.abort(r)
         while engine.has_work:
@@ -158,6 +189,9 @@ def main(argv=None):
                "accept_length": sum(accepted) / len(accepted) if accepted else 1.0,
                "top": sorted(((name, c / n, t / n) for name, (c, t) in by_name.items()),
                              key=lambda x: -x[2])[: args.top]}
+        if phases:
+            by_phase = phase_busy(ev, hlo)
+            row["busy_ms_by_phase"] = {ph: round(t / 1e3 / n, 4) for ph, (_, t) in by_phase.items()}
         out["rows"].append(row)
         scope = "decode executables only" if prefill_excluded else "prefill included"
         print(f"\nbatch {batch}: wall {row['wall_ms_per_step']:.3f} ms/{unit} (untraced, steady state), device busy "
@@ -169,6 +203,8 @@ def main(argv=None):
         print(f"{'op':<70} {'per ' + unit:>9} {'us/' + unit:>9}")
         for name, c, t in row["top"]:
             print(f"{name[:70]:<70} {c:>9.1f} {t:>9.1f}")
+        if phases:
+            print_phases(by_phase, n, unit, busy_us)
     emit(out)
 
 

@@ -1,16 +1,32 @@
-"""Adaptive speculative decoding: an EMA policy that switches between pre-compiled step tiers.
+"""Adaptive speculative decoding: policies that switch between pre-compiled step tiers.
 
 Host-only (no JAX here). SGLang's design (docs "Adaptive Speculative Decoding", `../shared/DESIGN.md`
-"Adaptive steps"), with one extension: a tier is a full (S, K, N) triple, so tree tiers adapt too.
+"Adaptive steps"), with two extensions: a tier is a full (S, K, N) triple, so tree tiers adapt too,
+and the default policy weighs each tier's accept length against its measured cost.
 
     AdaptiveConfig       the knobs, from JSON (omitted keys take defaults; unknown keys, bad values: errors)
-    AdaptivePolicy       the EMA of accepted drafts per request and the tier decision
+    ThroughputPolicy     "throughput" (default): the tier with the most expected tokens per second
+    AdaptivePolicy       "ema": SGLang's EMA of accepted drafts per request and its thresholds
+    RoundTimes           one round's wall time per (tier, bucket): timed at warm-up, refined online
     TierState            one tier's runtime state: its (S, K, N) and its executables, one per bucket
     AdaptiveController   feeds the policy after each verify and swaps the active TierState (a reference
                          swap: every tier is compiled at warm-up, a switch never compiles)
 
-The policy. After each verify, batch_avg = mean accepted draft tokens per request (bonus excluded),
-ema = (1-α)·ema + α·batch_avg, ema starting at steps-1 of the initial tier. The first
+The throughput policy. A round of a tier with reach D = min(S, N - 1) (the deepest node its tree can
+hold) accepts a drafts (bonus excluded): depths 1..a passed, depth a + 1 was tried and failed when
+a < D, and nothing is known past D. Counts per depth, decayed over the last `accept_window`
+request-rounds (so a batch of 16 forgets 16 times faster per verify than a batch of 1), give the
+conditional acceptance p_d = P(depth d accepted | depth d - 1 accepted), each shrunk towards the
+depth above it (pseudo-counts `PRIOR_WEIGHT`), so a depth no tier has tried yet is estimated like the
+deepest one tried (a geometric tail). Tier j would emit E_j = 1 + sum_{d <= D_j} p_1 ... p_d tokens
+per round (bonus included) and costs T_j, its measured round time at the current batch bucket;
+every `update_interval` verifies after `warmup_batches` (defaults 1 and 2: a decision costs
+microseconds, and the shrinkage stands in for a warm-up) the policy picks argmax E_j / T_j, and leaves
+the active tier only for one at least `switch_margin` faster. Tree shape beyond depth (a wider N at
+the same depth) is not modelled: tiers are compared through their depth alone.
+
+The EMA policy. After each verify, batch_avg = mean accepted draft tokens per request (bonus
+excluded), ema = (1-α)·ema + α·batch_avg, ema starting at steps-1 of the initial tier. The first
 `warmup_batches` verifies only feed the EMA; after them, every `update_interval`-th verify re-decides:
 move down while ema ≤ steps[i-1] - 0.5 + down_hysteresis, else up while ema > steps[i] - 0.5 +
 up_hysteresis. That is "steps ≈ round(ema) + 1", probing one step past what is accepted now, with a
@@ -23,7 +39,11 @@ import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
+
+POLICIES = ("throughput", "ema")
+PRIOR_WEIGHT = 2.0  # pseudo-rounds shrinking a depth's acceptance towards the depth above it
+PRIOR_ACCEPT = 0.5  # depth 1's prior acceptance
 
 
 class AdaptiveConfigError(ValueError):
@@ -51,12 +71,17 @@ class AdaptiveConfig:
     # Explicit tiers, each [S, K, N], in increasing S; when given they replace candidate_steps.
     candidate_tiers: tuple[tuple[int, int, int], ...] | None = None
     ema_alpha: float = 0.2
-    warmup_batches: int = 10
-    update_interval: int = 5
+    warmup_batches: int | None = None  # None: 10 for "ema" (SGLang's), 2 for "throughput"
+    update_interval: int | None = None  # None: 5 for "ema" (SGLang's), 1 for "throughput"
     down_hysteresis: float = -0.25
     up_hysteresis: float = 0.0
+    policy: str = "throughput"  # or "ema" (SGLang's)
+    accept_window: int = 32  # throughput: request-rounds over which the per-depth acceptance counts decay (1/e)
+    switch_margin: float = 0.03  # throughput: leave the active tier only for one this much faster
 
     def __post_init__(self):
+        if self.policy not in POLICIES:
+            raise AdaptiveConfigError(f"adaptive config: policy must be one of {', '.join(POLICIES)}, got {self.policy!r}")
         steps = self.candidate_steps
         if not isinstance(steps, (list, tuple)) or not steps:
             raise AdaptiveConfigError(f"adaptive config: candidate_steps must be a non-empty list, got {steps!r}")
@@ -78,10 +103,17 @@ class AdaptiveConfig:
                                           f"(num_steps), got {[list(t) for t in out]}")
             object.__setattr__(self, "candidate_tiers", tuple(out))
         object.__setattr__(self, "ema_alpha", _float("ema_alpha", self.ema_alpha, 0.0, 1.0, lo_open=True))
+        ema = self.policy == "ema"
+        if self.warmup_batches is None:
+            object.__setattr__(self, "warmup_batches", 10 if ema else 2)
+        if self.update_interval is None:
+            object.__setattr__(self, "update_interval", 5 if ema else 1)
         _int("warmup_batches", self.warmup_batches, 0)
         _int("update_interval", self.update_interval, 1)
         object.__setattr__(self, "down_hysteresis", _float("down_hysteresis", self.down_hysteresis))
         object.__setattr__(self, "up_hysteresis", _float("up_hysteresis", self.up_hysteresis))
+        _int("accept_window", self.accept_window, 1)
+        object.__setattr__(self, "switch_margin", _float("switch_margin", self.switch_margin, 0.0))
 
     @classmethod
     def from_dict(cls, d: dict) -> "AdaptiveConfig":
@@ -167,6 +199,111 @@ class AdaptivePolicy:
         return changed
 
 
+class ThroughputPolicy:
+    """The tier with the most expected tokens per second (module docstring). `tiers`: (S, K, N) each,
+    in the controller's order."""
+
+    def __init__(self, config: AdaptiveConfig, tiers: Sequence[tuple[int, int, int]], initial_index: int):
+        self.cfg = config
+        self.reach = [min(s, n - 1) for s, _, n in tiers]
+        deepest = max(self.reach)
+        self.tried = [0.0] * (deepest + 1)  # [d]: decayed rounds that tried depth d (index 0 unused)
+        self.passed = [0.0] * (deepest + 1)  # [d]: ... that accepted it
+        self.index = initial_index
+        self.batches = 0
+        self.last_rates: list[float | None] = [None] * len(tiers)  # expected tokens/ms at the last decision
+
+    def observe(self, accepted: Sequence[int], reach: int) -> None:
+        """One verify's accepted drafts per request (bonus excluded) from rounds of reach `reach`."""
+        keep = (1.0 - 1.0 / self.cfg.accept_window) ** len(accepted)
+        self.tried = [x * keep for x in self.tried]
+        self.passed = [x * keep for x in self.passed]
+        for a in accepted:
+            a = min(int(a), reach)
+            for d in range(1, a + 1):
+                self.passed[d] += 1.0
+            for d in range(1, min(a + 1, reach) + 1):
+                self.tried[d] += 1.0
+
+    def accept_rates(self) -> list[float]:
+        """p_d, d = 1..deepest: P(depth d accepted | depth d - 1 accepted), shrunk towards p_{d-1}."""
+        out, prior = [], PRIOR_ACCEPT
+        for d in range(1, len(self.tried)):
+            prior = (self.passed[d] + PRIOR_WEIGHT * prior) / (self.tried[d] + PRIOR_WEIGHT)
+            out.append(prior)
+        return out
+
+    def expected_tokens(self) -> list[float]:
+        """E_j: tokens per round (bonus included) each tier would emit."""
+        rates, out = self.accept_rates(), []
+        for reach in self.reach:
+            e, run = 1.0, 1.0
+            for p in rates[:reach]:
+                run *= p
+                e += run
+            out.append(e)
+        return out
+
+    def update(self, accepted: Sequence[int], ran: int, round_ms: Callable[[int], float | None]) -> bool:
+        """Feed one verify of tier index `ran`; round_ms(j): tier j's round time at the current bucket
+        (None: unknown). True if the active tier changed."""
+        if len(accepted) == 0:
+            return False
+        self.observe(accepted, self.reach[ran])
+        self.batches += 1
+        past = self.batches - self.cfg.warmup_batches
+        if past <= 0 or past % self.cfg.update_interval:
+            return False
+        return self._decide(round_ms)
+
+    def _decide(self, round_ms) -> bool:
+        times = [round_ms(j) for j in range(len(self.reach))]
+        self.last_rates = [e / t if t else None for e, t in zip(self.expected_tokens(), times)]
+        now = self.last_rates[self.index]
+        if now is None:
+            return False
+        best = max((j for j, r in enumerate(self.last_rates) if r is not None), key=lambda j: self.last_rates[j])
+        if best == self.index or self.last_rates[best] <= now * (1.0 + self.cfg.switch_margin):
+            return False
+        self.index = best
+        return True
+
+
+class RoundTimes:
+    """One round's wall time (ms) per (tier index, bucket): `calibrated` from timed runs at warm-up
+    (or the first dispatch of a bucket), `observed` online in the steady state. A tier observed at a
+    bucket is estimated by its observations (an EMA), one not observed there by its calibration times
+    the running ratio observed / calibrated (online rounds carry host work a calibration run lacks,
+    and every tier carries it alike)."""
+
+    def __init__(self, alpha: float = 0.1):
+        self.alpha = alpha
+        self.calibration: dict[tuple, float] = {}
+        self.online: dict[tuple, float] = {}
+        self.ratio: float | None = None  # EMA of observed / calibrated
+
+    def has(self, tier: int, bucket) -> bool:
+        return (tier, bucket) in self.calibration
+
+    def calibrated(self, tier: int, bucket, ms: float) -> None:
+        self.calibration[tier, bucket] = ms
+
+    def observed(self, tier: int, bucket, ms: float) -> None:
+        key, a = (tier, bucket), self.alpha
+        self.online[key] = ms if key not in self.online else (1 - a) * self.online[key] + a * ms
+        if key in self.calibration:
+            r = ms / self.calibration[key]
+            self.ratio = r if self.ratio is None else (1 - a) * self.ratio + a * r
+
+    def estimate(self, tier: int, bucket) -> float | None:
+        key = (tier, bucket)
+        if key in self.online:
+            return self.online[key]
+        if key in self.calibration:
+            return self.calibration[key] * (self.ratio or 1.0)
+        return None
+
+
 @dataclass
 class TierState:
     """One tier's runtime state: its (S, K, N) (or any tier object) and its executables by key."""
@@ -174,17 +311,26 @@ class TierState:
     steps: int
     executables: dict = field(default_factory=dict)
 
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return tuple(self.tier.shape) if hasattr(self.tier, "shape") else tuple(self.tier)
+
 
 class AdaptiveController:
-    """Chooses the active tier after each verify; switching swaps which TierState is active."""
+    """Chooses the active tier after each verify; switching swaps which TierState is active.
+    `times` (the throughput policy's round times) is filled by the decoder, which times the rounds."""
 
     def __init__(self, config: AdaptiveConfig, states: Sequence[TierState], initial_steps: int):
         self.cfg, self.states, self.initial_steps = config, list(states), initial_steps
+        self.times = RoundTimes()
         self.reset()
 
     def reset(self) -> None:
-        """Back to the initial tier with a fresh EMA (the executables stay)."""
-        self.policy = AdaptivePolicy(self.cfg, [st.steps for st in self.states], self.initial_steps)
+        """Back to the initial tier with a fresh policy (the executables and the round times stay)."""
+        steps = [st.steps for st in self.states]
+        self.policy = AdaptivePolicy(self.cfg, steps, self.initial_steps)  # also validates the steps
+        if self.cfg.policy == "throughput":
+            self.policy = ThroughputPolicy(self.cfg, [st.shape for st in self.states], self.policy.index)
         self.verifies = 0
         self.switches = 0
 
@@ -192,10 +338,31 @@ class AdaptiveController:
     def active(self) -> TierState:
         return self.states[self.policy.index]
 
-    def on_verify_complete(self, accept_lengths: Sequence[float]) -> bool:
-        """Accepted draft tokens per request of one verify (bonus excluded). True if the tier switched;
-        the next dispatch uses `active`."""
+    @property
+    def active_index(self) -> int:
+        return self.policy.index
+
+    def on_verify_complete(self, accept_lengths: Sequence[float], ran: int | None = None, bucket=None) -> bool:
+        """Accepted draft tokens per request of one verify (bonus excluded), of rounds of tier index `ran`
+        (default: the active one) at `bucket` (the throughput policy compares the tiers' round times
+        there). True if the tier switched; the next dispatch uses `active`."""
         self.verifies += 1
-        changed = self.policy.update(accept_lengths)
+        if isinstance(self.policy, ThroughputPolicy):
+            ran = self.policy.index if ran is None else ran
+            changed = self.policy.update(accept_lengths, ran, lambda j: self.times.estimate(j, bucket))
+        else:
+            changed = self.policy.update(accept_lengths)
         self.switches += changed
         return changed
+
+    def report(self) -> dict:
+        """What the policy knows now (`--json` stats, `/server_info`)."""
+        out = {"policy": self.cfg.policy, "active_tier": list(self.active.shape), "switches": self.switches}
+        if isinstance(self.policy, ThroughputPolicy):
+            out["expected_accept_length"] = {str(list(st.shape)): round(e, 3)
+                                             for st, e in zip(self.states, self.policy.expected_tokens())}
+            out["expected_tokens_per_ms"] = {str(list(st.shape)): (None if r is None else round(r, 4))
+                                             for st, r in zip(self.states, self.policy.last_rates)}
+        else:
+            out["ema"] = round(self.policy.ema, 3)
+        return out

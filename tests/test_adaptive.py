@@ -1,5 +1,6 @@
-"""Adaptive speculative decoding (issue 7): the EMA policy on synthetic acceptance sequences, config
-validation, and tier switches in the middle of a generation staying lossless with nothing compiled."""
+"""Adaptive speculative decoding (issues 7, 22): the EMA and throughput policies on synthetic
+acceptance sequences, round times, config validation, and tier switches in the middle of a generation
+staying lossless with nothing compiled."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jeagle.adaptive import AdaptiveConfig, AdaptiveConfigError, AdaptiveController, AdaptivePolicy, TierState
+from jeagle.adaptive import (AdaptiveConfig, AdaptiveConfigError, AdaptiveController, AdaptivePolicy, RoundTimes,
+                             ThroughputPolicy, TierState)
 from jeagle.engine import EngineConfig, speculative, target_only
 from jeagle.sampling import SamplingParams
 from jeagle.spec.round import SpecConfig
@@ -17,7 +19,7 @@ from tests.spec_models import bigram_target, signed_identity_head, target_config
 
 
 def policy(initial=3, steps=(1, 3, 7), **kw):
-    return AdaptivePolicy(AdaptiveConfig(candidate_steps=steps, **kw), steps, initial)
+    return AdaptivePolicy(AdaptiveConfig(candidate_steps=steps, policy="ema", **kw), steps, initial)
 
 
 # ---- the policy ------------------------------------------------------------------------------------
@@ -91,7 +93,7 @@ def test_ema_follows_batch_means():
 
 def test_controller_swaps_the_state_reference():
     states = [TierState((s, 1, s + 1), s, {"exe": object()}) for s in (1, 3, 7)]
-    c = AdaptiveController(AdaptiveConfig(ema_alpha=1.0, warmup_batches=0, update_interval=1), states, 3)
+    c = AdaptiveController(AdaptiveConfig(ema_alpha=1.0, warmup_batches=0, update_interval=1, policy="ema"), states, 3)
     assert c.active is states[1]
     assert c.on_verify_complete([3, 3]) and c.active is states[2]
     assert not c.on_verify_complete([3])
@@ -99,13 +101,115 @@ def test_controller_swaps_the_state_reference():
     assert c.switches == 2 and c.verifies == 3
 
 
+# ---- the throughput policy ---------------------------------------------------------------------------
+TIERS = ((1, 4, 3), (3, 4, 5), (7, 4, 11))  # reach 1, 3, 7
+
+
+def throughput(initial=1, tiers=TIERS, **kw):
+    kw = {"warmup_batches": 0, "update_interval": 1, "accept_window": 10_000, **kw}
+    return ThroughputPolicy(AdaptiveConfig(**kw), tiers, initial)
+
+
+def geometric_rounds(rng, p, reach, n):
+    """n accepted-draft counts of rounds whose every depth passes with probability p, capped at reach."""
+    out = []
+    for _ in range(n):
+        a = 0
+        while a < reach and rng.random() < p:
+            a += 1
+        out.append(a)
+    return out
+
+
+def test_expected_tokens_recover_a_known_acceptance_through_censoring():
+    """Rounds of reach 3 (depths past 3 never tried) at p = 0.8 per depth: p_1..p_3 are estimated from
+    the data, deeper ones extrapolate the deepest tried, so every tier's E is near the truth."""
+    rng = np.random.default_rng(0)
+    pol = throughput(initial=1, warmup_batches=10**9)
+    for _ in range(400):
+        pol.observe(geometric_rounds(rng, 0.8, 3, 8), reach=3)
+    rates = pol.accept_rates()
+    assert rates[:3] == pytest.approx([0.8] * 3, abs=0.03) and rates[6] == pytest.approx(rates[2], abs=1e-3)
+    truth = [1 + sum(0.8**d for d in range(1, r + 1)) for r in (1, 3, 7)]
+    assert pol.expected_tokens() == pytest.approx(truth, rel=0.04)
+
+
+def test_a_depth_never_reached_keeps_the_prior_of_the_one_above():
+    pol = throughput()
+    pol.observe([0, 0, 0, 0], reach=7)  # depth 1 always fails: depths 2.. never tried
+    rates = pol.accept_rates()
+    assert rates[0] == pytest.approx((0 + 2 * 0.5) / (4 + 2)) and all(r == pytest.approx(rates[0]) for r in rates)
+    assert pol.tried[2:] == [0.0] * 6 and pol.passed[1:] == [0.0] * 7
+
+
+def test_counts_decay_over_the_accept_window_in_request_rounds():
+    pol = throughput(accept_window=4)
+    pol.observe([3], reach=3)
+    pol.observe([0, 0], reach=3)  # two request-rounds age the counts twice
+    assert pol.passed[3] == pytest.approx(0.75**2) and pol.tried[1] == pytest.approx(0.75**2 + 2)
+    pol.observe([], reach=3)  # nothing observed: nothing ages
+    assert pol.passed[3] == pytest.approx(0.75**2)
+
+
+@pytest.mark.parametrize("p,times,want", [
+    (0.9, (1.0, 1.3, 2.0), 2),  # accepts deep: the 7-step tier pays (E 5.8 / 2.0 vs 3.4 / 1.3)
+    (0.9, (1.0, 1.3, 5.0), 1),  # ... unless its round costs 5 short ones
+    (0.3, (1.0, 1.3, 2.0), 0),  # accepts little: the cheapest round wins
+])
+def test_decisions_maximise_expected_tokens_per_second(p, times, want):
+    rng = np.random.default_rng(1)
+    pol = throughput(initial=1)
+    for _ in range(200):
+        pol.update(geometric_rounds(rng, p, pol.reach[pol.index], 16), pol.index, lambda j: times[j])
+    assert pol.index == want
+    e = pol.expected_tokens()
+    assert max(range(3), key=lambda j: e[j] / times[j]) == want
+
+
+def test_switch_margin_and_unknown_times_hold_the_tier():
+    pol = throughput(initial=0, switch_margin=0.5)
+    pol.observe([1] * 50, reach=1)  # p_1 ~ 1: E = 2, 4, 8 at reach 1, 3, 7
+    assert not pol._decide(lambda j: (1.0, 2.9, 6.0)[j])  # 4/2.9 = 1.38 < 2 x 1.5: stays
+    assert pol._decide(lambda j: (1.0, 1.2, 6.0)[j]) and pol.index == 1
+    assert not pol._decide(lambda j: None if j == 1 else 1.0)  # the active tier's time unknown: no basis
+    assert pol.last_rates[1] is None
+
+
+def test_round_times_calibration_online_and_ratio():
+    t = RoundTimes(alpha=0.5)
+    assert t.estimate(0, (1, 128, True)) is None and not t.has(0, (1, 128, True))
+    t.calibrated(0, (1, 128, True), 2.0)
+    t.calibrated(1, (1, 128, True), 4.0)
+    assert t.has(1, (1, 128, True)) and t.estimate(1, (1, 128, True)) == 4.0
+    t.observed(0, (1, 128, True), 3.0)  # online 1.5x the calibration: tier 1, not observed, scales alike
+    assert t.estimate(0, (1, 128, True)) == 3.0 and t.estimate(1, (1, 128, True)) == pytest.approx(6.0)
+    t.observed(0, (1, 128, True), 5.0)
+    assert t.estimate(0, (1, 128, True)) == pytest.approx(4.0) and t.ratio == pytest.approx(0.5 * 1.5 + 0.5 * 2.5)
+
+
+def test_controller_reports_the_throughput_view():
+    states = [TierState(t, t[0]) for t in TIERS]
+    c = AdaptiveController(AdaptiveConfig(warmup_batches=0, update_interval=1), states, 3)
+    assert c.active is states[1]
+    for j, ms in enumerate((1.0, 1.1, 1.6)):
+        c.times.calibrated(j, "b", ms)
+    assert c.on_verify_complete([3, 3, 3], ran=1, bucket="b") and c.active is states[2]
+    rep = c.report()
+    assert rep["policy"] == "throughput" and rep["active_tier"] == [7, 4, 11] and rep["switches"] == 1
+    assert set(rep["expected_accept_length"]) == {"[1, 4, 3]", "[3, 4, 5]", "[7, 4, 11]"}
+    assert rep["expected_tokens_per_ms"]["[7, 4, 11]"] > rep["expected_tokens_per_ms"]["[3, 4, 5]"]
+
+
 # ---- config ------------------------------------------------------------------------------------------
 def test_config_defaults_and_json(tmp_path):
     cfg = AdaptiveConfig()
-    assert (cfg.candidate_steps, cfg.ema_alpha, cfg.warmup_batches, cfg.update_interval, cfg.down_hysteresis,
-            cfg.up_hysteresis) == ((1, 3, 7), 0.2, 10, 5, -0.25, 0.0)
+    assert (cfg.candidate_steps, cfg.ema_alpha, cfg.warmup_batches, cfg.update_interval) == ((1, 3, 7), 0.2, 2, 1)
+    ema = AdaptiveConfig(policy="ema")  # SGLang's defaults
+    assert (ema.ema_alpha, ema.warmup_batches, ema.update_interval, ema.down_hysteresis, ema.up_hysteresis) == (
+        0.2, 10, 5, -0.25, 0.0)
+    assert (cfg.policy, cfg.accept_window, cfg.switch_margin) == ("throughput", 32, 0.03)
     f = tmp_path / "a.json"
-    f.write_text(json.dumps({"candidate_steps": [7, 2], "ema_alpha": 0.5}))
+    f.write_text(json.dumps({"candidate_steps": [7, 2], "ema_alpha": 0.5, "policy": "ema"}))
     cfg = AdaptiveConfig.from_json(f)
     assert cfg.candidate_steps == (2, 7) and cfg.ema_alpha == 0.5 and cfg.update_interval == 5  # omitted: default
     f.write_text(json.dumps({"candidate_tiers": [[3, 1, 4], [5, 4, 8]]}))
@@ -122,6 +226,8 @@ def test_config_defaults_and_json(tmp_path):
     ({"candidate_steps": [3, 3]}, "candidate_steps"), ({"candidate_steps": 3}, "candidate_steps"),
     ({"candidate_tiers": [[3, 1]]}, "candidate_tiers"), ({"candidate_tiers": [[5, 4, 8], [3, 1, 4]]}, "candidate_tiers"),
     ({"down_hysteresis": float("nan")}, "down_hysteresis"), ({"up_hysteresis": None}, "up_hysteresis"),
+    ({"policy": "fastest"}, "policy"), ({"accept_window": 0}, "accept_window"),
+    ({"switch_margin": -0.1}, "switch_margin"), ({"switch_margin": "5%"}, "switch_margin"),
 ])
 def test_config_errors_name_the_key(doc, key):
     with pytest.raises(AdaptiveConfigError, match=key):
@@ -169,7 +275,7 @@ def test_switching_tiers_mid_generation_is_lossless_and_compiles_nothing():
     want = [o.token_ids for o in target_only(target, cfg).generate(prompts, params)]
 
     adaptive = AdaptiveConfig(candidate_tiers=((1, 2, 3), (2, 1, 3), (4, 2, 6)), ema_alpha=0.5, warmup_batches=2,
-                              update_interval=1)
+                              update_interval=1, policy="ema")
     engine = speculative(target, oracle, cfg, SpecConfig(2, 1, 3), adaptive=adaptive)
     engine.warmup(prefill_lengths=[9], greedy=(True,), progress=False)
     assert sum(k.phase == "round" for k in engine.warmup_plan(prefill_lengths=[9], greedy=(True,))) == 3 * 3
@@ -185,3 +291,55 @@ def test_switching_tiers_mid_generation_is_lossless_and_compiles_nothing():
     assert down.compilations_after_warmup == 0 and down.accept_length == 1.0
     assert up.speculative.tier_switches >= 1 and down.speculative.tier_switches >= 1 and up.speculative.adaptive
     assert engine.decoder.controller.switches == up.speculative.tier_switches + down.speculative.tier_switches
+
+
+def test_throughput_policy_in_the_engine_is_lossless_times_every_tier_and_follows_the_head():
+    """The default policy with the tiers' round times as measured (calibrated at warm-up, then
+    held fixed here so the decision is the test's, not the CPU's): the oracle head accepts every
+    depth, so the deepest tier wins; the adversary accepts nothing, so the cheapest one wins; every
+    output equals target-only decoding, nothing compiles after warm-up, and the stats and info report
+    the policy's view."""
+    target = bigram_target(target_config())
+    oracle, adversary = signed_identity_head(target, +1.0), signed_identity_head(target, -1.0)
+    rng = np.random.default_rng(5)
+    prompts = [list(rng.integers(4, 96, n)) for n in (5, 2, 9)]
+    params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in (30, 24, 28)]
+    cfg = EngineConfig(max_batch_size=4, max_context=128, batch_buckets=(1, 2, 4))
+    want = [o.token_ids for o in target_only(target, cfg).generate(prompts, params)]
+
+    tiers = ((1, 2, 3), (2, 1, 3), (4, 2, 6))
+    engine = speculative(target, oracle, cfg, SpecConfig(2, 1, 3),
+                         adaptive=AdaptiveConfig(candidate_tiers=tiers, warmup_batches=2, update_interval=1))
+    dec = engine.decoder
+    engine.warmup(prefill_lengths=[9], greedy=(True,), progress=False)
+    times = dec.controller.times
+    plan = {(k.batch, k.kv_len, k.greedy) for k in engine.warmup_plan(prefill_lengths=[9], greedy=(True,))
+            if k.phase == "round"}
+    assert all(times.has(j, bucket) and times.calibration[j, bucket] > 0 for j in range(3) for bucket in plan)
+    times.estimate = lambda j, bucket: (1.0, 1.2, 1.5)[j]  # fixed: E/T decides, not the CPU's timing noise
+
+    assert [o.token_ids for o in engine.generate(prompts, params)] == want
+    up = engine.last_stats
+    assert list(up.speculative.tier_history.values())[-1] == [4, 2, 6] and up.compilations_after_warmup == 0
+    state = up.speculative.adaptive_state
+    assert state["policy"] == "throughput" and state["active_tier"] == [4, 2, 6]
+    assert state["round_ms"] == {"[1, 2, 3]": 1.0, "[2, 1, 3]": 1.2, "[4, 2, 6]": 1.5}
+    assert state["expected_accept_length"]["[4, 2, 6]"] > 4.0
+    assert times.online, "steady-state rounds give online samples"
+    assert engine.info()["adaptive"]["active_tier"] == [4, 2, 6]
+
+    dec.params = (dec.params[0], nnx.split(adversary)[1])
+    assert [o.token_ids for o in engine.generate(prompts, params)] == want
+    down = engine.last_stats
+    assert list(down.speculative.tier_history.values())[-1] == [1, 2, 3] and down.compilations_after_warmup == 0
+    assert down.accept_length == 1.0
+
+
+def test_a_bucket_not_warmed_up_is_timed_at_its_first_dispatch():
+    target = bigram_target(target_config())
+    engine = speculative(target, signed_identity_head(target, +1.0), EngineConfig(max_batch_size=2, max_context=64),
+                         SpecConfig(2, 1, 3), adaptive=AdaptiveConfig(candidate_tiers=((1, 1, 2), (2, 1, 3))))
+    out = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=8, ignore_eos=True))
+    times = engine.decoder.controller.times
+    assert len(out[0].token_ids) == 8
+    assert {j for j, _ in times.calibration} == {0, 1} and all(ms > 0 for ms in times.calibration.values())

@@ -193,7 +193,7 @@ def test_adaptive_tiers_keep_the_output(single, smollm2_head, tmp_path):
     larger tree tier for the chain; output unchanged, tier history in the stats."""
     cfg = tmp_path / "adaptive.json"
     cfg.write_text(json.dumps({"candidate_tiers": [[1, 1, 2], [3, 2, 4]], "warmup_batches": 1, "update_interval": 1,
-                               "ema_alpha": 0.5}))
+                               "ema_alpha": 0.5, "policy": "ema"}))
     doc = json.loads(run_cli("--json", "--max-new-tokens", "24", "--draft", str(smollm2_head), *SPEC,
                              "--speculative-adaptive-config", str(cfg), QUESTION).stdout)
     assert doc["outputs"][0]["token_ids"] == single["outputs"][0]["token_ids"]
@@ -201,6 +201,7 @@ def test_adaptive_tiers_keep_the_output(single, smollm2_head, tmp_path):
     assert stats["adaptive"] and stats["tiers"] == [[1, 1, 2], [3, 2, 4]]
     assert stats["tier_history"]["0"] == [3, 2, 4] and list(stats["tier_history"].values())[-1] == [1, 1, 2]
     assert stats["tier_switches"] >= 1
+    assert stats["adaptive_state"]["policy"] == "ema" and stats["adaptive_state"]["active_tier"] == [1, 1, 2]
 
 
 def test_adaptive_flag_errors(smollm2_head, tmp_path):

@@ -15,6 +15,8 @@ device state, the step functions and their executables. The scheduler calls:
     warmup_keys(plan, greedy)   the step keys of a warm-up plan
     prime(key)                  run key's executable once on padding rows only (a warm start's preload)
     prefix_bound(n, max_new, overlap)   the longest prefix a request can reach (warm-up planning)
+    calibrate_keys(keys, compile)   after a warm-up of `keys`: time what the decoder times (adaptive tiers)
+    dropped()                   the scheduler dropped every dispatched, unread result (abort_all)
     stats_window() / stats(...) the decoder's part of the stats
 
 `TargetDecoder` (runtime/target.py) decodes with the target alone; `SpecDecoder`
@@ -46,6 +48,10 @@ class Decoder(Protocol):
     def unpack(self, kind: str, reqs, host: np.ndarray) -> list[tuple[np.ndarray, bool]]: ...
 
     def prime(self, key) -> None: ...
+
+    def calibrate_keys(self, keys, compile: bool = True) -> None: ...
+
+    def dropped(self) -> None: ...
 
 
 def context_size(config, model_cfg) -> int:

@@ -126,6 +126,17 @@ class Executables:
     def loaded_from_store(self) -> int | None:
         return self.store.loaded if self.store is not None else None
 
+    def add_startup_seconds(self, seconds: float) -> None:
+        """Count work that belongs to start-up (timing executables after a warm-up) like compiling:
+        in compile time, and in the warm-up's time once there was one."""
+        self.compile_seconds += seconds
+        if self.warmup_seconds is not None:
+            self.warmup_seconds += seconds
+
+    def has(self, key) -> bool:
+        """Whether `key`'s executable is in memory (no load, no compile)."""
+        return key in self._exes
+
     def build(self, key) -> StepBuild:
         return key.build(self.shapes)
 

@@ -141,6 +141,7 @@ class Engine:
         for r in reqs:
             self.abort(r)
         self._pending.clear()
+        self.decoder.dropped()
         try:  # after a failed step the last round's results may be the failure itself: drop them
             self.verify_done.wait()
         except Exception:
@@ -242,7 +243,14 @@ class Engine:
         steps / rounds (every tier's) for every (batch, prefix) bucket pair in each mode of `greedy`.
         Afterwards generate() compiles nothing for those shapes (its stats count any compilation as
         `compilations_after_warmup`). Returns the seconds taken."""
-        return self.executables.warmup(self.warmup_plan(batch_sizes, prefill_lengths, kv_lengths, greedy), progress)
+        return self._warmup(self.warmup_plan(batch_sizes, prefill_lengths, kv_lengths, greedy), progress)
+
+    def _warmup(self, keys, progress: bool) -> float:
+        """Compile `keys`, then let the decoder time what it times (the adaptive tiers' rounds; counted
+        as warm-up and compile time, like the compiles)."""
+        self.executables.warmup(keys, progress)
+        self.decoder.calibrate_keys(keys)
+        return self.executables.warmup_seconds
 
     def warmup_plan(self, batch_sizes=None, prefill_lengths=None, kv_lengths=None, greedy=(True, False)) -> list:
         """The step keys `warmup` compiles for these sizes (see there)."""
@@ -261,7 +269,7 @@ class Engine:
 
     def warmup_for(self, prompt_lengths, max_new_tokens: int, greedy=(True, False), progress: bool = True) -> float:
         """Warm up only what these prompts can dispatch (`plan_for`)."""
-        return self.executables.warmup(self.plan_for(prompt_lengths, max_new_tokens, greedy), progress)
+        return self._warmup(self.plan_for(prompt_lengths, max_new_tokens, greedy), progress)
 
     def preload_for(self, prompt_lengths, max_new_tokens: int, greedy=(True, False)) -> int:
         """A warm start's warm-up, which compiles nothing: of what these prompts can dispatch
@@ -269,7 +277,10 @@ class Engine:
         padding rows (`decoder.prime`), so that neither its loading nor its first run on the device
         (~0.2 s for a prefill on an H100) falls in a request's time to first token. The rest still
         compiles on first use. Counted as compile time; returns how many loaded."""
-        return self.executables.preload(self.plan_for(prompt_lengths, max_new_tokens, greedy), self.decoder.prime)
+        keys = self.plan_for(prompt_lengths, max_new_tokens, greedy)
+        loaded = self.executables.preload(keys, self.decoder.prime)
+        self.decoder.calibrate_keys(keys, compile=False)
+        return loaded
 
     # ---- stats -----------------------------------------------------------------------------------------------
     def reset_stats(self) -> None:

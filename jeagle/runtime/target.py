@@ -103,6 +103,12 @@ class TargetDecoder:
             return
         jax.block_until_ready((out, self.state))
 
+    def calibrate_keys(self, keys, compile: bool = True) -> None:
+        """Nothing to time: one decode step, no tiers."""
+
+    def dropped(self) -> None:
+        """Nothing kept per dispatch."""
+
     def wants_step(self, r) -> bool:
         """Until its last token is dispatched."""
         return not r.done and r.dispatched < r.max_new

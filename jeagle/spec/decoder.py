@@ -11,12 +11,19 @@ executables (per batch bucket, prefix bucket and greedy/sampled mode, compiled a
 its `TierState`, the rows and slots are sized for the largest (S, K, N and scratch each at their
 maximum), and after each processed round the `AdaptiveController` may make another tier active for
 the next dispatch (`jeagle/adaptive.py`). Step functions and keys: spec/steps.py.
+
+Round times (the throughput policy). `calibrate` times every tier's round at a bucket on padding
+rows (after warm-up, or at the first dispatch of a bucket not timed yet); in the steady state each
+processed round also gives a sample: the time from the previous round's result to its own (or from
+its dispatch, if later), skipped when a prefill ran in between or a dispatch loops several rounds.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import time
+from collections import deque
 
 import jax
 import numpy as np
@@ -104,14 +111,25 @@ class SpecDecoder:
         self.accept_lengths: list[int] = []  # tokens per request-round, bonus included (bounded)
         self.rounds_dispatched = 0
         self.tier_log: list[tuple[int, SpecConfig]] = []  # (round index, tier) at every change of tier
+        # Dispatched, unread rounds: (tier index, bucket (b, kv, greedy), dispatch time, a prefill ran
+        # since the previous round); the time the previous round's result was read.
+        self._dispatches: deque = deque()
+        self._prefill_since = False
+        self._last_read: float | None = None
+        self._last_bucket: tuple | None = None  # (b, kv, greedy) of the last round dispatched
 
     @property
     def spec(self) -> SpecConfig:
         """The active tier: the next round runs it."""
         return self._state.tier
 
+    @property
+    def timed(self) -> bool:
+        """Whether the tiers' round times are measured (the adaptive throughput policy needs them)."""
+        return self.controller is not None and self.adaptive_config.policy == "throughput"
+
     def reset_tier(self) -> None:
-        """Adaptive: back to the initial tier with a fresh EMA (nothing recompiles)."""
+        """Adaptive: back to the initial tier with a fresh policy (nothing recompiles)."""
         if self.controller is not None:
             self.controller.reset()
             self._state = self.controller.active
@@ -157,6 +175,7 @@ class SpecDecoder:
                 raise ValueError(f"request {r.index} has {len(eos)} stop tokens; at most {MAX_STOP} are supported")
             stops.append(eos + [-1] * (MAX_STOP - len(eos)))
             r.length, r.dispatched = n, 1
+        self._prefill_since = True  # the next round's time sample would include this prefill
         count, flat = flat_slots(b, ctx, positions)
         inputs = SpecPrefillInputs(
             tokens=tokens, lengths=pad([len(r.prompt) for r in reqs], b, 0, np.int32),
@@ -190,23 +209,65 @@ class SpecDecoder:
         unread = self.rounds_per_dispatch * (r.dispatched + 1 - r.processed)
         return len(r.prompt) + len(r.out.token_ids) + (self.row_layout.num_steps + 1) * unread
 
+    def _round_exe(self, state, b: int, kv: int, greedy: bool):
+        exe = state.executables.get((b, kv, greedy))
+        if exe is None:
+            exe = state.executables[b, kv, greedy] = self.executables.get(self.round_key(state.tier, b, kv, greedy))
+        return exe
+
     def step(self, reqs, b: int, kv: int):
         row_ids = pad([r.row for r in reqs], b, self.scratch_row, np.int32)
         for r in reqs:
             r.dispatched += 1  # rounds in flight bound how far L can have moved
         greedy = all(r.params.greedy for r in reqs)
+        if self.timed and not all(self.controller.times.has(j, (b, kv, greedy)) for j in range(len(self.tiers))):
+            self.calibrate(b, kv, greedy)
         tier = self.spec
         if not self.tier_log or self.tier_log[-1][1] != tier:
             self.tier_log.append((self.rounds_dispatched, tier))
         self.rounds_dispatched += 1
+        index = self.controller.active_index if self.controller is not None else 0
+        self._last_bucket = (b, kv, greedy)
+        self._dispatches.append((index, self._last_bucket, time.perf_counter(), self._prefill_since))
+        self._prefill_since = False
         if self.fused_round:
-            exe = self._state.executables.get((b, kv, greedy))
-            if exe is None:
-                exe = self._state.executables[b, kv, greedy] = self.executables.get(self.round_key(tier, b, kv, greedy))
-            return self._run(exe, row_ids)
+            return self._run(self._round_exe(self._state, b, kv, greedy), row_ids)
         tree = self._run_draft(self.executables.get(DraftKey(self.static, tier, b, kv)), row_ids)
         verify = dataclasses.replace(self.round_key(tier, b, kv, greedy), phase="verify")
         return self._run(self.executables.get(verify), (row_ids, tree))
+
+    def calibrate(self, b: int, kv: int, greedy: bool, runs: int = 3) -> None:
+        """Time one round of every tier at bucket (b, kv, greedy): `runs` rounds back to back on padding
+        rows (the scratch row, which every padded batch computes on anyway) after one untimed run, for
+        the throughput policy (`controller.times`). Waits for what is in flight first."""
+        start = time.perf_counter()
+        rows = pad([], b, self.scratch_row, np.int32)
+        for j, state in enumerate(self.tier_states):
+            exe = self._round_exe(state, b, kv, greedy)
+            jax.block_until_ready((self._run(exe, rows), self.state))
+            t0 = time.perf_counter()
+            for _ in range(runs):
+                out = self._run(exe, rows)
+            jax.block_until_ready((out, self.state))
+            self.controller.times.calibrated(j, (b, kv, greedy), (time.perf_counter() - t0) * 1e3 / runs)
+        self._last_read = None  # the next sample would include this
+        self.executables.add_startup_seconds(time.perf_counter() - start)  # start-up work, not serving
+
+    def calibrate_keys(self, keys, compile: bool = True) -> None:
+        """After a warm-up: time the tiers at every round bucket among `keys` not timed yet (compile
+        False: only buckets whose every tier's executable is in memory already)."""
+        if not self.timed:
+            return
+        for b, kv, greedy in sorted({(k.batch, k.kv_len, k.greedy) for k in keys if k.phase == "round"}):
+            if all(self.controller.times.has(j, (b, kv, greedy)) for j in range(len(self.tiers))):
+                continue
+            if compile or all(self.executables.has(self.round_key(t, b, kv, greedy)) for t in self.tiers):
+                self.calibrate(b, kv, greedy)
+
+    def dropped(self) -> None:
+        """The scheduler dropped every dispatched, unread result (after a failed step)."""
+        self._dispatches.clear()
+        self._last_read = None
 
     def _run_draft(self, exe, row_ids):
         tree, self.state = exe(self.params, self.state, row_ids)
@@ -218,6 +279,13 @@ class SpecDecoder:
     def unpack(self, kind: str, reqs, host: np.ndarray) -> list[tuple[np.ndarray, bool]]:
         """Each request's tokens (every round of the dispatch, in order) and whether the device
         finished it; the rounds' accept lengths go to the stats and the adaptive controller."""
+        now = time.perf_counter()
+        ran, bucket = 0, None
+        if kind == "step":
+            ran, bucket, dispatched, after_prefill = self._dispatches.popleft()
+            if self.timed and self._last_read is not None and not after_prefill and self.rounds_per_dispatch == 1:
+                self.controller.times.observed(ran, bucket, (now - max(self._last_read, dispatched)) * 1e3)
+            self._last_read = now
         host = host[: len(reqs)]
         rounds = [RoundResult.unpack(host)] if host.ndim == 2 else [RoundResult.unpack(host[:, j])
                                                                     for j in range(host.shape[1])]
@@ -233,7 +301,7 @@ class SpecDecoder:
             if len(self.accept_lengths) > ACCEPT_HISTORY:
                 del self.accept_lengths[: -ACCEPT_HISTORY // 2]
             if self.controller is not None:
-                self.controller.on_verify_complete(accepted)
+                self.controller.on_verify_complete(accepted, ran, bucket)
                 self._state = self.controller.active  # a reference swap: the next dispatch runs this tier
         return out
 
@@ -251,12 +319,30 @@ class SpecDecoder:
                          accept_length_histogram={str(k): acc.count(k) for k in range(1, self.row_layout.num_steps + 2)},
                          adaptive=self.controller is not None, tiers=[list(t.shape) for t in self.tiers],
                          tier_history={str(i): list(t.shape) for i, t in sorted(history.items())},
-                         tier_switches=len(history) - 1, rounds_per_dispatch=self.rounds_per_dispatch)
+                         tier_switches=len(history) - 1, rounds_per_dispatch=self.rounds_per_dispatch,
+                         adaptive_state=self.adaptive_state())
+
+    def adaptive_state(self) -> dict | None:
+        """The controller's report, with each tier's round time (ms) at the last dispatched bucket."""
+        if self.controller is None:
+            return None
+        out = self.controller.report()
+        if self.timed and self._last_bucket is not None:
+            b, kv, greedy = self._last_bucket
+            out["bucket"] = {"batch": b, "kv": kv, "greedy": greedy}
+            out["round_ms"] = {str(list(t.shape)): _round(self.controller.times.estimate(j, self._last_bucket))
+                               for j, t in enumerate(self.tiers)}
+        return out
 
     def info(self) -> dict:
         acc = self.accept_lengths[-512:]
         return {"speculative_num_steps": self.spec.num_steps, "speculative_tier": list(self.spec.shape),
-                "avg_spec_accept_length": sum(acc) / len(acc) if acc else None}
+                "avg_spec_accept_length": sum(acc) / len(acc) if acc else None} | (
+                    {"adaptive": self.adaptive_state()} if self.controller is not None else {})
+
+
+def _round(ms: float | None) -> float | None:
+    return None if ms is None else round(ms, 4)
 
 
 def _tier(base: SpecConfig, tier: tuple[int, int, int], adaptive: AdaptiveConfig) -> SpecConfig:

@@ -23,6 +23,12 @@ becomes a free tree slot for the next round.
 
 Draft pairing: the draft consumes (token at p+1, feature at p) at position p. Step i ≥ 1 of the round
 feeds the beam tokens of depth i (position L+i) at position L+i-1 with their parents' draft hidden.
+
+Phases. Each phase runs under a `jax.named_scope` (metadata only: the op_name of every HLO op it
+emits), so a profile can split a round's device time by phase (`bench/profile_decode.py --phases`):
+`draft_step` (each of the S-1 draft head forwards), `draft_topk` (the draft's softmax/top-K and the
+beam bookkeeping), `tree_build`, `verify_forward`, `accept`, `finish`, `draft_extend` (the head over
+the tree, its top-K, the next feature) and `commit`; `PHASES` lists them.
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ from jeagle.spec.tree import select_nodes
 from jeagle.spec.verify import simulated_accept, target_probs
 
 MAX_STOP = 8
+# The named scopes of a round's phases (module docstring), in the order a round runs them.
+PHASES = ("draft_step", "draft_topk", "tree_build", "verify_forward", "accept", "finish", "draft_extend", "commit")
 
 
 @dataclass(frozen=True)
@@ -204,29 +212,34 @@ def draft_tree(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, row
     sk = cfg.scratch
     anc = jnp.zeros((b, K, sk), bool)
     for i in range(1, S):
-        entry = (i - 1) * K + jnp.arange(K)
-        anc = anc.at[:, jnp.arange(K), entry].set(True)
-        attn = AttnInputs(positions=jnp.broadcast_to((L + i - 1)[:, None], (b, K)),
-                          write_slots=scratch_slots[:, entry], kv_slots=prefix_slots, kv_len=L,
-                          extra_slots=scratch_slots, extra_mask=anc)
-        out = head(beam_tok, beam_feat, attn, dk, dv, embed=embed, embed_split=target.vocab_split, lm_head=lm_head_t)
-        dk, dv = out.k, out.v
-        p, ids = draft_topk(head, out.logits, K)  # [B, K, K]
-        expand = (beam_scores[:, :, None] * p).reshape(b, K * K)
-        new_scores, cs = jax.lax.top_k(expand, K)
-        parent_beam = cs // K
-        scores.append(expand)
-        tokens.append(ids.reshape(b, K * K))
-        parents.append(jnp.repeat(beam_flat, K, axis=1))
-        beam_tok = jnp.take_along_axis(ids.reshape(b, K * K), cs, 1)
-        beam_scores = new_scores
-        beam_feat = jnp.take_along_axis(out.hidden, parent_beam[:, :, None], 1)
-        anc = jnp.take_along_axis(anc, parent_beam[:, :, None], 1)
-        beam_flat = (K + (i - 1) * K * K + cs).astype(jnp.int32)
+        with jax.named_scope("draft_step"):
+            entry = (i - 1) * K + jnp.arange(K)
+            anc = anc.at[:, jnp.arange(K), entry].set(True)
+            attn = AttnInputs(positions=jnp.broadcast_to((L + i - 1)[:, None], (b, K)),
+                              write_slots=scratch_slots[:, entry], kv_slots=prefix_slots, kv_len=L,
+                              extra_slots=scratch_slots, extra_mask=anc)
+            out = head(beam_tok, beam_feat, attn, dk, dv, embed=embed, embed_split=target.vocab_split,
+                       lm_head=lm_head_t)
+            dk, dv = out.k, out.v
+        with jax.named_scope("draft_topk"):
+            p, ids = draft_topk(head, out.logits, K)  # [B, K, K]
+            expand = (beam_scores[:, :, None] * p).reshape(b, K * K)
+            new_scores, cs = jax.lax.top_k(expand, K)
+            parent_beam = cs // K
+            scores.append(expand)
+            tokens.append(ids.reshape(b, K * K))
+            parents.append(jnp.repeat(beam_flat, K, axis=1))
+            beam_tok = jnp.take_along_axis(ids.reshape(b, K * K), cs, 1)
+            beam_scores = new_scores
+            beam_feat = jnp.take_along_axis(out.hidden, parent_beam[:, :, None], 1)
+            anc = jnp.take_along_axis(anc, parent_beam[:, :, None], 1)
+            beam_flat = (K + (i - 1) * K * K + cs).astype(jnp.int32)
 
     # ---- organize + build the tree -------------------------------------------------------
-    selected = select_nodes(jnp.concatenate(scores, 1), N)
-    tree = build_tree(r.root, jnp.concatenate(tokens, 1), jnp.concatenate(parents, 1), selected, S)  # kernel or ref
+    with jax.named_scope("tree_build"):
+        selected = select_nodes(jnp.concatenate(scores, 1), N)
+        tree = build_tree(r.root, jnp.concatenate(tokens, 1), jnp.concatenate(parents, 1), selected,  # kernel or ref
+                          S)
     return tree, dk, dv
 
 
@@ -244,64 +257,71 @@ def verify_commit(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, 
     embed, lm_head_t = _heads(target)
 
     # ---- verify: one target forward over the B·N tree tokens ------------------------------
-    node_slots = r.tree_slots[:, :N]  # the rows may own more (a larger tier's N)
-    tree_attn = AttnInputs(positions=L[:, None] + tree.depth, write_slots=node_slots, kv_slots=prefix_slots,
-                           kv_len=L, extra_slots=node_slots, extra_mask=tree.mask)
-    tout = target(tree.tokens, tree_attn, cache.k, cache.v, aux_layers=aux_layers, unroll=unroll)
+    with jax.named_scope("verify_forward"):
+        node_slots = r.tree_slots[:, :N]  # the rows may own more (a larger tier's N)
+        tree_attn = AttnInputs(positions=L[:, None] + tree.depth, write_slots=node_slots, kv_slots=prefix_slots,
+                               kv_len=L, extra_slots=node_slots, extra_mask=tree.mask)
+        tout = target(tree.tokens, tree_attn, cache.k, cache.v, aux_layers=aux_layers, unroll=unroll)
 
     # ---- accept ----------------------------------------------------------------------------
-    walk = (tree.tokens, tree.retrieve_index, tree.retrieve_next_token, tree.retrieve_next_sibling)
-    g_predict, g_index, g_len, g_bonus = verify_tree_greedy(  # kernel or reference, per the traced KernelSettings
-        *walk, jnp.argmax(tout.logits, -1).astype(jnp.int32), S + 1)
-    if greedy:
-        predict, accept_index, acc, bonus = g_predict, g_index, g_len, g_bonus
-    else:
-        probs = target_probs(tout.logits, r.temperature, r.top_k, r.top_p)
-        coins, final_coin = round_keys(r.seed, L, N)
-        s_out = tree_speculative_sampling(*walk, probs, coins, final_coin, S + 1, cfg.threshold_single,
-                                          cfg.threshold_acc)
-        use_greedy = r.temperature <= 0
-        predict, accept_index, acc, bonus = (jnp.where(use_greedy.reshape((b,) + (1,) * (g.ndim - 1)), g, s)
-                                             for g, s in zip((g_predict, g_index, g_len, g_bonus), s_out))
-    if simulate_accept:  # timing only: a forced accept length of mean τ (bench --simulate-accept)
-        predict, accept_index, acc, bonus = simulated_accept(tree.tokens, tree.retrieve_index, jnp.argmax(
-            tout.logits, -1).astype(jnp.int32), S + 1, simulate_accept, r.seed, L)
-    path = jnp.where(accept_index >= 0, accept_index % N, -1)  # [B, S+1] node ids
+    with jax.named_scope("accept"):
+        walk = (tree.tokens, tree.retrieve_index, tree.retrieve_next_token, tree.retrieve_next_sibling)
+        g_predict, g_index, g_len, g_bonus = verify_tree_greedy(  # kernel or reference, per the traced KernelSettings
+            *walk, jnp.argmax(tout.logits, -1).astype(jnp.int32), S + 1)
+        if greedy:
+            predict, accept_index, acc, bonus = g_predict, g_index, g_len, g_bonus
+        else:
+            probs = target_probs(tout.logits, r.temperature, r.top_k, r.top_p)
+            coins, final_coin = round_keys(r.seed, L, N)
+            s_out = tree_speculative_sampling(*walk, probs, coins, final_coin, S + 1, cfg.threshold_single,
+                                              cfg.threshold_acc)
+            use_greedy = r.temperature <= 0
+            predict, accept_index, acc, bonus = (jnp.where(use_greedy.reshape((b,) + (1,) * (g.ndim - 1)), g, s)
+                                                 for g, s in zip((g_predict, g_index, g_len, g_bonus), s_out))
+        if simulate_accept:  # timing only: a forced accept length of mean τ (bench --simulate-accept)
+            predict, accept_index, acc, bonus = simulated_accept(tree.tokens, tree.retrieve_index, jnp.argmax(
+                tout.logits, -1).astype(jnp.int32), S + 1, simulate_accept, r.seed, L)
+        path = jnp.where(accept_index >= 0, accept_index % N, -1)  # [B, S+1] node ids
 
     # ---- finish checks inside the accepted run ----------------------------------------------
-    j = jnp.arange(S + 1)[None, :]
-    in_run = j <= acc[:, None]
-    emitted = jnp.where(in_run, jnp.take_along_axis(predict, jnp.maximum(path, 0), 1), -1)
-    is_stop = jnp.any(emitted[:, :, None] == r.stop_ids[:, None, :], -1) & in_run & (emitted >= 0)
-    first_stop = jnp.where(jnp.any(is_stop, 1), jnp.argmax(is_stop, 1), S + 1)
-    limit = r.max_new - r.n_generated - 1  # index of the emitted token that reaches max_new_tokens
-    cut = jnp.minimum(jnp.minimum(first_stop, limit), acc)
-    finishing = (first_stop <= acc) | (limit <= acc)
-    n_emit = jnp.where(r.finished, 0, cut + 1)
-    emitted = jnp.where(j < n_emit[:, None], emitted, -1)
-    finished = r.finished | finishing
-    commit = ~finished
+    with jax.named_scope("finish"):
+        j = jnp.arange(S + 1)[None, :]
+        in_run = j <= acc[:, None]
+        emitted = jnp.where(in_run, jnp.take_along_axis(predict, jnp.maximum(path, 0), 1), -1)
+        is_stop = jnp.any(emitted[:, :, None] == r.stop_ids[:, None, :], -1) & in_run & (emitted >= 0)
+        first_stop = jnp.where(jnp.any(is_stop, 1), jnp.argmax(is_stop, 1), S + 1)
+        limit = r.max_new - r.n_generated - 1  # index of the emitted token that reaches max_new_tokens
+        cut = jnp.minimum(jnp.minimum(first_stop, limit), acc)
+        finishing = (first_stop <= acc) | (limit <= acc)
+        n_emit = jnp.where(r.finished, 0, cut + 1)
+        emitted = jnp.where(j < n_emit[:, None], emitted, -1)
+        finished = r.finished | finishing
+        commit = ~finished
 
     # ---- draft extend over the N tree nodes (static shape) -----------------------------------
-    last = jnp.take_along_axis(path, acc[:, None], 1)[:, 0]
-    ext_tok = jnp.where(predict >= 0, predict, tree.tokens)  # accepted nodes: the token that follows them
-    feature = tout.hidden if head.cfg.kind == "eagle1" else tout.aux_hidden
-    dout = head(ext_tok, feature, tree_attn, dk, dv, embed=embed, embed_split=target.vocab_split, lm_head=lm_head_t, logits_index=last)
-    dk, dv = dout.k, dout.v
-    topk_p, topk_id = draft_topk(head, dout.logits, r.topk_p.shape[1])  # as wide as the rows: any tier next
-    new_feature = dout.hidden[ar, last]
+    with jax.named_scope("draft_extend"):
+        last = jnp.take_along_axis(path, acc[:, None], 1)[:, 0]
+        ext_tok = jnp.where(predict >= 0, predict, tree.tokens)  # accepted nodes: the token that follows them
+        feature = tout.hidden if head.cfg.kind == "eagle1" else tout.aux_hidden
+        dout = head(ext_tok, feature, tree_attn, dk, dv, embed=embed, embed_split=target.vocab_split, lm_head=lm_head_t,
+                    logits_index=last)
+        dk, dv = dout.k, dout.v
+        topk_p, topk_id = draft_topk(head, dout.logits, r.topk_p.shape[1])  # as wide as the rows: any tier next
+        new_feature = dout.hidden[ar, last]
 
     # ---- commit: swap position slots and accepted tree slots ---------------------------------
-    req_to_token, tree_slots = commit_slots(cache.req_to_token, node_slots, row_ids, L, path, acc, commit)
-    tree_slots = jnp.concatenate([tree_slots, r.tree_slots[:, N:]], 1)
+    with jax.named_scope("commit"):
+        req_to_token, tree_slots = commit_slots(cache.req_to_token, node_slots, row_ids, L, path, acc, commit)
+        tree_slots = jnp.concatenate([tree_slots, r.tree_slots[:, N:]], 1)
 
-    keep = lambda new, old: jnp.where(commit.reshape((b,) + (1,) * (old.ndim - 1)), new, old)  # noqa: E731
-    new_rows = SpecRows(root=keep(bonus, r.root), seq_len=keep(L + acc + 1, L), topk_p=keep(topk_p, r.topk_p),
-                        topk_id=keep(topk_id, r.topk_id), feature=keep(new_feature.astype(r.feature.dtype), r.feature),
-                        tree_slots=tree_slots, scratch_slots=r.scratch_slots, n_generated=r.n_generated + n_emit,
-                        max_new=r.max_new, stop_ids=r.stop_ids, finished=finished, temperature=r.temperature,
-                        top_k=r.top_k, top_p=r.top_p, seed=r.seed)
-    rows = rows.scatter(row_ids, new_rows)
-    out = pack_result(emitted, jnp.where(r.finished, -1, acc), finished)
-    cache = type(cache)(k=tout.k, v=tout.v, req_to_token=req_to_token)
+        keep = lambda new, old: jnp.where(commit.reshape((b,) + (1,) * (old.ndim - 1)), new, old)  # noqa: E731
+        new_rows = SpecRows(root=keep(bonus, r.root), seq_len=keep(L + acc + 1, L), topk_p=keep(topk_p, r.topk_p),
+                            topk_id=keep(topk_id, r.topk_id),
+                            feature=keep(new_feature.astype(r.feature.dtype), r.feature),
+                            tree_slots=tree_slots, scratch_slots=r.scratch_slots, n_generated=r.n_generated + n_emit,
+                            max_new=r.max_new, stop_ids=r.stop_ids, finished=finished, temperature=r.temperature,
+                            top_k=r.top_k, top_p=r.top_p, seed=r.seed)
+        rows = rows.scatter(row_ids, new_rows)
+        out = pack_result(emitted, jnp.where(r.finished, -1, acc), finished)
+        cache = type(cache)(k=tout.k, v=tout.v, req_to_token=req_to_token)
     return out, cache, dk, dv, rows
