@@ -79,7 +79,8 @@ if [[ "$steps" == *" warmup "* ]]; then
 fi
 if [[ "$steps" == *" adaptive "* ]]; then  # adaptive vs static tiers on the phased workload (chain and tree tiers)
   python3 bench/adaptive.py --batch "${ADAPTIVE_BATCHES:-1,16}" --tree-tiers "${TREE_TIERS:-1,4,3:3,4,8:6,4,16}" \
-    --mid-noise "${MID_NOISE:-0.02}" --phase-tokens "${PHASE_TOKENS:-384}" 2>&1 | tee "$OUT/adaptive.log"
+    --mid-noise "${MID_NOISE:-0.02}" --phase-tokens "${PHASE_TOKENS:-384}" --repeats "${ADAPTIVE_REPEATS:-3}" \
+    --policies "${ADAPTIVE_POLICIES:-throughput,ema}" 2>&1 | tee "$OUT/adaptive.log"
 fi
 if [[ "$steps" == *" autotune "* ]]; then  # XLA GEMM autotuning off: cold warm-up time and round speed, A/B
   for opts in '{}' '{"xla_gpu_autotune_level": 0}'; do
@@ -165,14 +166,17 @@ if [[ "$steps" == *" profile "* ]]; then  # issue 9: rounds (and target-only ste
   done
 fi
 if [[ "$steps" == *" phases "* ]]; then  # issue 22: each phase's share of a round (named scopes), per split choice
-  # One log (phases.log) and one JSON line per run (phases.jsonl): the target step, then the round at each
+  # One log (phases.log) and one JSON line per run (phases.jsonl): the target step and the round at each
   # JEAGLE_PAGED_ATTENTION_SPLITS choice; SmolLM2 at tau 3.15 (the shipped head on MT-bench), the 8B shape at 4.68.
   for shape in ${PHASES_SHAPES:-smollm2 llama8b}; do
     tau=4.68; batches="${PHASES_8B_BATCHES:-1,16}"
     [ "$shape" = smollm2 ] && tau=3.15 && batches="${PHASES_BATCHES:-1,48}"
-    echo "== $shape target step" | tee -a "$OUT/phases.log"
-    python3 bench/profile_decode.py --shape $shape --batch-sizes "$batches" --steps "${PHASES_STEPS:-48}" 2>&1 \
-      | grep -v "Delay kernel" | tee -a "$OUT/phases.log" | grep '^{"bench"' >> "$OUT/phases.jsonl"
+    for splits in ${SPLIT_CHOICES:-1 auto}; do
+      echo "== $shape target step JEAGLE_PAGED_ATTENTION_SPLITS=$splits" | tee -a "$OUT/phases.log"
+      JEAGLE_PAGED_ATTENTION_SPLITS=$splits python3 bench/profile_decode.py --shape $shape --batch-sizes "$batches" \
+        --steps "${PHASES_STEPS:-48}" 2>&1 | grep -v "Delay kernel" | tee -a "$OUT/phases.log" | grep '^{"bench"' \
+        | sed "s/^{/{\"splits\": \"$splits\", /" >> "$OUT/phases.jsonl"
+    done
     for splits in ${SPLIT_CHOICES:-1 auto}; do
       echo "== $shape round 5,4,8 tau $tau JEAGLE_PAGED_ATTENTION_SPLITS=$splits" | tee -a "$OUT/phases.log"
       JEAGLE_PAGED_ATTENTION_SPLITS=$splits python3 bench/profile_decode.py --shape $shape --batch-sizes "$batches" \

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import tempfile
 import time
 
@@ -54,11 +55,22 @@ def idle_gaps(events: list[tuple], top: int = 5) -> tuple[float, list[float]]:
     return sum(gaps), sorted(gaps, reverse=True)[:top]
 
 
-def phase_busy(events: list[tuple], hlo_texts: list[str]) -> dict[str, tuple[int, float]]:
-    """{phase: (device ops, busy us)} of `events` (with their args), by the named scopes of a round."""
+def phase_busy(events: list[tuple], hlo_texts: list[str]) -> tuple[dict[str, tuple[int, float]], list]:
+    """({phase: (device ops, busy us)} of `events` (with their args), by the named scopes of a round;
+    the unattributed ops by busy time: [(name, count, us, one event's args)], the largest 8)."""
     from jeagle.spec.round import PHASES
 
-    return PhaseMap(hlo_texts, PHASES).busy_us(events) if events else {}
+    if not events:
+        return {}, []
+    pm = PhaseMap(hlo_texts, PHASES)
+    lost: dict[str, list] = {}
+    for name, dur, *_, args in events:
+        if pm(name, args) == "unattributed":
+            row = lost.setdefault(name, [0, 0.0, args])
+            row[0] += 1
+            row[1] += dur
+    top = sorted(((n, c, t, a) for n, (c, t, a) in lost.items()), key=lambda x: -x[2])[:8]
+    return pm.busy_us(events), top
 
 
 def print_phases(by_phase: dict, n: int, unit: str, busy_us: float) -> None:
@@ -190,8 +202,10 @@ def main(argv=None):
                "top": sorted(((name, c / n, t / n) for name, (c, t) in by_name.items()),
                              key=lambda x: -x[2])[: args.top]}
         if phases:
-            by_phase = phase_busy(ev, hlo)
+            by_phase, lost = phase_busy(ev, hlo)
             row["busy_ms_by_phase"] = {ph: round(t / 1e3 / n, 4) for ph, (_, t) in by_phase.items()}
+            row["unattributed_top"] = [(name, c / n, round(t / n, 1), {k: str(v)[:160] for k, v in a.items()})
+                                       for name, c, t, a in lost]
         out["rows"].append(row)
         scope = "decode executables only" if prefill_excluded else "prefill included"
         print(f"\nbatch {batch}: wall {row['wall_ms_per_step']:.3f} ms/{unit} (untraced, steady state), device busy "
@@ -205,6 +219,8 @@ def main(argv=None):
             print(f"{name[:70]:<70} {c:>9.1f} {t:>9.1f}")
         if phases:
             print_phases(by_phase, n, unit, busy_us)
+            for name, c, t, a in row["unattributed_top"]:
+                print(f"  unattributed: {name[:60]} x{c:.0f}/{unit} {t} us; args {json.dumps(a)[:400]}")
     emit(out)
 
 

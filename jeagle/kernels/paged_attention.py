@@ -24,8 +24,10 @@ for SmolLM2 (3 KV heads) on a GPU with 132 SMs. With `KernelSettings.paged_atten
 or a count (`JEAGLE_PAGED_ATTENTION_SPLITS` through `KernelSettings.from_env`) a third grid axis
 splits each prefix into that many contiguous runs of blocks, sized on the device from the request's
 own length; each program writes its unnormalised (max, sum, accumulator) and the wrapper merges them
-(one small XLA fusion). None (= 1), the default, is the single-pass kernel; the split is off by
-default until measured on the GPU (bench/HISTORY.md).
+(one small XLA fusion). `auto`, the default since it measured faster on the H100 (a batch-1 SmolLM2
+round 15% faster, an 8B one 4%, no change at batch 48 where `auto` does not split; bench/HISTORY.md
+session 12), splits while requests x KV heads stay under TARGET_PROGRAMS; None (= 1) is the
+single-pass kernel.
 
 Layers, as in JAX's own Pallas ops: `_kernel`, `_pallas` (wrapper: queries regrouped per KV head and
 padded to Triton's power-of-two tiles; the merge of split prefixes), `paged_attention` (public:

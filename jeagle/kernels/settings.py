@@ -7,13 +7,13 @@ trace depends only on values that are part of the executable's key:
     with use(config.kernels):
         lowered = jax.jit(step).lower(...)
 
-Outside any `use`, `current()` is `KernelSettings()`: the platform's default backend, no split, no
-options — whatever the environment says.
+Outside any `use`, `current()` is `KernelSettings()`: the platform's default backend, the `auto` split,
+no options — whatever the environment says.
 
 The four environment variables `from_env` reads (and nothing else in jeagle does):
 
     JEAGLE_KERNELS                  pallas | interpret | reference  (unset: pallas on a GPU, else reference)
-    JEAGLE_PAGED_ATTENTION_SPLITS   1 (or unset: no split) | auto | a count >= 1
+    JEAGLE_PAGED_ATTENTION_SPLITS   auto (or unset) | 1 (no split) | a count >= 1
     JEAGLE_TRITON_GEMM              1: keep XLA's own Triton GEMM fusions in the speculative executables
     JEAGLE_XLA_OPTIONS              a JSON object of XLA option names to values, for every executable
 """
@@ -40,8 +40,10 @@ XLA_OPTIONS_ENV = "JEAGLE_XLA_OPTIONS"
 @dataclass(frozen=True)
 class KernelSettings:
     backend: str | None = None  # None: "pallas" on a GPU, else "reference"; else one of BACKENDS
-    # Paged attention's split prefixes (flash-decoding's split-K): None or 1 (off), "auto", or a count.
-    paged_attention_splits: str | int | None = None
+    # Paged attention's split prefixes (flash-decoding's split-K): "auto" (the default: split while
+    # requests x KV heads leave the GPU's SMs idle; a batch-1 SmolLM2 round 1.85 -> 1.57 ms, an 8B one
+    # 8.38 -> 8.01 ms on the H100, bench/HISTORY.md session 12), None or 1 (off), or a count.
+    paged_attention_splits: str | int | None = "auto"
     triton_gemm: bool = False  # True: XLA's own Triton GEMM fusions stay on in speculative executables
     # Extra XLA options for every executable, as sorted (name, value) pairs so the settings stay hashable.
     xla_options: tuple[tuple[str, object], ...] = ()
@@ -92,7 +94,7 @@ class KernelSettings:
 
 
 def _splits_from_env(text: str | None) -> str | int | None:
-    choice = (text or "1").strip().lower() or "1"
+    choice = (text or "auto").strip().lower() or "auto"
     if choice == "auto":
         return "auto"
     try:

@@ -32,7 +32,7 @@ def test_from_env_refuses_an_unknown_backend(bad):
         KernelSettings.from_env({"JEAGLE_KERNELS": bad})
 
 
-@pytest.mark.parametrize("text,want", [("1", None), ("", None), (" ", None), ("auto", "auto"), (" AUTO ", "auto"),
+@pytest.mark.parametrize("text,want", [("1", None), ("", "auto"), (" ", "auto"), ("auto", "auto"), (" AUTO ", "auto"),
                                        ("8", 8), ("2", 2)])
 def test_from_env_paged_attention_splits(text, want):
     assert KernelSettings.from_env({"JEAGLE_PAGED_ATTENTION_SPLITS": text}).paged_attention_splits == want
@@ -85,17 +85,18 @@ def test_validation():
         KernelSettings(xla_options=(("a", 1), ("a", 2)))
     with pytest.raises(ValueError, match="xla_options"):
         KernelSettings(xla_options=("a", 1))
-    assert KernelSettings(paged_attention_splits=1) == KernelSettings()  # one run is no split
+    assert KernelSettings(paged_attention_splits=1) == KernelSettings(paged_attention_splits=None)  # one run: no split
+    assert KernelSettings().paged_attention_splits == "auto"  # the default (measured faster on the H100)
     assert KernelSettings(xla_options={"b": 1, "a": 2}).xla_options == (("a", 2), ("b", 1))
 
 
 def test_current_ignores_the_environment(monkeypatch):
     monkeypatch.setenv("JEAGLE_KERNELS", "interpret")
-    monkeypatch.setenv("JEAGLE_PAGED_ATTENTION_SPLITS", "auto")
+    monkeypatch.setenv("JEAGLE_PAGED_ATTENTION_SPLITS", "1")
     monkeypatch.setenv("JEAGLE_TRITON_GEMM", "1")
     monkeypatch.setenv("JEAGLE_XLA_OPTIONS", '{"xla_a": 1}')
     assert current() == KernelSettings()
-    assert prefix_splits(1, 3, 2048) == 1
+    assert prefix_splits(1, 3, 2048) == 16  # the default, auto, whatever the environment says
 
 
 def test_use_nests_and_restores():
