@@ -70,7 +70,9 @@ def test_split_prefixes_match_reference(case, splits):
 
 
 def test_prefix_splits_choice():
-    assert prefix_splits(1, 3, 2048) == 1  # off unless asked
+    assert prefix_splits(1, 3, 2048) == 16  # auto by default
+    with use(KernelSettings(paged_attention_splits=None)):
+        assert prefix_splits(1, 3, 2048) == 1  # off
     with use(KernelSettings(paged_attention_splits="auto")):
         assert prefix_splits(1, 3, 2048) == 16 and prefix_splits(48, 3, 2048) == 1 and prefix_splits(1, 3, 100) == 2
     with use(KernelSettings(paged_attention_splits=8)):
