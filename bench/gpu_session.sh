@@ -166,12 +166,15 @@ if [[ "$steps" == *" profile "* ]]; then  # issue 9: rounds (and target-only ste
   done
 fi
 if [[ "$steps" == *" phases "* ]]; then  # issue 22: each phase's share of a round (named scopes), per split choice
+  # Inside a command buffer (CUDA graph) a kernel's trace event names only the command buffer, so most of a
+  # round's kernels are unattributed; with XLA_FLAGS=--xla_gpu_enable_command_buffer= every kernel names its
+  # instruction (kernel times are the same; the wall is not the default's then).
   # One log (phases.log) and one JSON line per run (phases.jsonl): the target step and the round at each
   # JEAGLE_PAGED_ATTENTION_SPLITS choice; SmolLM2 at tau 3.15 (the shipped head on MT-bench), the 8B shape at 4.68.
   for shape in ${PHASES_SHAPES:-smollm2 llama8b}; do
     tau=4.68; batches="${PHASES_8B_BATCHES:-1,16}"
     [ "$shape" = smollm2 ] && tau=3.15 && batches="${PHASES_BATCHES:-1,48}"
-    for splits in ${SPLIT_CHOICES:-1 auto}; do
+    for splits in ${PHASES_TARGET_SPLITS-${SPLIT_CHOICES:-1 auto}}; do  # PHASES_TARGET_SPLITS="": no target runs
       echo "== $shape target step JEAGLE_PAGED_ATTENTION_SPLITS=$splits" | tee -a "$OUT/phases.log"
       JEAGLE_PAGED_ATTENTION_SPLITS=$splits python3 bench/profile_decode.py --shape $shape --batch-sizes "$batches" \
         --steps "${PHASES_STEPS:-48}" 2>&1 | grep -v "Delay kernel" | tee -a "$OUT/phases.log" | grep '^{"bench"' \

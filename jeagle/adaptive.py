@@ -22,12 +22,12 @@ deepest one tried (a geometric tail). Tier j would emit E_j = 1 + sum_{d <= D_j}
 per round (bonus included) and costs T_j, its measured round time at the current batch bucket;
 every `update_interval` verifies after `warmup_batches` (defaults 1 and 2: a decision costs
 microseconds, and the shrinkage stands in for a warm-up) the policy picks argmax E_j / T_j, and leaves
-the active tier only for one at least `switch_margin` faster. Trees of different N hold different
-alternatives at a depth, so each tier also keeps counts of its own (decayed by its own rounds only),
-shrunk towards the pooled p_d; every `explore_interval` verifies, when no switch is due, the tier with
-the least data of its own among those estimated within EXPLORE_BAND of the best runs one round (a
-probe), so no tier is judged only through the others' trees. Under this policy the base tier (S, K, N)
-is always one of the tiers.
+the active tier only for one at least `switch_margin` faster. Under this policy the base tier
+(S, K, N) is always one of the tiers (it starts there). Tree shape beyond depth (a wider N at the
+same depth) is not modelled: tiers are compared through their depth alone, so a tier whose tree is
+narrower than the one that produced the counts is over-estimated. (Per-tier counts with probes were
+tried, 6cc26c0: a tier's counts from an earlier phase of the workload then held it off for good;
+bench/HISTORY.md session 12.)
 
 The EMA policy. After each verify, batch_avg = mean accepted draft tokens per request (bonus
 excluded), ema = (1-α)·ema + α·batch_avg, ema starting at steps-1 of the initial tier. The first
@@ -48,7 +48,6 @@ from typing import Any, Callable, Sequence
 POLICIES = ("throughput", "ema")
 PRIOR_WEIGHT = 2.0  # pseudo-rounds shrinking a depth's acceptance towards the depth above it
 PRIOR_ACCEPT = 0.5  # depth 1's prior acceptance
-EXPLORE_BAND = 0.15  # probe tiers estimated within this fraction of the best
 
 
 class AdaptiveConfigError(ValueError):
@@ -83,7 +82,6 @@ class AdaptiveConfig:
     policy: str = "throughput"  # or "ema" (SGLang's)
     accept_window: int = 32  # throughput: request-rounds over which the per-depth acceptance counts decay (1/e)
     switch_margin: float = 0.03  # throughput: leave the active tier only for one this much faster
-    explore_interval: int = 16  # throughput: verifies between probes of a tier with little data (0: never)
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -120,7 +118,6 @@ class AdaptiveConfig:
         object.__setattr__(self, "up_hysteresis", _float("up_hysteresis", self.up_hysteresis))
         _int("accept_window", self.accept_window, 1)
         object.__setattr__(self, "switch_margin", _float("switch_margin", self.switch_margin, 0.0))
-        _int("explore_interval", self.explore_interval, 0)
 
     @classmethod
     def from_dict(cls, d: dict) -> "AdaptiveConfig":
@@ -218,50 +215,38 @@ class ThroughputPolicy:
         self.cfg = config
         self.reach = [min(s, n - 1) for s, _, n in tiers]
         deepest = max(self.reach)
-        # [d] (index 0 unused): decayed request-rounds that tried depth d, and that accepted it; pooled over
-        # every tier (decayed by every observation) and per tier (decayed by the tier's own observations).
-        self.tried, self.passed = [0.0] * (deepest + 1), [0.0] * (deepest + 1)
-        self.tier_tried = [[0.0] * (deepest + 1) for _ in tiers]
-        self.tier_passed = [[0.0] * (deepest + 1) for _ in tiers]
+        self.tried = [0.0] * (deepest + 1)  # [d]: decayed rounds that tried depth d (index 0 unused)
+        self.passed = [0.0] * (deepest + 1)  # [d]: ... that accepted it
         self.index = initial_index
         self.batches = 0
-        self.since_probe = 0
-        self.probes = 0
         self.last_rates: list[float | None] = [None] * len(tiers)  # expected tokens/ms at the last decision
 
-    def observe(self, accepted: Sequence[int], ran: int) -> None:
-        """One verify's accepted drafts per request (bonus excluded) from rounds of tier index `ran`."""
+    def observe(self, accepted: Sequence[int], reach: int) -> None:
+        """One verify's accepted drafts per request (bonus excluded) from rounds of reach `reach`."""
         keep = (1.0 - 1.0 / self.cfg.accept_window) ** len(accepted)
-        reach = self.reach[ran]
-        for tried, passed in ((self.tried, self.passed), (self.tier_tried[ran], self.tier_passed[ran])):
-            tried[:] = [x * keep for x in tried]
-            passed[:] = [x * keep for x in passed]
-            for a in accepted:
-                a = min(int(a), reach)
-                for d in range(1, a + 1):
-                    passed[d] += 1.0
-                for d in range(1, min(a + 1, reach) + 1):
-                    tried[d] += 1.0
+        self.tried = [x * keep for x in self.tried]
+        self.passed = [x * keep for x in self.passed]
+        for a in accepted:
+            a = min(int(a), reach)
+            for d in range(1, a + 1):
+                self.passed[d] += 1.0
+            for d in range(1, min(a + 1, reach) + 1):
+                self.tried[d] += 1.0
 
-    def accept_rates(self, tier: int | None = None) -> list[float]:
-        """p_d, d = 1..deepest: P(depth d accepted | depth d - 1 accepted). Pooled (tier None): shrunk
-        towards p_{d-1}; a tier's: its own counts shrunk towards the pooled p_d (a tier's tree holds more
-        or fewer alternatives at a depth than another's)."""
+    def accept_rates(self) -> list[float]:
+        """p_d, d = 1..deepest: P(depth d accepted | depth d - 1 accepted), shrunk towards p_{d-1}."""
         out, prior = [], PRIOR_ACCEPT
         for d in range(1, len(self.tried)):
             prior = (self.passed[d] + PRIOR_WEIGHT * prior) / (self.tried[d] + PRIOR_WEIGHT)
             out.append(prior)
-        if tier is None:
-            return out
-        tried, passed = self.tier_tried[tier], self.tier_passed[tier]
-        return [(passed[d] + PRIOR_WEIGHT * out[d - 1]) / (tried[d] + PRIOR_WEIGHT) for d in range(1, len(tried))]
+        return out
 
     def expected_tokens(self) -> list[float]:
         """E_j: tokens per round (bonus included) each tier would emit."""
-        out = []
-        for j, reach in enumerate(self.reach):
+        rates, out = self.accept_rates(), []
+        for reach in self.reach:
             e, run = 1.0, 1.0
-            for p in self.accept_rates(j)[:reach]:
+            for p in rates[:reach]:
                 run *= p
                 e += run
             out.append(e)
@@ -272,9 +257,8 @@ class ThroughputPolicy:
         (None: unknown). True if the active tier changed."""
         if len(accepted) == 0:
             return False
-        self.observe(accepted, ran)
+        self.observe(accepted, self.reach[ran])
         self.batches += 1
-        self.since_probe += 1
         past = self.batches - self.cfg.warmup_batches
         if past <= 0 or past % self.cfg.update_interval:
             return False
@@ -282,25 +266,15 @@ class ThroughputPolicy:
 
     def _decide(self, round_ms) -> bool:
         times = [round_ms(j) for j in range(len(self.reach))]
-        self.last_rates = rates = [e / t if t else None for e, t in zip(self.expected_tokens(), times)]
-        now = rates[self.index]
+        self.last_rates = [e / t if t else None for e, t in zip(self.expected_tokens(), times)]
+        now = self.last_rates[self.index]
         if now is None:
             return False
-        known = [j for j, r in enumerate(rates) if r is not None]
-        best = max(known, key=lambda j: rates[j])
-        if best != self.index and rates[best] > now * (1.0 + self.cfg.switch_margin):
-            self.index = best
-            return True
-        # A probe: one round of the tier with the least data of its own among those estimated close to
-        # the best, so a tier is not judged forever by other tiers' trees.
-        if self.cfg.explore_interval and self.since_probe >= self.cfg.explore_interval:
-            close = [j for j in known if j != self.index and rates[j] >= (1.0 - EXPLORE_BAND) * rates[best]]
-            if close:
-                self.since_probe = 0
-                self.probes += 1
-                self.index = min(close, key=lambda j: (self.tier_tried[j][1], j))
-                return True
-        return False
+        best = max((j for j, r in enumerate(self.last_rates) if r is not None), key=lambda j: self.last_rates[j])
+        if best == self.index or self.last_rates[best] <= now * (1.0 + self.cfg.switch_margin):
+            return False
+        self.index = best
+        return True
 
 
 class RoundTimes:
@@ -397,7 +371,6 @@ class AdaptiveController:
                                              for st, e in zip(self.states, self.policy.expected_tokens())}
             out["expected_tokens_per_ms"] = {str(list(st.shape)): (None if r is None else round(r, 4))
                                              for st, r in zip(self.states, self.policy.last_rates)}
-            out["probes"] = self.policy.probes
         else:
             out["ema"] = round(self.policy.ema, 3)
         return out

@@ -106,7 +106,7 @@ TIERS = ((1, 4, 3), (3, 4, 5), (7, 4, 11))  # reach 1, 3, 7
 
 
 def throughput(initial=1, tiers=TIERS, **kw):
-    kw = {"warmup_batches": 0, "update_interval": 1, "accept_window": 10_000, "explore_interval": 0, **kw}
+    kw = {"warmup_batches": 0, "update_interval": 1, "accept_window": 10_000, **kw}
     return ThroughputPolicy(AdaptiveConfig(**kw), tiers, initial)
 
 
@@ -127,7 +127,7 @@ def test_expected_tokens_recover_a_known_acceptance_through_censoring():
     rng = np.random.default_rng(0)
     pol = throughput(initial=1, warmup_batches=10**9)
     for _ in range(400):
-        pol.observe(geometric_rounds(rng, 0.8, 3, 8), ran=1)  # reach 3
+        pol.observe(geometric_rounds(rng, 0.8, 3, 8), reach=3)
     rates = pol.accept_rates()
     assert rates[:3] == pytest.approx([0.8] * 3, abs=0.03) and rates[6] == pytest.approx(rates[2], abs=1e-3)
     truth = [1 + sum(0.8**d for d in range(1, r + 1)) for r in (1, 3, 7)]
@@ -136,7 +136,7 @@ def test_expected_tokens_recover_a_known_acceptance_through_censoring():
 
 def test_a_depth_never_reached_keeps_the_prior_of_the_one_above():
     pol = throughput()
-    pol.observe([0, 0, 0, 0], ran=2)  # reach 7; depth 1 always fails: depths 2.. never tried
+    pol.observe([0, 0, 0, 0], reach=7)  # depth 1 always fails: depths 2.. never tried
     rates = pol.accept_rates()
     assert rates[0] == pytest.approx((0 + 2 * 0.5) / (4 + 2)) and all(r == pytest.approx(rates[0]) for r in rates)
     assert pol.tried[2:] == [0.0] * 6 and pol.passed[1:] == [0.0] * 7
@@ -144,14 +144,11 @@ def test_a_depth_never_reached_keeps_the_prior_of_the_one_above():
 
 def test_counts_decay_over_the_accept_window_in_request_rounds():
     pol = throughput(accept_window=4)
-    pol.observe([3], ran=1)
-    pol.observe([0, 0], ran=1)  # two request-rounds age the counts twice
+    pol.observe([3], reach=3)
+    pol.observe([0, 0], reach=3)  # two request-rounds age the counts twice
     assert pol.passed[3] == pytest.approx(0.75**2) and pol.tried[1] == pytest.approx(0.75**2 + 2)
-    assert pol.tier_passed[1] == pol.passed and pol.tier_tried[0] == [0.0] * 8
-    pol.observe([], ran=1)  # nothing observed: nothing ages
+    pol.observe([], reach=3)  # nothing observed: nothing ages
     assert pol.passed[3] == pytest.approx(0.75**2)
-    pol.observe([0], ran=0)  # another tier's round ages the pooled counts, not tier 1's own
-    assert pol.passed[3] == pytest.approx(0.75**3) and pol.tier_passed[1][3] == pytest.approx(0.75**2)
 
 
 @pytest.mark.parametrize("p,times,want", [
@@ -171,41 +168,11 @@ def test_decisions_maximise_expected_tokens_per_second(p, times, want):
 
 def test_switch_margin_and_unknown_times_hold_the_tier():
     pol = throughput(initial=0, switch_margin=0.5)
-    pol.observe([1] * 50, ran=0)  # p_1 ~ 1: E = 2, 4, 8 at reach 1, 3, 7
+    pol.observe([1] * 50, reach=1)  # p_1 ~ 1: E = 2, 4, 8 at reach 1, 3, 7
     assert not pol._decide(lambda j: (1.0, 2.9, 6.0)[j])  # 4/2.9 = 1.38 < 2 x 1.5: stays
     assert pol._decide(lambda j: (1.0, 1.2, 6.0)[j]) and pol.index == 1
     assert not pol._decide(lambda j: None if j == 1 else 1.0)  # the active tier's time unknown: no basis
     assert pol.last_rates[1] is None
-
-
-def test_a_tier_is_judged_by_its_own_rounds_once_it_has_them():
-    """Two tiers of one depth whose trees differ (N): the narrow one's own rounds accept less than the
-    pooled rate says, and its estimate follows its own counts."""
-    pol = throughput(tiers=((3, 4, 8), (3, 4, 4)))
-    rng = np.random.default_rng(2)
-    for _ in range(100):
-        pol.observe(geometric_rounds(rng, 0.9, 3, 4), ran=0)
-    assert pol.expected_tokens()[1] == pytest.approx(pol.expected_tokens()[0], rel=0.01)  # none of its own: pooled
-    for _ in range(100):
-        pol.observe(geometric_rounds(rng, 0.4, 3, 4), ran=1)
-    own = pol.accept_rates(1)
-    assert own[0] == pytest.approx(0.4, abs=0.08) and pol.accept_rates(0)[0] == pytest.approx(0.9, abs=0.05)
-    e = pol.expected_tokens()
-    assert e[0] > 3.2 and e[1] < 1.8
-
-
-def test_probes_visit_a_close_tier_with_no_data_of_its_own_then_return():
-    pol = throughput(initial=1, explore_interval=4)
-    times = (1.0, 1.0, 1.9)  # at p ~ 0.9: E/T = 1.9, 3.4, 3.0: tier 2 within 15% of tier 1, tier 0 not
-    rng = np.random.default_rng(3)
-    visits = []
-    for _ in range(40):
-        ran = pol.index
-        pol.update(geometric_rounds(rng, 0.9, pol.reach[ran], 8), ran, lambda j: times[j])
-        visits.append(ran)
-    assert 2 in visits and 0 not in visits and pol.probes >= 2
-    assert visits.count(1) > 0.7 * len(visits)  # a probe lasts one verify when the tier does not win
-    assert pol.tier_tried[2][1] > 0
 
 
 def test_round_times_calibration_online_and_ratio():
@@ -222,7 +189,7 @@ def test_round_times_calibration_online_and_ratio():
 
 def test_controller_reports_the_throughput_view():
     states = [TierState(t, t[0]) for t in TIERS]
-    c = AdaptiveController(AdaptiveConfig(warmup_batches=0, update_interval=1, explore_interval=0), states, 3)
+    c = AdaptiveController(AdaptiveConfig(warmup_batches=0, update_interval=1), states, 3)
     assert c.active is states[1]
     for j, ms in enumerate((1.0, 1.1, 1.6)):
         c.times.calibrated(j, "b", ms)
@@ -240,7 +207,7 @@ def test_config_defaults_and_json(tmp_path):
     ema = AdaptiveConfig(policy="ema")  # SGLang's defaults
     assert (ema.ema_alpha, ema.warmup_batches, ema.update_interval, ema.down_hysteresis, ema.up_hysteresis) == (
         0.2, 10, 5, -0.25, 0.0)
-    assert (cfg.policy, cfg.accept_window, cfg.switch_margin, cfg.explore_interval) == ("throughput", 32, 0.03, 16)
+    assert (cfg.policy, cfg.accept_window, cfg.switch_margin) == ("throughput", 32, 0.03)
     f = tmp_path / "a.json"
     f.write_text(json.dumps({"candidate_steps": [7, 2], "ema_alpha": 0.5, "policy": "ema"}))
     cfg = AdaptiveConfig.from_json(f)
@@ -261,7 +228,6 @@ def test_config_defaults_and_json(tmp_path):
     ({"down_hysteresis": float("nan")}, "down_hysteresis"), ({"up_hysteresis": None}, "up_hysteresis"),
     ({"policy": "fastest"}, "policy"), ({"accept_window": 0}, "accept_window"),
     ({"switch_margin": -0.1}, "switch_margin"), ({"switch_margin": "5%"}, "switch_margin"),
-    ({"explore_interval": -1}, "explore_interval"),
 ])
 def test_config_errors_name_the_key(doc, key):
     with pytest.raises(AdaptiveConfigError, match=key):
