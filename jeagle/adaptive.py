@@ -48,6 +48,7 @@ from typing import Any, Callable, Sequence
 POLICIES = ("throughput", "ema")
 PRIOR_WEIGHT = 2.0  # pseudo-rounds shrinking a depth's acceptance towards the depth above it
 PRIOR_ACCEPT = 0.5  # depth 1's prior acceptance
+STALE_DECAY = 4  # counts of depths past the running tier's reach fade this many times faster
 
 
 class AdaptiveConfigError(ValueError):
@@ -224,8 +225,12 @@ class ThroughputPolicy:
     def observe(self, accepted: Sequence[int], reach: int) -> None:
         """One verify's accepted drafts per request (bonus excluded) from rounds of reach `reach`."""
         keep = (1.0 - 1.0 / self.cfg.accept_window) ** len(accepted)
-        self.tried = [x * keep for x in self.tried]
-        self.passed = [x * keep for x in self.passed]
+        # Depths past `reach` cannot be seen now: their counts are from earlier rounds of a deeper tier,
+        # maybe of another workload, and fade STALE_DECAY times faster (else a deep tier that failed
+        # once is judged by that failure long after the acceptance above it has recovered).
+        fade = [keep if d <= reach else keep**STALE_DECAY for d in range(len(self.tried))]
+        self.tried = [x * f for x, f in zip(self.tried, fade)]
+        self.passed = [x * f for x, f in zip(self.passed, fade)]
         for a in accepted:
             a = min(int(a), reach)
             for d in range(1, a + 1):

@@ -151,6 +151,19 @@ def test_counts_decay_over_the_accept_window_in_request_rounds():
     assert pol.passed[3] == pytest.approx(0.75**2)
 
 
+def test_counts_past_the_running_reach_fade_faster():
+    """A deep tier failed in an earlier phase; now a shallow tier accepts everything: the deep depths'
+    old failures fade STALE_DECAY times faster, so the deep tier is tried again within a window."""
+    pol = throughput(initial=2, accept_window=8)
+    pol.observe([3] * 8, reach=7)  # depth 4 fails in the old phase
+    pol.observe([3] * 8, reach=3)  # the shallow tier: depths 1..3 pass, depth 4 unseen
+    old4 = (1 - 1 / 8) ** 8
+    assert pol.tried[4] == pytest.approx(8 * old4**4) and pol.tried[3] == pytest.approx(8 * old4 + 8)
+    for _ in range(3):
+        pol.observe([3] * 8, reach=3)
+    assert pol.accept_rates()[3] > 0.9  # the prior (depth 3's ~1) wins over the faded failure
+
+
 @pytest.mark.parametrize("p,times,want", [
     (0.9, (1.0, 1.3, 2.0), 2),  # accepts deep: the 7-step tier pays (E 5.8 / 2.0 vs 3.4 / 1.3)
     (0.9, (1.0, 1.3, 5.0), 1),  # ... unless its round costs 5 short ones
