@@ -123,7 +123,7 @@ def jeagle_rows(target_dir, head_dir, prompts_ids, batches, max_new, repeats, ti
                 row |= {"accept_length": round(stats["accept_length"], 3), "tier": list(tier)}
             elif name == "jeagle-adaptive":
                 row |= {"accept_length": round(stats["accept_length"], 3), "tiers": stats["tiers"],
-                        "dispatches_per_tier": tier_rounds(stats)}
+                        "dispatches_per_tier": tier_rounds(stats), "adaptive_state": stats.get("adaptive_state")}
             rows.append(row)
         for row in rows[-len(engines):]:  # greedy: lossless up to bf16 near ties, per request
             if "jeagle" in tokens and row["system"] != "jeagle":

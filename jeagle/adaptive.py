@@ -20,8 +20,8 @@ conditional acceptance p_d = P(depth d accepted | depth d - 1 accepted), each sh
 depth above it (pseudo-counts `PRIOR_WEIGHT`), so a depth no tier has tried yet is estimated like the
 deepest one tried (a geometric tail). Tier j would emit E_j = 1 + sum_{d <= D_j} p_1 ... p_d tokens
 per round (bonus included) and costs T_j, its measured round time at the current batch bucket;
-every `update_interval` verifies after `warmup_batches` (defaults 1 and 2: a decision costs
-microseconds, and the shrinkage stands in for a warm-up) the policy picks argmax E_j / T_j, and leaves
+every `update_interval` verifies after `warmup_batches` (defaults 1 and 8: a decision costs
+microseconds; the first rounds' times are noisy) the policy picks argmax E_j / T_j, and leaves
 the active tier only for one at least `switch_margin` faster. Under this policy the base tier
 (S, K, N) is always one of the tiers (it starts there). Tree shape beyond depth (a wider N at the
 same depth) is not modelled: tiers are compared through their depth alone, so a tier whose tree is
@@ -76,7 +76,7 @@ class AdaptiveConfig:
     # Explicit tiers, each [S, K, N], in increasing S; when given they replace candidate_steps.
     candidate_tiers: tuple[tuple[int, int, int], ...] | None = None
     ema_alpha: float = 0.2
-    warmup_batches: int | None = None  # None: 10 for "ema" (SGLang's), 2 for "throughput"
+    warmup_batches: int | None = None  # None: 10 for "ema" (SGLang's), 8 for "throughput"
     update_interval: int | None = None  # None: 5 for "ema" (SGLang's), 1 for "throughput"
     down_hysteresis: float = -0.25
     up_hysteresis: float = 0.0
@@ -110,7 +110,7 @@ class AdaptiveConfig:
         object.__setattr__(self, "ema_alpha", _float("ema_alpha", self.ema_alpha, 0.0, 1.0, lo_open=True))
         ema = self.policy == "ema"
         if self.warmup_batches is None:
-            object.__setattr__(self, "warmup_batches", 10 if ema else 2)
+            object.__setattr__(self, "warmup_batches", 10 if ema else 8)
         if self.update_interval is None:
             object.__setattr__(self, "update_interval", 5 if ema else 1)
         _int("warmup_batches", self.warmup_batches, 0)
@@ -285,14 +285,16 @@ class ThroughputPolicy:
 class RoundTimes:
     """One round's wall time (ms) per (tier index, bucket): `calibrated` from timed runs at warm-up
     (or the first dispatch of a bucket), `observed` online in the steady state. A tier observed at a
-    bucket is estimated by its observations (an EMA), one not observed there by its calibration times
-    the running ratio observed / calibrated (online rounds carry host work a calibration run lacks,
-    and every tier carries it alike)."""
+    bucket `min_samples` times is estimated by its observations (an EMA; the first rounds after a
+    prefill or a switch are noisy), one not (yet) by its calibration times the running ratio
+    observed / calibrated (online rounds carry host work and real prefixes a calibration run on
+    padding rows lacks, and every tier carries them alike)."""
 
-    def __init__(self, alpha: float = 0.1):
-        self.alpha = alpha
+    def __init__(self, alpha: float = 0.1, min_samples: int = 8):
+        self.alpha, self.min_samples = alpha, min_samples
         self.calibration: dict[tuple, float] = {}
         self.online: dict[tuple, float] = {}
+        self.samples: dict[tuple, int] = {}
         self.ratio: float | None = None  # EMA of observed / calibrated
 
     def has(self, tier: int, bucket) -> bool:
@@ -304,13 +306,14 @@ class RoundTimes:
     def observed(self, tier: int, bucket, ms: float) -> None:
         key, a = (tier, bucket), self.alpha
         self.online[key] = ms if key not in self.online else (1 - a) * self.online[key] + a * ms
+        self.samples[key] = self.samples.get(key, 0) + 1
         if key in self.calibration:
             r = ms / self.calibration[key]
             self.ratio = r if self.ratio is None else (1 - a) * self.ratio + a * r
 
     def estimate(self, tier: int, bucket) -> float | None:
         key = (tier, bucket)
-        if key in self.online:
+        if self.samples.get(key, 0) >= self.min_samples or (key in self.online and key not in self.calibration):
             return self.online[key]
         if key in self.calibration:
             return self.calibration[key] * (self.ratio or 1.0)

@@ -189,7 +189,7 @@ def test_switch_margin_and_unknown_times_hold_the_tier():
 
 
 def test_round_times_calibration_online_and_ratio():
-    t = RoundTimes(alpha=0.5)
+    t = RoundTimes(alpha=0.5, min_samples=1)
     assert t.estimate(0, (1, 128, True)) is None and not t.has(0, (1, 128, True))
     t.calibrated(0, (1, 128, True), 2.0)
     t.calibrated(1, (1, 128, True), 4.0)
@@ -198,6 +198,18 @@ def test_round_times_calibration_online_and_ratio():
     assert t.estimate(0, (1, 128, True)) == 3.0 and t.estimate(1, (1, 128, True)) == pytest.approx(6.0)
     t.observed(0, (1, 128, True), 5.0)
     assert t.estimate(0, (1, 128, True)) == pytest.approx(4.0) and t.ratio == pytest.approx(0.5 * 1.5 + 0.5 * 2.5)
+
+
+def test_round_times_trust_online_samples_only_after_min_samples():
+    t = RoundTimes(alpha=0.5, min_samples=3)
+    t.calibrated(0, "b", 2.0)
+    t.observed(0, "b", 8.0)  # one noisy first round: the calibration (scaled) still speaks
+    assert t.estimate(0, "b") == pytest.approx(2.0 * 4.0)
+    t.observed(0, "b", 4.0)
+    t.observed(0, "b", 4.0)
+    assert t.estimate(0, "b") == pytest.approx(0.25 * 8.0 + 0.25 * 4.0 + 0.5 * 4.0)  # its own EMA now
+    t.observed(1, "x", 1.5)  # never calibrated: online from the first sample
+    assert t.estimate(1, "x") == 1.5
 
 
 def test_controller_reports_the_throughput_view():
@@ -216,7 +228,7 @@ def test_controller_reports_the_throughput_view():
 # ---- config ------------------------------------------------------------------------------------------
 def test_config_defaults_and_json(tmp_path):
     cfg = AdaptiveConfig()
-    assert (cfg.candidate_steps, cfg.ema_alpha, cfg.warmup_batches, cfg.update_interval) == ((1, 3, 7), 0.2, 2, 1)
+    assert (cfg.candidate_steps, cfg.ema_alpha, cfg.warmup_batches, cfg.update_interval) == ((1, 3, 7), 0.2, 8, 1)
     ema = AdaptiveConfig(policy="ema")  # SGLang's defaults
     assert (ema.ema_alpha, ema.warmup_batches, ema.update_interval, ema.down_hysteresis, ema.up_hysteresis) == (
         0.2, 10, 5, -0.25, 0.0)

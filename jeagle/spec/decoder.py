@@ -236,20 +236,27 @@ class SpecDecoder:
         verify = dataclasses.replace(self.round_key(tier, b, kv, greedy), phase="verify")
         return self._run(self.executables.get(verify), (row_ids, tree))
 
-    def calibrate(self, b: int, kv: int, greedy: bool, runs: int = 3) -> None:
-        """Time one round of every tier at bucket (b, kv, greedy): `runs` rounds back to back on padding
-        rows (the scratch row, which every padded batch computes on anyway) after one untimed run, for
-        the throughput policy (`controller.times`). Waits for what is in flight first."""
+    def calibrate(self, b: int, kv: int, greedy: bool, runs: int = 5, warm: int = 2) -> None:
+        """Time one round of every tier at bucket (b, kv, greedy) on padding rows (the scratch row,
+        which every padded batch computes on anyway), for the throughput policy (`controller.times`):
+        `warm` untimed rounds of each tier, then `runs` rounds each, the tiers interleaved and every
+        round timed alone (dispatch to result), the median kept. (Three rounds back to back after one
+        untimed run read 4.9 ms for (1,4,3) where a (5,4,8) round takes 2.5 ms on the H100: first
+        runs and clock ramps, bench/HISTORY.md session 12.) Waits for what is in flight first."""
         start = time.perf_counter()
         rows = pad([], b, self.scratch_row, np.int32)
-        for j, state in enumerate(self.tier_states):
-            exe = self._round_exe(state, b, kv, greedy)
-            jax.block_until_ready((self._run(exe, rows), self.state))
-            t0 = time.perf_counter()
-            for _ in range(runs):
-                out = self._run(exe, rows)
-            jax.block_until_ready((out, self.state))
-            self.controller.times.calibrated(j, (b, kv, greedy), (time.perf_counter() - t0) * 1e3 / runs)
+        exes = [self._round_exe(state, b, kv, greedy) for state in self.tier_states]
+        for exe in exes:
+            for _ in range(warm):
+                jax.block_until_ready((self._run(exe, rows), self.state))
+        samples = [[] for _ in exes]
+        for _ in range(runs):
+            for j, exe in enumerate(exes):
+                t0 = time.perf_counter()
+                jax.block_until_ready((self._run(exe, rows), self.state))
+                samples[j].append(time.perf_counter() - t0)
+        for j, ms in enumerate(samples):
+            self.controller.times.calibrated(j, (b, kv, greedy), float(np.median(ms)) * 1e3)
         self._last_read = None  # the next sample would include this
         self.executables.add_startup_seconds(time.perf_counter() - start)  # start-up work, not serving
 
