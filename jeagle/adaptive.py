@@ -2,11 +2,14 @@
 
 Host-only (no JAX here). SGLang's design (docs "Adaptive Speculative Decoding", `../shared/DESIGN.md`
 "Adaptive steps"), with two extensions: a tier is a full (S, K, N) triple, so tree tiers adapt too,
-and the default policy weighs each tier's accept length against its measured cost.
+and a second policy weighs each tier's accept length against its measured cost. The default is
+SGLang's EMA policy: on the H100 it measured ahead of the cost-aware one on the phased workload
+(1.12-1.20x vs 1.04-1.06x the best static tier) and the cost-aware one fell 16% behind the static
+(5,4,8) at batch 48 on MT-bench (bench/HISTORY.md session 12); "throughput" is there to be chosen.
 
     AdaptiveConfig       the knobs, from JSON (omitted keys take defaults; unknown keys, bad values: errors)
-    ThroughputPolicy     "throughput" (default): the tier with the most expected tokens per second
-    AdaptivePolicy       "ema": SGLang's EMA of accepted drafts per request and its thresholds
+    ThroughputPolicy     "throughput": the tier with the most expected tokens per second
+    AdaptivePolicy       "ema" (default): SGLang's EMA of accepted drafts per request and its thresholds
     RoundTimes           one round's wall time per (tier, bucket): timed at warm-up, refined online
     TierState            one tier's runtime state: its (S, K, N) and its executables, one per bucket
     AdaptiveController   feeds the policy after each verify and swaps the active TierState (a reference
@@ -80,7 +83,7 @@ class AdaptiveConfig:
     update_interval: int | None = None  # None: 5 for "ema" (SGLang's), 1 for "throughput"
     down_hysteresis: float = -0.25
     up_hysteresis: float = 0.0
-    policy: str = "throughput"  # or "ema" (SGLang's)
+    policy: str = "ema"  # SGLang's; or "throughput" (expected tokens per second)
     accept_window: int = 32  # throughput: request-rounds over which the per-depth acceptance counts decay (1/e)
     switch_margin: float = 0.03  # throughput: leave the active tier only for one this much faster
 

@@ -106,7 +106,7 @@ TIERS = ((1, 4, 3), (3, 4, 5), (7, 4, 11))  # reach 1, 3, 7
 
 
 def throughput(initial=1, tiers=TIERS, **kw):
-    kw = {"warmup_batches": 0, "update_interval": 1, "accept_window": 10_000, **kw}
+    kw = {"warmup_batches": 0, "update_interval": 1, "accept_window": 10_000, "policy": "throughput", **kw}
     return ThroughputPolicy(AdaptiveConfig(**kw), tiers, initial)
 
 
@@ -214,7 +214,7 @@ def test_round_times_trust_online_samples_only_after_min_samples():
 
 def test_controller_reports_the_throughput_view():
     states = [TierState(t, t[0]) for t in TIERS]
-    c = AdaptiveController(AdaptiveConfig(warmup_batches=0, update_interval=1), states, 3)
+    c = AdaptiveController(AdaptiveConfig(warmup_batches=0, update_interval=1, policy="throughput"), states, 3)
     assert c.active is states[1]
     for j, ms in enumerate((1.0, 1.1, 1.6)):
         c.times.calibrated(j, "b", ms)
@@ -227,12 +227,11 @@ def test_controller_reports_the_throughput_view():
 
 # ---- config ------------------------------------------------------------------------------------------
 def test_config_defaults_and_json(tmp_path):
-    cfg = AdaptiveConfig()
-    assert (cfg.candidate_steps, cfg.ema_alpha, cfg.warmup_batches, cfg.update_interval) == ((1, 3, 7), 0.2, 8, 1)
-    ema = AdaptiveConfig(policy="ema")  # SGLang's defaults
-    assert (ema.ema_alpha, ema.warmup_batches, ema.update_interval, ema.down_hysteresis, ema.up_hysteresis) == (
-        0.2, 10, 5, -0.25, 0.0)
-    assert (cfg.policy, cfg.accept_window, cfg.switch_margin) == ("throughput", 32, 0.03)
+    cfg = AdaptiveConfig()  # SGLang's policy and defaults
+    assert (cfg.policy, cfg.candidate_steps, cfg.ema_alpha, cfg.warmup_batches, cfg.update_interval,
+            cfg.down_hysteresis, cfg.up_hysteresis) == ("ema", (1, 3, 7), 0.2, 10, 5, -0.25, 0.0)
+    tp = AdaptiveConfig(policy="throughput")
+    assert (tp.warmup_batches, tp.update_interval, tp.accept_window, tp.switch_margin) == (8, 1, 32, 0.03)
     f = tmp_path / "a.json"
     f.write_text(json.dumps({"candidate_steps": [7, 2], "ema_alpha": 0.5, "policy": "ema"}))
     cfg = AdaptiveConfig.from_json(f)
@@ -272,8 +271,8 @@ def test_config_file_errors(tmp_path):
 
 def test_tiers_from_candidate_steps():
     assert AdaptiveConfig().tiers(3, 1, 4) == ((1, 1, 2), (3, 1, 4), (7, 1, 8))
-    assert AdaptiveConfig().tiers(5, 4, 8) == ((1, 4, 3), (3, 4, 5), (5, 4, 8), (7, 4, 11))  # the base tier runs too
-    assert AdaptiveConfig(policy="ema").tiers(5, 4, 8) == ((1, 4, 3), (3, 4, 5), (7, 4, 11))  # SGLang's: snapped
+    assert AdaptiveConfig(policy="throughput").tiers(5, 4, 8) == ((1, 4, 3), (3, 4, 5), (5, 4, 8), (7, 4, 11))  # base too
+    assert AdaptiveConfig().tiers(5, 4, 8) == ((1, 4, 3), (3, 4, 5), (7, 4, 11))  # SGLang's: the base snaps
     tiers = AdaptiveConfig(candidate_steps=(1, 3, 5, 7)).tiers(5, 4, 8)
     assert (5, 4, 8) in tiers  # the base tier comes back unchanged
     assert tiers[0] == (1, 4, 3)  # N <= K + 1 at one step
@@ -336,7 +335,8 @@ def test_throughput_policy_in_the_engine_is_lossless_times_every_tier_and_follow
 
     tiers = ((1, 2, 3), (2, 1, 3), (4, 2, 6))
     engine = speculative(target, oracle, cfg, SpecConfig(2, 1, 3),
-                         adaptive=AdaptiveConfig(candidate_tiers=tiers, warmup_batches=2, update_interval=1))
+                         adaptive=AdaptiveConfig(candidate_tiers=tiers, warmup_batches=2, update_interval=1,
+                                                 policy="throughput"))
     dec = engine.decoder
     engine.warmup(prefill_lengths=[9], greedy=(True,), progress=False)
     times = dec.controller.times
@@ -365,7 +365,8 @@ def test_throughput_policy_in_the_engine_is_lossless_times_every_tier_and_follow
 def test_a_bucket_not_warmed_up_is_timed_at_its_first_dispatch():
     target = bigram_target(target_config())
     engine = speculative(target, signed_identity_head(target, +1.0), EngineConfig(max_batch_size=2, max_context=64),
-                         SpecConfig(2, 1, 3), adaptive=AdaptiveConfig(candidate_tiers=((1, 1, 2), (2, 1, 3))))
+                         SpecConfig(2, 1, 3), adaptive=AdaptiveConfig(candidate_tiers=((1, 1, 2), (2, 1, 3)),
+                                                                      policy="throughput"))
     out = engine.generate([[5, 6, 7]], SamplingParams(max_new_tokens=8, ignore_eos=True))
     times = engine.decoder.controller.times
     assert len(out[0].token_ids) == 8
