@@ -77,7 +77,8 @@ def token_agreement(got: list[list[int]], want: list[list[int]]) -> dict:
 
 
 def jeagle_rows(target_dir, head_dir, prompts_ids, batches, max_new, repeats, tier, systems=JEAGLE_SYSTEMS,
-                adaptive_config=None, engine_config: dict | None = None) -> list[dict]:
+                adaptive_config=None, engine_config: dict | None = None, sampling: dict | None = None,
+                tokenizer=None) -> list[dict]:
     from jeagle.adaptive import AdaptiveConfig
     from jeagle.checkpoint import load_draft, load_model
     from jeagle.engine import EngineConfig, speculative, target_only
@@ -96,7 +97,18 @@ def jeagle_rows(target_dir, head_dir, prompts_ids, batches, max_new, repeats, ti
             "jeagle-eagle": lambda: speculative(model, head, ec, SpecConfig(*tier)),
             "jeagle-adaptive": lambda: speculative(model, head, ec, SpecConfig(*tier), adaptive=adaptive)}
     engines = {name: make[name]() for name in systems}
-    sp = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
+    report = dict(sampling or {})
+    sampling = dict(report)
+    if "logit_bias" in sampling:
+        sampling["logit_bias"] = tuple((int(k), float(v)) for k, v in sampling["logit_bias"].items())
+    if "grammar" in sampling:  # [kind, source]: structured output; the requests then end at the grammar's EOS
+        from jeagle.grammar import GrammarBackend
+
+        kind, source = sampling["grammar"]
+        sampling["grammar"] = GrammarBackend(tokenizer, model.cfg.vocab_size, model.cfg.eos_token_ids[0]).compile(
+            kind, source)
+        sampling.setdefault("ignore_eos", False)
+    sp = SamplingParams(max_new_tokens=max_new, **({"ignore_eos": True} | sampling))
     rows = []
     for batch in batches:
         ids = batch_of(prompts_ids, batch)
@@ -104,7 +116,8 @@ def jeagle_rows(target_dir, head_dir, prompts_ids, batches, max_new, repeats, ti
         for name, eng in engines.items():
             # Compile every executable this batch can reach (the smaller buckets it shrinks into as
             # requests finish, every KV bucket, every tier of jeagle-adaptive), then a warm-up run.
-            eng.warmup(batch_sizes=range(1, batch + 1), prefill_lengths=sorted({len(p) for p in ids}), greedy=(True,),
+            eng.warmup(batch_sizes=range(1, batch + 1), prefill_lengths=sorted({len(p) for p in ids}),
+                       greedy=(sp.greedy,), logprobs=(sp.logprobs is not None,), penalties=(sp.penalized,),
                        progress=False)
             eng.generate(ids, sp)
 
@@ -117,7 +130,8 @@ def jeagle_rows(target_dir, head_dir, prompts_ids, batches, max_new, repeats, ti
                 return sum(len(o.token_ids) for o in outs), eng.last_stats.to_dict() | {"tokens": [o.token_ids for o in outs]}
 
             tps, stats = median_run(once, repeats)
-            row = {"system": name, "batch": batch, "tokens_per_s": round(tps, 1)}
+            row = {"system": name, "batch": batch, "tokens_per_s": round(tps, 1)} | (
+                {"sampling": report} if report else {})
             tokens[name] = stats["tokens"]
             if name == "jeagle-eagle":
                 row |= {"accept_length": round(stats["accept_length"], 3), "tier": list(tier)}
@@ -217,6 +231,10 @@ def main(argv=None) -> dict:
                    help="JSON file for jeagle-adaptive (default: the policy's defaults)")
     p.add_argument("--engine-config", default=None, metavar="JSON",
                    help='more EngineConfig fields for every jeagle system, e.g. \'{"verify_done_wait": "dataflow"}\'')
+    p.add_argument("--sampling", default=None, metavar="JSON",
+                   help='more SamplingParams fields for every jeagle request, e.g. {"logprobs": 5} or '
+                        '{"frequency_penalty": 0.5} or {"grammar": ["json_schema", {...}]} (structured output: '
+                        'requests end at EOS, tokens/s counts the tokens made): their rows say so')
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json-out", default=None)
@@ -259,12 +277,14 @@ def main(argv=None) -> dict:
     doc = {"bench": "decode", "model": target_dir.name, "draft": str(head_dir), "prompts": args.prompts or "one prompt",
            "max_new_tokens": args.max_new_tokens, "device": device_kind(),
            "jax": jax.__version__, "python": platform.python_version(), "commit": git_commit(),
-           "engine_config": engine_config, "peers_not_run": {"eagle-llm": EAGLE_LLM_WHY}, "rows": []}
+           "engine_config": engine_config, "sampling": json.loads(args.sampling) if args.sampling else None,
+           "peers_not_run": {"eagle-llm": EAGLE_LLM_WHY}, "rows": []}
     systems = [x for x in args.systems.split(",") if x]
     if unknown := sorted(set(systems) - set(JEAGLE_SYSTEMS)):
         p.error(f"--systems: unknown {unknown} (known: {', '.join(JEAGLE_SYSTEMS)})")
     doc["rows"] += jeagle_rows(target_dir, head_dir, prompts_ids, batches, args.max_new_tokens, args.repeats, tier,
-                               systems, args.adaptive_config, engine_config)
+                               systems, args.adaptive_config, engine_config,
+                               json.loads(args.sampling) if args.sampling else None, tok)
     hf_batches = [int(b) for b in args.hf_batch_sizes.split(",") if b.strip()]
     if hf_batches:
         if args.target is not None:

@@ -218,6 +218,30 @@ if [[ "$steps" == *" partings "* ]]; then  # issue 27: where bf16 EAGLE parts fr
     --max-new-tokens "${PARTINGS_TOKENS:-256}" --modes default,deterministic --json-out "$OUT/partings_det.json" \
     2>&1 | grep -v '^{"probe"' | tee -a "$OUT/partings.log"
 fi
+if [[ "$steps" == *" features "* ]]; then  # issue 24: logprobs, penalties, grammars: their tests on the GPU and their cost
+  # FEATURE_TESTS=0 skips the tests; FEATURE_SET picks the decode rows; FEATURE_SERVE=0 skips bench/serve.py.
+  if [ "${FEATURE_TESTS:-1}" = 1 ]; then
+    python3 -c "import openai, starlette, uvicorn, httpx, llguidance, jsonschema" 2>&1 | tee "$OUT/features_imports.log"
+    python3 -m pytest -q -x tests/test_logprobs.py tests/test_penalties.py tests/test_grammar.py \
+      tests/test_serve_features.py 2>&1 | tail -3 | tee "$OUT/pytest_features_on_gpu.log"
+  fi
+  declare -A samplings=(
+    [plain]='{}'
+    [logprobs]='{"logprobs": 5}'
+    [penalties]='{"frequency_penalty": 0.5, "presence_penalty": 0.5, "repetition_penalty": 1.1}'
+    [grammar]='{"grammar": ["json_schema", {"type": "object", "properties": {"title": {"type": "string", "maxLength": 60}, "points": {"type": "array", "items": {"type": "string", "maxLength": 80}, "minItems": 3, "maxItems": 5}}, "required": ["title", "points"]}]}'
+  )
+  for name in ${FEATURE_SET:-plain logprobs penalties grammar}; do
+    decode_variant decode_features "sampling $name ${samplings[$name]}" --batch-sizes "${FEATURE_BATCHES:-1,16,48}" \
+      --sampling "${samplings[$name]}" --max-new-tokens "${FEATURE_TOKENS:-256}" --repeats "${FEATURE_REPEATS:-3}"
+  done
+  if [ "${FEATURE_SERVE:-1}" = 1 ]; then
+    for extra in '{}' '{"logprobs": 5}'; do
+      python3 bench/serve.py --concurrency "${FEATURE_CONC:-1,32}" --configs target-only,eagle-oracle --extra "$extra" \
+        2>&1 | tee -a "$OUT/serve_features.log"
+    done
+  fi
+fi
 if [[ "$steps" == *" startup "* ]]; then  # issue 27: the README command, first and second start in a fresh cache
   # Run 1 converts the staged GGUF and compiles (no fetch: the GGUF is linked in), run 2 is the second start
   # (the README form, text output), run 3 the same with --json (its stats), then bench/probes/startup.py's

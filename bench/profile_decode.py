@@ -58,7 +58,7 @@ def idle_gaps(events: list[tuple], top: int = 5) -> tuple[float, list[float]]:
 def phase_busy(events: list[tuple], hlo_texts: list[str]) -> tuple[dict[str, tuple[int, float]], list]:
     """({phase: (device ops, busy us)} of `events` (with their args), by the named scopes of a round;
     the unattributed ops by busy time: [(name, count, us, one event's args)], the largest 8)."""
-    from jeagle.spec.round import PHASES
+    from jeagle.spec.round import ALL_PHASES as PHASES
 
     if not events:
         return {}, []
@@ -106,8 +106,11 @@ def main(argv=None):
     p.add_argument("--simulate-accept", type=float, default=4.68, help="τ of the --spec rounds")
     p.add_argument("--phases", action=argparse.BooleanOptionalAction, default=None,
                    help="device time per phase of the round (named scopes); default: on with --spec")
+    p.add_argument("--sampling", default=None, metavar="JSON",
+                   help='more SamplingParams fields for every request, e.g. {"logprobs": 5}')
     args = p.parse_args(argv)
     phases = bool(args.spec) if args.phases is None else args.phases
+    extra = json.loads(args.sampling) if args.sampling else {}
 
     import jax
 
@@ -142,9 +145,10 @@ def main(argv=None):
                           decode_steps=args.decode_steps, unroll_layers=unroll, kernels=KernelSettings.from_env())
         engine = (speculative(model, head, ec, tier, simulate_accept=args.simulate_accept) if args.spec
                   else target_only(model, ec))
-        plan = engine.warmup_plan(batch_sizes=[batch], prefill_lengths=[args.context], greedy=(True,))
-        engine.warmup(batch_sizes=[batch], prefill_lengths=[args.context], greedy=(True,), progress=False)
-        sp = SamplingParams(max_new_tokens=max_new, ignore_eos=True)
+        sp = SamplingParams(max_new_tokens=max_new, ignore_eos=True, **extra)
+        modes = dict(greedy=(True,), logprobs=(sp.logprobs is not None,), penalties=(sp.penalized,))
+        plan = engine.warmup_plan(batch_sizes=[batch], prefill_lengths=[args.context], **modes)
+        engine.warmup(batch_sizes=[batch], prefill_lengths=[args.context], progress=False, **modes)
         reqs = [engine.submit(prompt, sp) for _ in range(batch)]
         for _ in range(batch + 4):  # admission (prefill groups), normally one step
             if not engine.num_waiting and engine.num_running == batch:

@@ -43,7 +43,7 @@ def pct(xs, q):
     return float(np.percentile(xs, q)) if xs else None
 
 
-async def load(url, prompts, max_tokens, concurrency, per_client):
+async def load(url, prompts, max_tokens, concurrency, per_client, extra=None):
     import httpx
 
     results = []
@@ -51,7 +51,7 @@ async def load(url, prompts, max_tokens, concurrency, per_client):
     async def client(c, k):
         for i in range(per_client):
             body = {"prompt": prompts[(k * per_client + i) % len(prompts)], "max_tokens": max_tokens,
-                    "temperature": 0, "ignore_eos": True, "stream": True}
+                    "temperature": 0, "ignore_eos": True, "stream": True} | (extra or {})
             t0 = time.perf_counter()
             first, n = None, 0
             async with c.stream("POST", "/v1/completions", json=body) as r:
@@ -78,7 +78,13 @@ def main(argv=None):
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--configs", default="target-only,eagle-oracle,eagle-rejecting")
+    p.add_argument("--extra", default=None, metavar="JSON",
+                   help='more request fields, e.g. {"logprobs": 5} or {"frequency_penalty": 0.5} (rows say so)')
     args = p.parse_args(argv)
+    extra = json.loads(args.extra) if args.extra else {}
+    modes = dict(greedy=(True,), logprobs=(extra.get("logprobs") is not None,),
+                 penalties=(any(k in extra for k in ("frequency_penalty", "presence_penalty", "repetition_penalty",
+                                                     "min_tokens", "logit_bias")),))
 
     import numpy as np
     import uvicorn
@@ -106,7 +112,7 @@ def main(argv=None):
             dec = engine.decoder  # its params: (target params, draft params); the same graph, new draft weights
             dec.params = (dec.params[0], head_params["high" if name == "eagle-oracle" else "low"])
         t0 = time.perf_counter()
-        engine.warmup(prefill_lengths=[args.prompt_len], greedy=(True,), progress=False)
+        engine.warmup(prefill_lengths=[args.prompt_len], progress=False, **modes)
         warm = time.perf_counter() - t0
         app = create_app(engine, tok, "bench")
         with socket.socket() as s:
@@ -118,19 +124,19 @@ def main(argv=None):
         while not server.started:
             time.sleep(0.05)
         url = f"http://127.0.0.1:{port}"
-        asyncio.run(load(url, prompts, args.max_tokens, 2, 1))  # first requests through every path
+        asyncio.run(load(url, prompts, args.max_tokens, 2, 1, extra))  # first requests through every path
         for c in levels:
-            res, wall = asyncio.run(load(url, prompts, args.max_tokens, c, args.requests_per_client))
+            res, wall = asyncio.run(load(url, prompts, args.max_tokens, c, args.requests_per_client, extra))
             ttft = [r[0] for r in res]
             lat = [r[1] for r in res]
             n = len(res)
-            rows.append({"config": name, "concurrency": c, "requests": n, "wall_s": wall,
+            rows.append({"config": name, "concurrency": c, "requests": n, "wall_s": wall, "extra": extra,
                          "requests_per_s": n / wall, "output_tokens_per_s": n * args.max_tokens / wall,
                          "ttft_ms": {q: 1e3 * pct(ttft, q) for q in (50, 90, 99)},
                          "latency_ms": {q: 1e3 * pct(lat, q) for q in (50, 90, 99)},
                          "warmup_s": round(warm, 1),
                          "compilations_after_warmup": engine.num_compiled - len(engine.warmup_plan(
-                             prefill_lengths=[args.prompt_len], greedy=(True,)))})
+                             prefill_lengths=[args.prompt_len], **modes))})
         server.should_exit = True
         th.join(timeout=30)
     print(f"{'config':>16} {'conc':>4} {'req/s':>7} {'tok/s':>8} {'TTFT p50/p90/p99 ms':>22} "

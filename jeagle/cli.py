@@ -32,6 +32,9 @@ def build_parser(prog: str = "python -m jeagle.generate", prompts: bool = True,
     p.add_argument("--stop-token-ids", type=lambda s: tuple(int(x) for x in s.split(",") if x), default=())
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON object (outputs + stats) on stdout")
+    if prompts:
+        p.add_argument("--logprobs", type=int, default=None, metavar="K",
+                       help="with --json: each new token's logprob and the K (0-20) most likely tokens at its position")
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,
                    help="weights and activations (default auto: bfloat16 on a GPU, float32 on a CPU, where bf16 "
                         "is emulated and picks worse tokens at near ties)")
@@ -115,6 +118,13 @@ def check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         p.error(f"--tp must be >= 1, got {a.tp}")
     if a.rounds_per_dispatch < 1:
         p.error(f"--rounds-per-dispatch must be >= 1, got {a.rounds_per_dispatch}")
+    if getattr(a, "logprobs", None) is not None:
+        from jeagle.logprobs import LOGPROB_TOP
+
+        if not 0 <= a.logprobs <= LOGPROB_TOP:
+            p.error(f"--logprobs must be in [0, {LOGPROB_TOP}], got {a.logprobs}")
+        if not a.json:
+            p.error("--logprobs needs --json (they are reported per token there)")
     if a.speculative_algorithm in ("EAGLE", "EAGLE3") and not a.draft:
         p.error(f"--speculative-algorithm {a.speculative_algorithm} needs --draft")
     if (a.speculative_adaptive or a.speculative_adaptive_config) and (not a.draft or a.speculative_algorithm == "none"):

@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> dict:
     engine, load_s = build_engine(spec, target_dir, len(ids))
     params = [SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                              top_p=args.top_p, seed=None if args.seed is None else args.seed + i,
-                             stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos)
+                             stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos, logprobs=args.logprobs)
               for i in range(len(ids))]
     if not args.warmup:
         for i, (x, sp) in enumerate(zip(ids, params)):
@@ -72,7 +72,8 @@ def run(args: argparse.Namespace) -> dict:
         # A warm start: what these prompts can dispatch loads from the executable store now, in parallel,
         # and runs once on padding rows, so the first token waits for neither (nothing compiles here).
         t0 = time.perf_counter()
-        engine.preload_for([len(x) for x in ids], args.max_new_tokens, greedy=(args.temperature == 0.0,))
+        engine.preload_for([len(x) for x in ids], args.max_new_tokens, greedy=(args.temperature == 0.0,),
+                           logprobs=(args.logprobs is not None,))
         load_s += time.perf_counter() - t0
     if not args.json:
         print(f"[jeagle] {target_dir.name}, {spec.describe_dtype()}, {describe_decoding(spec)}, "
@@ -80,7 +81,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.warmup:
         # Only what these prompts can dispatch; every request shares the temperature: greedy or sampled.
         engine.warmup_for([len(x) for x in ids], args.max_new_tokens, greedy=(args.temperature == 0.0,),
-                          progress=not args.json)
+                          progress=not args.json, logprobs=(args.logprobs is not None,))
 
     stream = StreamDecoder(tokenizer)
 
@@ -102,6 +103,11 @@ def run(args: argparse.Namespace) -> dict:
             body = body[:-1]  # the stop token itself is not text
         results.append({"prompt": text, "text": tokenizer.decode(body), "token_ids": out.token_ids,
                         "finish_reason": out.finish_reason})
+        if out.logprobs is not None:  # one entry per token id
+            results[-1]["logprobs"] = [{"token": tokenizer.token_text(t), "logprob": lp.logprob,
+                                        "top_logprobs": [{"id": i, "token": tokenizer.token_text(i), "logprob": p}
+                                                         for i, p in lp.top(args.logprobs)]}
+                                       for t, lp in zip(out.token_ids, out.logprobs)]
     ttft = [o.time_to_first_token_s for o in outputs if o.time_to_first_token_s is not None]
     # The engine's stats (accept_length: tokens per round per request, bonus included, 1.0 without a
     # draft; tier_history: the round index (from 0) each tier started at) and the run's own facts.

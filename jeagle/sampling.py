@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 import jax
 import jax.numpy as jnp
 
+from jeagle.logprobs import LOGPROB_TOP
+from jeagle.penalties import MAX_LOGIT_BIAS
 from jeagle.sharding import whole_vocab
 
 
@@ -23,6 +25,18 @@ class SamplingParams:
     seed: int | None = None  # None = drawn at random per request
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    # Log-probabilities of the emitted tokens (jeagle/logprobs.py): None = off, k = each token's
+    # logprob and the k most likely tokens at its position (0 <= k <= LOGPROB_TOP).
+    logprobs: int | None = None
+    prompt_logprobs: bool = False  # also the prompt tokens' logprobs (top `logprobs`), from the prefill
+    # Penalties (jeagle/penalties.py): neutral by default.
+    frequency_penalty: float = 0.0  # [-2, 2], OpenAI's
+    presence_penalty: float = 0.0  # [-2, 2], OpenAI's
+    repetition_penalty: float = 1.0  # > 0 (1: off), over prompt and output tokens
+    min_tokens: int = 0  # stop tokens (EOS, stop_token_ids) held back until this many new tokens
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) pairs
+    # Structured output: a compiled `jeagle.grammar.Grammar` (JSON schema, regex, EBNF) the tokens must follow.
+    grammar: object | None = None
 
     def __post_init__(self):
         if self.max_new_tokens < 1:
@@ -33,10 +47,34 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 = off), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= LOGPROB_TOP:
+            raise ValueError(f"logprobs must be in [0, {LOGPROB_TOP}] (None: off), got {self.logprobs}")
+        if self.prompt_logprobs and self.logprobs is None:
+            raise ValueError("prompt_logprobs needs logprobs (the top count)")
+        for name in ("frequency_penalty", "presence_penalty"):
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0.0 < self.repetition_penalty <= 10.0:
+            raise ValueError(f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS}")
+        for tok, bias in self.logit_bias:
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias for token {tok} must be in [-100, 100], got {bias}")
+        if len({t for t, _ in self.logit_bias}) != len(self.logit_bias):
+            raise ValueError("logit_bias names a token twice")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty changes the logits (decode steps then run the penalty executables)."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0
+                    or self.min_tokens or self.logit_bias)
 
 
 def row_keys(seeds: jax.Array, positions: jax.Array) -> jax.Array:

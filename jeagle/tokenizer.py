@@ -17,7 +17,9 @@ environment with the same options, filters and globals.
 
 from __future__ import annotations
 
+import functools
 import json
+import re
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
@@ -27,6 +29,27 @@ import tokenizers
 from tokenizers import AddedToken
 
 _SPECIAL_NAMES = ("bos_token", "eos_token", "pad_token", "unk_token")
+
+
+@functools.cache
+def _unicode_to_byte() -> dict[str, int]:
+    """Byte-level BPE's printable stand-ins for the 256 bytes (GPT-2's table), inverted."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+def _has_decoder(node: Any, kind: str) -> bool:
+    """Whether a tokenizer.json decoder (possibly a Sequence of them) includes `kind`."""
+    if not isinstance(node, dict):
+        return False
+    return node.get("type") == kind or any(_has_decoder(d, kind) for d in node.get("decoders") or ())
 
 
 def _read_json(path: Path) -> Any:
@@ -92,6 +115,7 @@ class Tokenizer:
         self.chat_template = chat_template if chat_template is not None else _pick_template(config.get("chat_template"))
         self.add_bos_token = bool(config.get("add_bos_token", False))
         self.add_eos_token = bool(config.get("add_eos_token", False))
+        self._byte_level: bool | None = None  # a byte-level BPE decoder (token_bytes), found on first use
 
         self.bos_token_id = self._id_of(self.special_tokens["bos_token"])
         if self.bos_token_id is None and self.special_tokens["bos_token"] is None:
@@ -181,6 +205,28 @@ class Tokenizer:
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self._fast.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (OpenAI logprobs' `bytes`): a byte-level BPE token's bytes, a
+        byte-fallback token's one byte (`<0xE2>`), else the token's text with SentencePiece's `▁` as a
+        space. A token may be part of a UTF-8 character: its bytes need not decode alone."""
+        tok = self._fast.id_to_token(int(token_id))
+        if tok is None:
+            return b""
+        if self._byte_level is None:
+            self._byte_level = _has_decoder(json.loads(self._fast.to_str()).get("decoder"), "ByteLevel")
+        if self._byte_level:
+            table = _unicode_to_byte()
+            if all(c in table for c in tok):
+                return bytes(table[c] for c in tok)
+        m = re.fullmatch(r"<0x([0-9A-Fa-f]{2})>", tok)
+        if m:
+            return bytes([int(m.group(1), 16)])
+        return tok.replace("\u2581", " ").encode()
+
+    def token_text(self, token_id: int) -> str:
+        """One token's text (invalid UTF-8 of a partial character shown as U+FFFD)."""
+        return self.token_bytes(token_id).decode("utf-8", errors="replace")
 
     @property
     def has_chat_template(self) -> bool:

@@ -155,6 +155,20 @@ def test_draft_gives_the_target_only_output(single, smollm2_head):
     assert single["stats"]["accept_length"] == 1.0 and single["stats"]["rounds"] == 0
 
 
+def test_json_logprobs_with_a_draft_equal_target_only(single, smollm2_head):
+    args = ("--json", "--max-new-tokens", "8", "--logprobs", "3", QUESTION)
+    plain = json.loads(run_cli(*args, "--speculative-algorithm", "none").stdout)["outputs"][0]
+    spec = json.loads(run_cli(*args, "--draft", str(smollm2_head), *SPEC).stdout)["outputs"][0]
+    assert spec["token_ids"] == plain["token_ids"] == single["outputs"][0]["token_ids"][:8]
+    assert len(spec["logprobs"]) == len(spec["token_ids"])
+    for a, b in zip(spec["logprobs"], plain["logprobs"]):
+        assert abs(a["logprob"] - b["logprob"]) < 1e-3 and len(a["top_logprobs"]) == 3
+        assert [t["id"] for t in a["top_logprobs"]] == [t["id"] for t in b["top_logprobs"]]
+        assert a["top_logprobs"][0]["logprob"] >= a["logprob"] - 1e-6  # greedy: the top token was chosen
+    proc = run_cli("--logprobs", "3", QUESTION, check=False)
+    assert proc.returncode == 2 and "--logprobs needs --json" in proc.stderr
+
+
 def test_speculative_flag_errors(smollm2_head):
     proc = run_cli("--draft", str(smollm2_head), "--speculative-algorithm", "EAGLE3", QUESTION, check=False)
     assert proc.returncode == 2 and "is an EAGLE head" in proc.stderr

@@ -221,7 +221,13 @@ def test_aborted_stream_frees_its_slots(server):
     ({"prompt": "abc", "top_p": 0}, "top_p"),
     ({"prompt": "abc", "max_tokens": 0}, "max_tokens"),
     ({"prompt": "abc", "max_tokens": "8"}, "max_tokens"),
-    ({"prompt": "abc", "n": 2}, "n"),
+    ({"prompt": "abc", "n": 0}, "n"),
+    ({"prompt": "abc", "n": 17}, "n"),
+    ({"prompt": "abc", "n": 2, "best_of": 3}, "best_of"),
+    ({"prompt": "abc", "logprobs": 21}, "logprobs"),
+    ({"prompt": "abc", "logprobs": -1}, "logprobs"),
+    ({"prompt": "abc", "logprobs": True}, "logprobs"),
+    ({"prompt": "abc", "echo": "yes"}, "echo"),
     ({"prompt": "abc", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"prompt": "x" * 200}, "prompt"),  # longer than the context (128)
     ({"prompt": "abc", "max_tokens": 500}, "max_tokens"),  # beyond the context

@@ -65,3 +65,13 @@ class DraftRunner:
                         embed=self.target.embed[...], lm_head=lm_head)
         self.k, self.v, self.pos = out.k, out.v, self.pos + t
         return np.asarray(out.hidden), np.asarray(out.logits)
+
+
+def last_logits(model, seq: list[int], width: int = 128) -> np.ndarray:
+    """The logits [V] after `seq` (a teacher-forced forward), the batch padded to `width` positions by
+    a second row so that every length shares one compiled forward (references that decode by hand
+    call this once per token)."""
+    if len(seq) > width:
+        width = len(seq)
+    logits, _ = ragged_forward(model, [list(seq), [4] * width])
+    return logits[0, len(seq) - 1]

@@ -10,9 +10,12 @@ device state, the step functions and their executables. The scheduler calls:
     wants_step(r)               whether r goes into the next step
     prefix_needed(r)            the longest prefix r's next step can attend over (picks the kv bucket)
     step(reqs, b, kv)           dispatch one decode step / round: device result
-    unpack(kind, reqs, host)    each request's (new tokens, finished on the device) from a host result
+    unpack(kind, reqs, host)    each request's `Delivery` (new tokens, finished on the device, their
+                                TokenLogprobs, a prefill's prompt logprobs) from a host result; a batch
+                                where any request asks for logprobs (`wants_logprobs`, `wants_prompt_logprobs`)
+                                runs the executables that compute them
     verify_handle(result)       what the verify_done wait waits on after a step (None: nothing)
-    warmup_keys(plan, greedy)   the step keys of a warm-up plan
+    warmup_keys(plan, greedy, logprobs, penalties)   the step keys of a warm-up plan
     prime(key)                  run key's executable once on padding rows only (a warm start's preload)
     prefix_bound(n, max_new, overlap)   the longest prefix a request can reach (warm-up planning)
     calibrate_keys(keys, compile)   after a warm-up of `keys`: time what the decoder times (adaptive tiers)
@@ -25,12 +28,20 @@ device state, the step functions and their executables. The scheduler calls:
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import jax
 import numpy as np
 
 from jeagle.runtime.buckets import pad
+
+
+class Delivery(NamedTuple):
+    """What one dispatch's result holds for one request."""
+    tokens: np.ndarray  # new token ids
+    finished: bool  # the device finished the request (speculative rounds)
+    logprobs: list | None = None  # one TokenLogprob per token, when the request asked for logprobs
+    prompt_logprobs: list | None = None  # a prefill's: one per prompt token after the first, when asked
 
 
 class Decoder(Protocol):
@@ -45,7 +56,7 @@ class Decoder(Protocol):
 
     def step(self, reqs, b: int, kv: int): ...
 
-    def unpack(self, kind: str, reqs, host: np.ndarray) -> list[tuple[np.ndarray, bool]]: ...
+    def unpack(self, kind: str, reqs, host: np.ndarray) -> list["Delivery"]: ...
 
     def prime(self, key) -> None: ...
 
@@ -80,3 +91,44 @@ def sampling_inputs(reqs, b: int, rng: np.random.Generator):
             pad([r.params.top_k for r in reqs], b, 0, np.int32),
             pad([r.params.top_p for r in reqs], b, 1.0, np.float32),
             pad(seeds, b, 0, np.uint32))
+
+
+def wants_logprobs(reqs) -> bool:
+    """Whether a batch runs the logprob executables: any of its requests asks for logprobs. (The
+    host decides it again from the same batch when it unpacks the result.)"""
+    return any(r.params.logprobs is not None for r in reqs)
+
+
+def wants_prompt_logprobs(reqs) -> bool:
+    """Whether a prefill also computes the prompt tokens' logprobs (completions' `echo`)."""
+    return any(r.params.prompt_logprobs for r in reqs)
+
+
+def split_prompt_logprobs(host: np.ndarray, reqs, base: int) -> tuple[np.ndarray, list]:
+    """A prefill's host result → (its first `base` columns, each request's prompt logprobs: None, or
+    [None, TokenLogprob per prompt token after the first] when it asked for them)."""
+    from jeagle import logprobs
+
+    if not wants_prompt_logprobs(reqs):
+        return host, [None] * len(reqs)
+    rest = host[:, base:]
+    blocks = rest.reshape(rest.shape[0], -1, logprobs.LOGPROB_COLUMNS)
+    out = [[None] + logprobs.unpack(blocks[i, 1:len(r.prompt)]) if r.params.prompt_logprobs else None
+           for i, r in enumerate(reqs)]
+    return host[:, :base], out
+
+
+def wants_grammar(reqs) -> bool:
+    """Whether a batch decodes under grammar masks (synchronously: jeagle/grammar.py)."""
+    return any(r.matcher is not None for r in reqs)
+
+
+def token_masks(reqs, b: int, vocab: int) -> np.ndarray:
+    """Each request's next-token mask [b, W] (its grammar's, else every token allowed), padded to b."""
+    from jeagle.grammar import allow_all
+
+    out = allow_all(b, vocab)
+    for i, r in enumerate(reqs):
+        if r.matcher is not None:
+            out[i] = r.matcher.mask()
+    return out

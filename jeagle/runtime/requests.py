@@ -8,6 +8,7 @@ from typing import Callable
 
 import numpy as np
 
+from jeagle.penalties import MAX_STOP
 from jeagle.runtime.slots import OutOfSlots
 from jeagle.sampling import SamplingParams
 
@@ -22,6 +23,10 @@ class Output:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" | "abort"
     time_to_first_token_s: float | None = None
+    # With SamplingParams.logprobs set: one TokenLogprob per token of token_ids (jeagle/logprobs.py).
+    logprobs: list | None = None
+    # With SamplingParams.prompt_logprobs: None for the first prompt token, then one TokenLogprob each.
+    prompt_logprobs: list | None = None
 
 
 @dataclass
@@ -41,19 +46,27 @@ class Request:
     on_tokens: Callable[[int, list[int]], None] | None = None  # streaming callback (index, new ids)
     t_submit: float = 0.0  # perf_counter at submit
     compile_mark: float = 0.0  # the engine's compile seconds at submit (compiling is not serving latency)
+    matcher: object | None = None  # the grammar's state (`jeagle.grammar.Matcher`), with SamplingParams.grammar
 
     def finish(self, reason: str) -> None:
         self.done, self.out.finish_reason = True, reason
 
-    def take(self, tokens, compile_seconds: float) -> list[int]:
-        """Append the tokens that arrived for this request, up to its end (a stop token or max_new);
-        returns the ones taken."""
+    def take(self, tokens, compile_seconds: float, logprobs=None) -> list[int]:
+        """Append the tokens that arrived for this request, up to its end (a stop token or max_new),
+        with their TokenLogprobs when the request asked for them (`logprobs`: one per token, or
+        None); returns the ones taken."""
         new = []
-        for tok in tokens:
+        for i, tok in enumerate(tokens):
             if self.done:
                 break
             tok = int(tok)
             self.out.token_ids.append(tok)
+            if self.matcher is not None and not self.matcher.stopped:
+                self.matcher.consume(tok)
+            if self.out.logprobs is not None:
+                if logprobs is None:
+                    raise AssertionError(f"request {self.index} asked for logprobs; its tokens came without them")
+                self.out.logprobs.append(logprobs[i])
             new.append(tok)
             if self.out.time_to_first_token_s is None:
                 # Compilation (first use of a shape) is not part of serving latency.
@@ -99,5 +112,11 @@ def make_request(index: int, prompt: list[int], params: SamplingParams, limits: 
         raise OutOfSlots(f"request {index} needs {need} KV slots, the pool has {limits.pool_slots}; "
                          "raise --max-total-tokens (or --mem-fraction-static) or lower --max-new-tokens")
     eos = frozenset(() if params.ignore_eos else limits.eos_token_ids) | frozenset(params.stop_token_ids)
+    bad = [t for t, _ in params.logit_bias if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise ValueError(f"request {index}: logit_bias names token ids outside the vocabulary: {bad[:5]}")
+    if params.min_tokens and len(eos) > MAX_STOP:
+        raise ValueError(f"request {index}: min_tokens holds back at most {MAX_STOP} stop tokens, it has {len(eos)}")
     return Request(index=index, prompt=list(prompt), params=params, eos=eos, max_new=max_new,
-                   out=Output(prompt_ids=list(prompt)))
+                   out=Output(prompt_ids=list(prompt), logprobs=None if params.logprobs is None else []),
+                   matcher=params.grammar.matcher() if params.grammar is not None else None)

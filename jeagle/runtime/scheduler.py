@@ -23,6 +23,7 @@ from typing import Callable
 
 import numpy as np
 
+from jeagle.runtime.decoder import wants_grammar
 from jeagle.runtime.requests import Output, Request, RequestLimits, make_request
 from jeagle.runtime.slots import OutOfSlots, SlotPool
 from jeagle.runtime.stats import Stats, latency_stats
@@ -161,8 +162,8 @@ class Engine:
         self.pool.release(r.row, r.slots)
         r.slots = None
 
-    def _deliver(self, r: Request, tokens) -> None:
-        new = r.take(tokens, self.compile_seconds)
+    def _deliver(self, r: Request, tokens, logprobs=None) -> None:
+        new = r.take(tokens, self.compile_seconds, logprobs)
         if new and r.on_tokens is not None:
             r.on_tokens(r.index, new)
         if r.done:
@@ -207,6 +208,14 @@ class Engine:
         blocked = self.verify_done.wait()
         self._admit_waiting()
         live = [r for r in self._running if dec.wants_step(r)]
+        grammar = wants_grammar(live)
+        if grammar and pending:  # the grammars' masks need every token in flight first
+            t1 = time.perf_counter()
+            while pending:
+                self._process(*pending.popleft())
+            blocked += time.perf_counter() - t1
+            self._running = [r for r in self._running if not r.done]
+            live = [r for r in self._running if dec.wants_step(r)]
         if live:
             b, kv = self.buckets.decode(len(live), max(dec.prefix_needed(r) for r in live))
             acct["buckets_used"].add(b)
@@ -217,33 +226,43 @@ class Engine:
                 self.verify_done.record(handle)
         # Overlap: keep this step in flight while the host processes the previous one; without
         # overlap (or with nothing more to dispatch) process everything now.
-        keep = 1 if live and self.config.overlap else 0
+        # A grammar step is processed at once: its requests' next masks need its tokens.
+        keep = 1 if live and self.config.overlap and not grammar else 0
         while len(pending) > keep:
-            kind, batch, result = pending.popleft()
-            t1 = time.perf_counter()
-            host = np.asarray(result)  # its copy started at dispatch: this waits only if it is not done
-            blocked += time.perf_counter() - t1
-            for r, (tokens, device_finished) in zip(batch, dec.unpack(kind, batch, host)):
-                if r.done:
-                    continue
-                self._deliver(r, tokens)
-                if device_finished and not r.done:
-                    raise AssertionError(f"request {r.index}: the device finished it, the host did not")
+            blocked += self._process(*pending.popleft())
         if live:
             acct["blocked_per_step"].append(blocked)
         self._running = [r for r in self._running if not r.done]
         if not self.has_work:
             self.verify_done.wait()  # nothing may stay pending once idle
 
+    def _process(self, kind, batch, result) -> float:
+        """Read one dispatched result and deliver its tokens; returns the seconds the host waited."""
+        t1 = time.perf_counter()
+        host = np.asarray(result)  # its copy started at dispatch: this waits only if it is not done
+        waited = time.perf_counter() - t1
+        for r, got in zip(batch, self.decoder.unpack(kind, batch, host)):
+            if r.done:
+                continue
+            if got.prompt_logprobs is not None:
+                r.out.prompt_logprobs = got.prompt_logprobs
+            self._deliver(r, got.tokens, got.logprobs)
+            if got.finished and not r.done:
+                raise AssertionError(f"request {r.index}: the device finished it, the host did not")
+        return waited
+
     # ---- warm-up -------------------------------------------------------------------------------------------
     def warmup(self, batch_sizes=None, prefill_lengths=None, kv_lengths=None, greedy=(True, False),
-               progress: bool = True) -> float:
+               progress: bool = True, logprobs=(False,), penalties=(False,)) -> float:
         """Compile ahead of time every executable `generate()` can dispatch for the given sizes (None:
         all of them): prefill for every (batch, length) bucket pair within max_prefill_tokens, decode
-        steps / rounds (every tier's) for every (batch, prefix) bucket pair in each mode of `greedy`.
+        steps / rounds (every tier's) for every (batch, prefix) bucket pair in each mode of `greedy`;
+        all of them in each mode of `logprobs` (True: the executables that also return logprobs) and
+        the decode steps / rounds in each mode of `penalties` (True: those that apply penalties).
         Afterwards generate() compiles nothing for those shapes (its stats count any compilation as
         `compilations_after_warmup`). Returns the seconds taken."""
-        return self._warmup(self.warmup_plan(batch_sizes, prefill_lengths, kv_lengths, greedy), progress)
+        return self._warmup(self.warmup_plan(batch_sizes, prefill_lengths, kv_lengths, greedy, logprobs, penalties),
+                            progress)
 
     def _warmup(self, keys, progress: bool) -> float:
         """Compile `keys`, then let the decoder time what it times (the adaptive tiers' rounds; counted
@@ -252,12 +271,13 @@ class Engine:
         self.decoder.calibrate_keys(keys)
         return self.executables.warmup_seconds
 
-    def warmup_plan(self, batch_sizes=None, prefill_lengths=None, kv_lengths=None, greedy=(True, False)) -> list:
+    def warmup_plan(self, batch_sizes=None, prefill_lengths=None, kv_lengths=None, greedy=(True, False),
+                    logprobs=(False,), penalties=(False,)) -> list:
         """The step keys `warmup` compiles for these sizes (see there)."""
         prefill, decode = self.buckets.warmup_plan(batch_sizes, prefill_lengths, kv_lengths)
-        return self.decoder.warmup_keys(prefill, decode, greedy)
+        return self.decoder.warmup_keys(prefill, decode, greedy, logprobs, penalties)
 
-    def plan_for(self, prompt_lengths, max_new_tokens: int, greedy=(True, False)) -> list:
+    def plan_for(self, prompt_lengths, max_new_tokens: int, greedy=(True, False), logprobs=(False,), penalties=(False,)) -> list:
         """The step keys these prompts can dispatch: batch sizes up to their number (capped by the
         running batch), their prompt-length buckets, the prefix buckets up to the longest context
         they can reach."""
@@ -265,19 +285,21 @@ class Engine:
         n = min(len(lengths), self.max_running)
         longest = max(self.decoder.prefix_bound(x, max_new_tokens, self.config.overlap) for x in lengths)
         kv = [k for k in self.buckets.kv if k < longest] + [longest]
-        return self.warmup_plan(batch_sizes=range(1, n + 1), prefill_lengths=lengths, kv_lengths=kv, greedy=greedy)
+        return self.warmup_plan(batch_sizes=range(1, n + 1), prefill_lengths=lengths, kv_lengths=kv, greedy=greedy,
+                                logprobs=logprobs, penalties=penalties)
 
-    def warmup_for(self, prompt_lengths, max_new_tokens: int, greedy=(True, False), progress: bool = True) -> float:
+    def warmup_for(self, prompt_lengths, max_new_tokens: int, greedy=(True, False), progress: bool = True,
+                   logprobs=(False,), penalties=(False,)) -> float:
         """Warm up only what these prompts can dispatch (`plan_for`)."""
-        return self._warmup(self.plan_for(prompt_lengths, max_new_tokens, greedy), progress)
+        return self._warmup(self.plan_for(prompt_lengths, max_new_tokens, greedy, logprobs, penalties), progress)
 
-    def preload_for(self, prompt_lengths, max_new_tokens: int, greedy=(True, False)) -> int:
+    def preload_for(self, prompt_lengths, max_new_tokens: int, greedy=(True, False), logprobs=(False,), penalties=(False,)) -> int:
         """A warm start's warm-up, which compiles nothing: of what these prompts can dispatch
         (`plan_for`), what the executable store holds loads now, in parallel, and each runs once on
         padding rows (`decoder.prime`), so that neither its loading nor its first run on the device
         (~0.2 s for a prefill on an H100) falls in a request's time to first token. The rest still
         compiles on first use. Counted as compile time; returns how many loaded."""
-        keys = self.plan_for(prompt_lengths, max_new_tokens, greedy)
+        keys = self.plan_for(prompt_lengths, max_new_tokens, greedy, logprobs, penalties)
         loaded = self.executables.preload(keys, self.decoder.prime)
         self.decoder.calibrate_keys(keys, compile=False)
         return loaded

@@ -1,7 +1,10 @@
 """Target-only decoding as pure step functions: prefill and decode over one donated device state.
 
-    prefill_step(key, graphdef, params, state, inputs) -> (tokens [B], state)
+    prefill_step(key, graphdef, params, state, inputs) -> (tokens [B, 1], state)
     decode_step(key, graphdef, params, state, inputs)  -> (tokens [B, steps], state)
+
+A key with `logprobs` appends each token's packed log-probabilities to its row
+(`jeagle.logprobs.pack`: [B, W + W·LOGPROB_COLUMNS] for W tokens).
 
 The key (`PrefillKey`, `DecodeKey`: frozen, hashable) holds everything static — the model config,
 state sizes, buckets, layer unrolling, kernel settings — and is the executable's key
@@ -14,6 +17,7 @@ Device state (`TargetState`, donated through every call, never copied):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -24,6 +28,10 @@ from flax import nnx
 from jeagle.cache import SCRATCH_SLOT, KVCache, assign_rows, init_cache
 from jeagle.config import ModelConfig
 from jeagle.kernels.settings import KernelSettings
+from jeagle.grammar import apply_token_mask, mask_words
+from jeagle.logprobs import LOGPROB_COLUMNS, pack, prompt_logprobs, token_logprobs
+from jeagle.penalties import (PenaltyInputs, PenaltyRows, add_tokens, apply as apply_penalties,
+                              gather as gather_penalties, init_penalty_rows, penalty_shapes, prefill_rows)
 from jeagle.models.common import AttnInputs
 from jeagle.runtime.executables import DeviceShapes, StepBuild, compiler_options
 from jeagle.sampling import sample
@@ -65,6 +73,7 @@ class RowState:
 class TargetState:
     cache: KVCache
     rows: RowState
+    penalties: PenaltyRows  # jeagle/penalties.py
 
 
 def init_state(cfg: ModelConfig, *, num_slots: int, max_reqs: int, max_ctx: int) -> TargetState:
@@ -72,7 +81,8 @@ def init_state(cfg: ModelConfig, *, num_slots: int, max_reqs: int, max_ctx: int)
     rows = RowState(last_token=jnp.zeros((r,), jnp.int32), temperature=jnp.zeros((r,), jnp.float32),
                     top_k=jnp.zeros((r,), jnp.int32), top_p=jnp.ones((r,), jnp.float32),
                     seed=jnp.zeros((r,), jnp.uint32))
-    return TargetState(init_cache(cfg, num_slots=num_slots, max_reqs=max_reqs, max_ctx=max_ctx), rows)
+    return TargetState(init_cache(cfg, num_slots=num_slots, max_reqs=max_reqs, max_ctx=max_ctx), rows,
+                       init_penalty_rows(r, cfg.vocab_size))
 
 
 @jax.tree_util.register_dataclass
@@ -94,6 +104,8 @@ class PrefillInputs:
     slot_count: jax.Array  # [B] position slots of each request
     slot_flat: jax.Array  # [B * max_ctx] their slots back to back (runtime.slots.flat_slots)
     sampling: Sampling
+    penalties: PenaltyInputs
+    token_mask: jax.Array  # [B, W] int32 bitmask of the tokens the first may be (jeagle/grammar.py; -1: any)
 
 
 @jax.tree_util.register_dataclass
@@ -152,16 +164,20 @@ class PrefillKey(_TargetKey):
     static: TargetStatic
     batch: int
     length: int
+    logprobs: bool = False
+    prompt_logprobs: bool = False  # also the prompt tokens' logprobs (`jeagle.logprobs.prompt_logprobs`)
     phase = "prefill"
 
     @property
     def label(self) -> str:
-        return f"prefill-b{self.batch}-t{self.length}"
+        return (f"prefill-b{self.batch}-t{self.length}{'-lp' if self.logprobs else ''}"
+                f"{'-plp' if self.prompt_logprobs else ''}")
 
     def build(self, shapes: DeviceShapes) -> StepBuild:
         b, t, ctx = self.batch, self.length, self.static.max_ctx
         inputs = PrefillInputs(_abstract((b, t), jnp.int32), _abstract((b,), jnp.int32), _abstract((b,), jnp.int32),
-                               _abstract((b,), jnp.int32), _abstract((b * ctx,), jnp.int32), sampling_shapes(b))
+                               _abstract((b,), jnp.int32), _abstract((b * ctx,), jnp.int32), sampling_shapes(b),
+                               penalty_shapes(b), _abstract((b, mask_words(self.static.model.vocab_size)), jnp.int32))
         fn = functools.partial(prefill_step, self, shapes.graphdefs[0])
         args = (shapes.params, shapes.state, inputs)
         return StepBuild(fn, args, (1,), shapes.out_shardings(fn, args))
@@ -174,21 +190,34 @@ class DecodeKey(_TargetKey):
     kv_len: int
     steps: int
     greedy: bool
+    logprobs: bool = False
+    penalties: bool = False  # apply the rows' penalties and count the tokens (jeagle/penalties.py)
+    grammar: bool = False  # inputs (DecodeInputs, token masks [B, W]) (jeagle/grammar.py); one step
     phase = "decode"
+
+    def __post_init__(self):
+        if self.grammar and self.steps != 1:
+            raise ValueError("a grammar decode step decodes one token (the host computes each next mask)")
 
     @property
     def label(self) -> str:
-        return f"decode-b{self.batch}-s{self.steps}-kv{self.kv_len}-{'greedy' if self.greedy else 'sampled'}"
+        return (f"decode-b{self.batch}-s{self.steps}-kv{self.kv_len}-{'greedy' if self.greedy else 'sampled'}"
+                f"{'-lp' if self.logprobs else ''}{'-pen' if self.penalties else ''}{'-gram' if self.grammar else ''}")
 
     def build(self, shapes: DeviceShapes) -> StepBuild:
         b = self.batch
         fn = functools.partial(decode_step, self, shapes.graphdefs[0])
-        args = (shapes.params, shapes.state, DecodeInputs(_abstract((b,), jnp.int32), _abstract((b,), jnp.int32)))
+        inputs = DecodeInputs(_abstract((b,), jnp.int32), _abstract((b,), jnp.int32))
+        if self.grammar:
+            inputs = (inputs, _abstract((b, mask_words(self.static.model.vocab_size)), jnp.int32))
+        args = (shapes.params, shapes.state, inputs)
         return StepBuild(fn, args, (1,), shapes.out_shardings(fn, args))
 
 
 def prefill_step(key: PrefillKey, graphdef, params, state: TargetState, inputs: PrefillInputs):
-    """The prompts' KV written, each row's first token sampled. Returns (tokens [B], state)."""
+    """The prompts' KV written, each row's first token sampled. Returns (tokens [B, 1] (with
+    `key.logprobs` their packed logprobs appended, then with `key.prompt_logprobs` the prompts'),
+    state)."""
     model = nnx.merge(graphdef, params)
     tokens, lengths, row_ids, s = inputs.tokens, inputs.lengths, inputs.row_ids, inputs.sampling
     b, t = tokens.shape
@@ -200,18 +229,33 @@ def prefill_step(key: PrefillKey, graphdef, params, state: TargetState, inputs: 
                       kv_slots=table[:, :t], kv_len=lengths)
     out = model(tokens, attn, cache.k, cache.v, logits_index=jnp.maximum(lengths - 1, 0),
                 unroll=key.static.unroll_prefill)
+    # The rows' penalties written and applied (neutral ones leave the logits as they are).
+    pen = prefill_rows(state.penalties, row_ids, inputs.penalties, tokens, lengths)
+    logits = apply_penalties(out.logits, gather_penalties(pen, row_ids), jnp.zeros((b,), jnp.int32))
+    logits = apply_token_mask(logits, inputs.token_mask)
     # One executable for greedy and sampled rows: the sampler's sort runs once per prefill, not per step.
-    tok = sample(out.logits, s.seed, lengths, s.temperature, s.top_k, s.top_p, all_greedy=False)
+    tok = sample(logits, s.seed, lengths, s.temperature, s.top_k, s.top_p, all_greedy=False)
+    pen = add_tokens(pen, row_ids, tok[:, None])
     r = state.rows
     rows = RowState(last_token=r.last_token.at[row_ids].set(tok), temperature=r.temperature.at[row_ids].set(s.temperature),
                     top_k=r.top_k.at[row_ids].set(s.top_k), top_p=r.top_p.at[row_ids].set(s.top_p),
                     seed=r.seed.at[row_ids].set(s.seed))
-    return tok, TargetState(KVCache(k=out.k, v=out.v, req_to_token=req_to_token), rows)
+    res = tok[:, None]
+    if key.logprobs:
+        res = pack(res, token_logprobs(out.logits, tok)[:, None])
+    if key.prompt_logprobs:
+        res = pack(res, prompt_logprobs(out.hidden, model.embed[...] if model.lm_head is None else model.lm_head[...],
+                                        tokens))
+    return res, TargetState(KVCache(k=out.k, v=out.v, req_to_token=req_to_token), rows, pen)
 
 
 def decode_step(key: DecodeKey, graphdef, params, state: TargetState, inputs: DecodeInputs):
-    """`key.steps` tokens for each row. Returns (tokens [B, steps], state)."""
+    """`key.steps` tokens for each row. Returns (tokens [B, steps] (with `key.logprobs` their packed
+    logprobs appended), state)."""
     model = nnx.merge(graphdef, params)
+    mask = None
+    if key.grammar:
+        inputs, mask = inputs
     row_ids, positions = inputs.row_ids, inputs.positions
     cache, r = state.cache, state.rows
     b, max_ctx = row_ids.shape[0], key.static.max_ctx
@@ -219,22 +263,40 @@ def decode_step(key: DecodeKey, graphdef, params, state: TargetState, inputs: De
     kv_slots = table[:, :key.kv_len]
     temperature, top_k, top_p, seed = r.temperature[row_ids], r.top_k[row_ids], r.top_p[row_ids], r.seed[row_ids]
 
+    pen = gather_penalties(state.penalties, row_ids) if key.penalties else None
+
     def step(s, carry):
-        tok, k, v, toks = carry
+        tok, k, v, toks, lps, counts = carry
         pos = positions + s
         # Past a request's last allocated position the table holds the scratch slot.
         write = jnp.take_along_axis(table, jnp.minimum(pos, max_ctx - 1)[:, None], 1)
         attn = AttnInputs(positions=pos[:, None], write_slots=write, kv_slots=kv_slots, kv_len=pos,
                           extra_slots=write, extra_mask=jnp.ones((b, 1, 1), bool))
         out = model(tok[:, None], attn, k, v, logits_index=jnp.zeros((b,), jnp.int32), unroll=key.static.unroll_step)
-        nxt = sample(out.logits, seed, pos + 1, temperature, top_k, top_p, all_greedy=key.greedy)
-        return nxt, out.k, out.v, toks.at[:, s].set(nxt)
+        logits = out.logits
+        if key.penalties:  # the fed token at `pos` is the request's (pos - prompt_len + 1)-th
+            logits = apply_penalties(logits, dataclasses.replace(pen, counts=counts), pos - pen.prompt_len + 1)
+        if mask is not None:
+            logits = apply_token_mask(logits, mask)
+        nxt = sample(logits, seed, pos + 1, temperature, top_k, top_p, all_greedy=key.greedy)
+        if key.penalties:
+            counts = counts.at[jnp.arange(b), nxt].add(1)
+        if key.logprobs:
+            lps = lps.at[:, s].set(token_logprobs(out.logits, nxt))
+        return nxt, out.k, out.v, toks.at[:, s].set(nxt), lps, counts
 
-    carry = (r.last_token[row_ids], cache.k, cache.v, jnp.zeros((b, key.steps), jnp.int32))
+    lps = jnp.zeros((b, key.steps, LOGPROB_COLUMNS if key.logprobs else 0), jnp.int32)
+    counts = pen.counts if key.penalties else jnp.zeros((b, 0), jnp.int32)
+    carry = (r.last_token[row_ids], cache.k, cache.v, jnp.zeros((b, key.steps), jnp.int32), lps, counts)
     if key.steps == 1:
-        tok, k, v, toks = step(0, carry)
+        tok, k, v, toks, lps, counts = step(0, carry)
     else:
-        tok, k, v, toks = jax.lax.fori_loop(0, key.steps, step, carry)
+        tok, k, v, toks, lps, counts = jax.lax.fori_loop(0, key.steps, step, carry)
+    penalties = state.penalties
+    if key.penalties:
+        penalties = dataclasses.replace(penalties, counts=penalties.counts.at[row_ids].set(counts))
+    if key.logprobs:
+        toks = pack(toks, lps)
     rows = RowState(last_token=r.last_token.at[row_ids].set(tok), temperature=r.temperature, top_k=r.top_k,
                     top_p=r.top_p, seed=r.seed)
-    return toks, TargetState(KVCache(k=k, v=v, req_to_token=cache.req_to_token), rows)
+    return toks, TargetState(KVCache(k=k, v=v, req_to_token=cache.req_to_token), rows, penalties)

@@ -14,7 +14,10 @@ import numpy as np
 from flax import nnx
 
 from jeagle.runtime.buckets import Buckets, pad
-from jeagle.runtime.decoder import context_size, place_cache, sampling_inputs, weight_bytes
+from jeagle import logprobs
+from jeagle.penalties import penalty_inputs, wants_penalties
+from jeagle.runtime.decoder import (Delivery, context_size, place_cache, sampling_inputs, split_prompt_logprobs,
+                                    token_masks, wants_grammar, wants_logprobs, wants_prompt_logprobs, weight_bytes)
 from jeagle.runtime.executables import DeviceShapes, Executables
 from jeagle.runtime.slots import SlotLayout, flat_slots, pool_size
 from jeagle.runtime.steps import (DecodeInputs, DecodeKey, PrefillInputs, PrefillKey, Sampling, TargetState,
@@ -42,7 +45,8 @@ class TargetDecoder:
         if mesh is not None:
             from jeagle.sharding import replicate
 
-            state = TargetState(place_cache(state.cache, mesh), replicate(state.rows, mesh))
+            state = TargetState(place_cache(state.cache, mesh), replicate(state.rows, mesh),
+                                replicate(state.penalties, mesh))
         self.state = state
         self.scratch_row = self.max_reqs
         self.buckets = Buckets.for_engine(config, self.max_reqs, self.max_ctx, (mc.head_dim,))
@@ -56,17 +60,21 @@ class TargetDecoder:
         self._fast: dict[tuple, object] = {}  # (b, kv, greedy) -> decode executable, without hashing a whole key
 
     # ---- keys -----------------------------------------------------------------------------------
-    def prefill_key(self, b: int, t: int) -> PrefillKey:
-        return PrefillKey(self.static, b, t)
+    def prefill_key(self, b: int, t: int, logprobs: bool = False, prompt_logprobs: bool = False) -> PrefillKey:
+        return PrefillKey(self.static, b, t, logprobs, prompt_logprobs)
 
-    def decode_key(self, b: int, kv: int, greedy: bool) -> DecodeKey:
-        return DecodeKey(self.static, b, kv, self.config.decode_steps, greedy)
+    def decode_key(self, b: int, kv: int, greedy: bool, logprobs: bool = False, penalties: bool = False,
+                   grammar: bool = False) -> DecodeKey:
+        steps = 1 if grammar else self.config.decode_steps  # the host computes each next token's mask
+        return DecodeKey(self.static, b, kv, steps, greedy, logprobs, penalties, grammar)
 
-    def warmup_keys(self, prefill, decode, greedy=(True, False)) -> list:
-        """Prefill keys for the (b, t) pairs (greedy and sampled rows share them), decode keys for the
-        (b, kv) pairs in each mode of `greedy`."""
-        return ([self.prefill_key(b, t) for b, t in prefill]
-                + [self.decode_key(b, kv, g) for g in greedy for b, kv in decode])
+    def warmup_keys(self, prefill, decode, greedy=(True, False), logprobs=(False,), penalties=(False,)) -> list:
+        """Prefill keys for the (b, t) pairs (greedy and sampled rows share them; every prefill applies
+        penalties), decode keys for the (b, kv) pairs in each mode of `greedy` and `penalties`; each in
+        each mode of `logprobs`."""
+        return ([self.prefill_key(b, t, lp) for lp in logprobs for b, t in prefill]
+                + [self.decode_key(b, kv, g, lp, pen) for lp in logprobs for pen in penalties for g in greedy
+                   for b, kv in decode])
 
     def prefix_bound(self, prompt_len: int, max_new: int, overlap: bool) -> int:
         """The longest prefix a decode call for such a request can attend over."""
@@ -78,24 +86,30 @@ class TargetDecoder:
         out.copy_to_host_async()  # the host reads it a step later; this copy is then done
         return out
 
-    def prefill(self, reqs, b: int, t: int):
+    def prefill(self, reqs, b: int, t: int, logprobs: bool | None = None, prompt_logprobs: bool = False):
+        """logprobs: the executable with logprobs or not (None: as the requests ask; then
+        prompt_logprobs too)."""
         tokens = np.zeros((b, t), np.int32)
         for i, r in enumerate(reqs):
             tokens[i, : len(r.prompt)] = r.prompt
             r.length, r.dispatched = len(r.prompt), 1
         count, flat = flat_slots(b, self.max_ctx, [r.slots for r in reqs])
+        lp = wants_logprobs(reqs) if logprobs is None else logprobs
+        plp = wants_prompt_logprobs(reqs) if logprobs is None else prompt_logprobs
         inputs = PrefillInputs(tokens=tokens, lengths=pad([len(r.prompt) for r in reqs], b, 0, np.int32),
                                row_ids=pad([r.row for r in reqs], b, self.scratch_row, np.int32),
                                slot_count=count, slot_flat=flat,
-                               sampling=Sampling(*sampling_inputs(reqs, b, self._rng)))
-        return self._run(self.executables.get(self.prefill_key(b, t)), inputs)[:, None]
+                               sampling=Sampling(*sampling_inputs(reqs, b, self._rng)),
+                               penalties=penalty_inputs(reqs, b),
+                               token_mask=token_masks(reqs, b, self.model_cfg.vocab_size))
+        return self._run(self.executables.get(self.prefill_key(b, t, lp, plp)), inputs)
 
     def prime(self, key) -> None:
         """Run `key`'s executable once on padding rows only (the scratch row, which every padded batch
         computes on anyway), so that the first dispatch a request waits on does not pay the
         executable's first run on the device. Leaves nothing pending."""
         if key.phase == "prefill":
-            out = self.prefill([], key.batch, key.length)
+            out = self.prefill([], key.batch, key.length, logprobs=key.logprobs, prompt_logprobs=key.prompt_logprobs)
         elif key.phase == "decode":
             out = self._run(self.executables.get(key), DecodeInputs(
                 row_ids=pad([], key.batch, self.scratch_row, np.int32), positions=pad([], key.batch, 0, np.int32)))
@@ -117,23 +131,36 @@ class TargetDecoder:
         return r.length + self.config.decode_steps
 
     def step(self, reqs, b: int, kv: int):
-        steps = self.config.decode_steps
+        grammar = wants_grammar(reqs)
+        steps = 1 if grammar else self.config.decode_steps
         inputs = DecodeInputs(row_ids=pad([r.row for r in reqs], b, self.scratch_row, np.int32),
                               positions=pad([r.length for r in reqs], b, 0, np.int32))
+        if grammar:  # the masks after each request's tokens so far (the scheduler read them all)
+            inputs = (inputs, token_masks(reqs, b, self.model_cfg.vocab_size))
         for r in reqs:
             r.length += steps
             r.dispatched += steps
-        greedy = all(r.params.greedy for r in reqs)
-        exe = self._fast.get((b, kv, greedy))
+        mode = (all(r.params.greedy for r in reqs), wants_logprobs(reqs), wants_penalties(reqs), grammar)
+        exe = self._fast.get((b, kv, *mode))
         if exe is None:
-            exe = self._fast[b, kv, greedy] = self.executables.get(self.decode_key(b, kv, greedy))
+            exe = self._fast[(b, kv, *mode)] = self.executables.get(self.decode_key(b, kv, *mode))
         return self._run(exe, inputs)
 
     def verify_handle(self, result):
         return None  # target-only steps have no verify to wait on
 
-    def unpack(self, kind: str, reqs, host: np.ndarray) -> list[tuple[np.ndarray, bool]]:
-        return [(tokens, False) for tokens in host[: len(reqs)]]  # the host alone decides when a request ends
+    def unpack(self, kind: str, reqs, host: np.ndarray) -> list[Delivery]:
+        """The host alone decides when a request ends (finished is always False)."""
+        host = host[: len(reqs)]
+        if not wants_logprobs(reqs):
+            return [Delivery(tokens, False) for tokens in host]
+        width = 1 if kind == "prefill" or wants_grammar(reqs) else self.config.decode_steps
+        prompt = [None] * len(reqs)
+        if kind == "prefill":
+            host, prompt = split_prompt_logprobs(host, reqs, width * (1 + logprobs.LOGPROB_COLUMNS))
+        tokens, blocks = logprobs.split(host, width)
+        return [Delivery(t, False, logprobs.unpack(blk) if r.params.logprobs is not None else None, p)
+                for r, t, blk, p in zip(reqs, tokens, blocks, prompt)]
 
     # ---- stats -----------------------------------------------------------------------------------
     def stats_window(self):

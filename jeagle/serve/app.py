@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import json
 import time
@@ -24,9 +25,10 @@ from starlette.routing import Route
 
 from jeagle.engine import PromptTooLong
 from jeagle.serve.engine_loop import EngineLoop, Job
-from jeagle.serve.protocol import (CHAT_KEYS, COMPLETION_KEYS, BadRequest, StopMatcher, chat_prompt_ids,
-                                   check_model, completion_body, completion_prompt_ids, error_body, parse_common,
-                                   sampling_params, stream_chunk)
+from jeagle.serve.protocol import (CHAT_KEYS, COMPLETION_KEYS, BadRequest, StopMatcher, chat_logprobs,
+                                   chat_prompt_ids, check_model, choice_body, completion_body, completion_logprobs,
+                                   completion_prompt_ids, error_body, grammar_request, parse_common, sampling_params,
+                                   stream_chunk)
 from jeagle.tokenizer import StreamDecoder
 
 
@@ -40,6 +42,23 @@ class Served:
     loop: EngineLoop
     created: int
     aliases: tuple[str, ...] = ()  # other names requests may give as `model` (besides "default")
+    grammars: dict = dataclasses.field(default_factory=dict)  # the GrammarBackend, built on first use
+
+    def grammar(self, kind: str, source):
+        """A request's compiled grammar (a bad one is a BadRequest naming the field)."""
+        from jeagle.grammar import GrammarBackend, GrammarError
+
+        if "backend" not in self.grammars:
+            try:
+                self.grammars["backend"] = GrammarBackend(self.tokenizer, self.engine.model_cfg.vocab_size,
+                                                          self.engine.model_cfg.eos_token_ids[0])
+            except ImportError:
+                raise BadRequest("structured outputs need llguidance: pip install 'jeagle[serve]'",
+                                 "response_format" if kind.startswith("json") else kind) from None
+        try:
+            return self.grammars["backend"].compile(kind, source)
+        except GrammarError as e:
+            raise BadRequest(str(e), "response_format" if kind.startswith("json") else kind) from None
 
 
 def create_app(engine, tokenizer, model_name: str, api_key: str | None = None, aliases: tuple[str, ...] = ()
@@ -122,8 +141,18 @@ async def bad_method(request: Request, exc):
 
 
 # ---- a completion -------------------------------------------------------------------------------------
+@dataclass
+class Ask:
+    """One checked request as the answer needs it."""
+    rid: str
+    chat: bool
+    opts: dict
+    prompt_ids: list[int]
+    prompt_text: str  # what `echo` repeats (completions)
+
+
 async def complete(request: Request, chat: bool):
-    """Check the request, then run it: streamed or whole."""
+    """Check the request, then run it: `n` engine requests (one per choice), streamed or whole."""
     s: Served = request.app.state.served
     try:
         body = await read_json(request)
@@ -131,6 +160,12 @@ async def complete(request: Request, chat: bool):
         check_model(body, s.model_name, s.aliases)
         ids = chat_prompt_ids(body, s.tokenizer) if chat else completion_prompt_ids(body, s.tokenizer)
         params = sampling_params(opts, len(ids), chat, s.engine.max_context, s.engine.context_reserve)
+        asked = grammar_request(body)
+        if asked is not None:
+            params = dataclasses.replace(params, grammar=s.grammar(*asked))
+        bad = [t for t, _ in params.logit_bias if not 0 <= t < s.engine.model_cfg.vocab_size]
+        if bad:
+            raise BadRequest(f"'logit_bias' names token ids outside the vocabulary: {bad[:5]}", "logit_bias")
         s.engine.check(ids, params)  # the engine's own checks (vocabulary, slots), nothing queued
     except BadRequest as e:
         return error(e.status, e.message, e.kind, e.param)
@@ -138,12 +173,19 @@ async def complete(request: Request, chat: bool):
         return error(400, str(e), param="messages" if chat else "prompt")
     except ClientDisconnect:
         return error(400, "client disconnected")
-    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-    job = Job(ids, params, asyncio.get_running_loop())
-    s.loop.submit(job)
+    prompt = body.get("prompt")
+    prompt_text = (prompt if isinstance(prompt, str) else prompt[0] if isinstance(prompt, list) and isinstance(
+        prompt[0], str) else s.tokenizer.decode(ids)) if not chat and opts["echo"] else ""
+    ask = Ask(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", chat, opts, ids, prompt_text)
+    loop = asyncio.get_running_loop()
+    # n choices: n requests, each with its own seed stream (seed + i when the request gives a seed).
+    jobs = [Job(ids, params if i == 0 or params.seed is None else
+                dataclasses.replace(params, seed=(params.seed + i) % 2**32), loop) for i in range(opts["n"])]
+    for job in jobs:
+        s.loop.submit(job)
     if opts["stream"]:
-        return StreamingResponse(sse(s, job, opts["stop"], chat, rid), media_type="text/event-stream")
-    return await whole(s, job, opts["stop"], chat, rid)
+        return StreamingResponse(sse(s, jobs, ask), media_type="text/event-stream")
+    return await whole(s, jobs, ask)
 
 
 async def read_json(request: Request):
@@ -153,68 +195,152 @@ async def read_json(request: Request):
         raise BadRequest(f"invalid JSON: {e}") from e
 
 
+@dataclass
+class Piece:
+    text: str
+    finish: str | None
+    n_tokens: int  # the choice's tokens so far (its EOS included)
+    pairs: list  # (token id, TokenLogprob) of the tokens behind `text`, when logprobs were asked
+
+
 async def pieces(s: Served, job: Job, stops: list[str]):
-    """(text, finish_reason or None, tokens so far) as tokens arrive; aborts the job on a stop string.
-    An engine error raises RuntimeError."""
+    """Pieces of one choice as its tokens arrive; aborts the job on a stop string (the tokens after
+    the one that completed it are dropped, with their logprobs). An engine error raises RuntimeError."""
     decoder, matcher = StreamDecoder(s.tokenizer), StopMatcher(stops)
     eos = set(s.engine.model_cfg.eos_token_ids)
     n_tokens = 0
     while True:
         kind, value = await job.events.get()
         if kind == "tokens":
-            text = ""
-            for t in value:
+            ids, lps = value
+            text, pairs = "", []
+            for i, t in enumerate(ids):
                 n_tokens += 1
                 if t in eos and not job.params.ignore_eos:
                     continue
-                text += decoder.push(t)
-            out = matcher.push(text)
-            if matcher.stopped:
-                s.loop.abort(job)
-                yield out, "stop", n_tokens
-                return
-            if out:
-                yield out, None, n_tokens
+                text += matcher.push(decoder.push(t))
+                if lps is not None:
+                    pairs.append((t, lps[i]))
+                if matcher.stopped:
+                    s.loop.abort(job)
+                    yield Piece(text, "stop", n_tokens, pairs)
+                    return
+            if text or pairs:
+                yield Piece(text, None, n_tokens, pairs)
         elif kind == "done":
             tail = matcher.push(decoder.flush()) + matcher.flush()
-            yield tail, ("stop" if value in ("stop", "abort") else value), n_tokens
+            yield Piece(tail, "stop" if value in ("stop", "abort") else value, n_tokens, [])
             return
         else:
             raise RuntimeError(value)
 
 
-async def sse(s: Served, job: Job, stops: list[str], chat: bool, rid: str):
-    """The streamed response's events; the job is aborted if the client goes away."""
-    def event(text, finish, first=False):
-        return f"data: {json.dumps(stream_chunk(rid, s.model_name, chat, text, finish, first))}\n\n"
+async def merged(s: Served, jobs: list[Job], stops: list[str]):
+    """(choice index, Piece or RuntimeError) from every job as they come."""
+    queue: asyncio.Queue = asyncio.Queue()
 
+    async def pump(i, job):
+        try:
+            async for piece in pieces(s, job, stops):
+                await queue.put((i, piece))
+        except RuntimeError as e:
+            await queue.put((i, e))
+        finally:
+            await queue.put((i, None))
+
+    tasks = [asyncio.create_task(pump(i, j)) for i, j in enumerate(jobs)]
     try:
-        if chat:
-            yield event("", None, first=True)
-        async for text, finish, _ in pieces(s, job, stops):
-            if text or finish:
-                yield event(text, finish)
+        left = len(jobs)
+        while left:
+            i, item = await queue.get()
+            if item is None:
+                left -= 1
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
+
+
+class LogprobsOut:
+    """The `logprobs` objects of one choice, piece by piece (completions: text offsets run on)."""
+
+    def __init__(self, s: Served, ask: Ask):
+        self.tok, self.chat, self.k, self.offset = s.tokenizer, ask.chat, ask.opts["logprobs"], 0
+
+    def __call__(self, pairs) -> dict | None:
+        if self.k is None:
+            return None
+        if self.chat:
+            return chat_logprobs(self.tok, pairs, self.k)
+        out = completion_logprobs(self.tok, pairs, self.k, self.offset)
+        self.offset += sum(len(t) for t in out["tokens"])
+        return out
+
+
+def echo_pairs(ask: Ask, job: Job) -> list:
+    """Completions' echo with logprobs: the prompt's (token, TokenLogprob or None) pairs."""
+    return list(zip(ask.prompt_ids, job.request.out.prompt_logprobs or [None] * len(ask.prompt_ids)))
+
+
+async def sse(s: Served, jobs: list[Job], ask: Ask):
+    """The streamed response's events; the jobs are aborted if the client goes away."""
+    def event(text, finish, index, first=False, logprobs=None):
+        chunk = stream_chunk(ask.rid, s.model_name, ask.chat, text, finish, first, index, logprobs)
+        return f"data: {json.dumps(chunk)}\n\n"
+
+    out = [LogprobsOut(s, ask) for _ in jobs]
+    echo = not ask.chat and ask.opts["echo"]
+    started = [False] * len(jobs)
+    try:
+        if ask.chat:
+            for i in range(len(jobs)):
+                yield event("", None, i, first=True)
+        async for i, piece in merged(s, jobs, ask.opts["stop"]):
+            if isinstance(piece, RuntimeError):
+                raise piece
+            text, pairs = piece.text, piece.pairs
+            if echo and not started[i]:  # the prompt first, with its logprobs (they came with the prefill)
+                text, pairs = ask.prompt_text + text, (echo_pairs(ask, jobs[i]) if out[i].k is not None else []) + pairs
+            started[i] = True
+            if text or piece.finish or pairs:
+                yield event(text, piece.finish, i, logprobs=out[i](pairs) if pairs or out[i].k is not None else None)
         yield "data: [DONE]\n\n"
     except (asyncio.CancelledError, GeneratorExit):
-        s.loop.abort(job)  # the client went away: free its slots
+        for job in jobs:
+            s.loop.abort(job)  # the client went away: free its slots
         raise
     except RuntimeError as e:
         yield f"data: {json.dumps(error_body(str(e), 'server_error'))}\n\n"
     finally:
-        if job.request is None or not job.request.done:
-            s.loop.abort(job)
+        for job in jobs:
+            if job.request is None or not job.request.done:
+                s.loop.abort(job)
 
 
-async def whole(s: Served, job: Job, stops: list[str], chat: bool, rid: str):
-    """The response in one JSON body, with its usage."""
-    text, finish, n = "", None, 0
+async def whole(s: Served, jobs: list[Job], ask: Ask):
+    """The response in one JSON body: every choice, and the usage (the prompt counted once)."""
+    n = len(jobs)
+    texts, finishes, counts, pairs = [""] * n, [None] * n, [0] * n, [[] for _ in range(n)]
     try:
-        async for piece, fin, n in pieces(s, job, stops):
-            text += piece
-            finish = fin or finish
+        async for i, piece in merged(s, jobs, ask.opts["stop"]):
+            if isinstance(piece, RuntimeError):
+                raise piece
+            texts[i] += piece.text
+            finishes[i] = piece.finish or finishes[i]
+            counts[i] = piece.n_tokens
+            pairs[i].extend(piece.pairs)
     except RuntimeError as e:
         return error(500, str(e), "server_error")
     except asyncio.CancelledError:
-        s.loop.abort(job)
+        for job in jobs:
+            s.loop.abort(job)
         raise
-    return JSONResponse(completion_body(rid, s.model_name, chat, text, finish, len(job.prompt), n))
+    choices = []
+    for i in range(n):
+        text, p = texts[i], pairs[i]
+        if not ask.chat and ask.opts["echo"]:
+            text = ask.prompt_text + text
+            p = (echo_pairs(ask, jobs[i]) if ask.opts["logprobs"] is not None else []) + p
+        choices.append(choice_body(ask.chat, i, text, finishes[i], LogprobsOut(s, ask)(p)))
+    return JSONResponse(completion_body(ask.rid, s.model_name, ask.chat, choices, len(ask.prompt_ids), sum(counts)))

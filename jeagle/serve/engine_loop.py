@@ -17,8 +17,8 @@ from jeagle.sampling import SamplingParams
 
 @dataclass
 class Job:
-    """One request's link between its HTTP handler and the engine thread. Events: ("tokens", ids),
-    ("done", finish_reason), ("error", message)."""
+    """One request's link between its HTTP handler and the engine thread. Events: ("tokens", (ids,
+    their TokenLogprobs or None)), ("done", finish_reason), ("error", message)."""
     prompt: list[int]
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
@@ -60,7 +60,8 @@ class EngineLoop(threading.Thread):
         eng = self.engine
         if cmd == "submit":
             try:
-                job.request = eng.submit(job.prompt, job.params, on_tokens=lambda _i, ids, j=job: j.emit(("tokens", ids)))
+                job.request = eng.submit(job.prompt, job.params, on_tokens=lambda _i, ids, j=job: j.emit(
+                    ("tokens", (ids, None if j.request.out.logprobs is None else j.request.out.logprobs[-len(ids):]))))
             except Exception as e:  # checked before, so this is rare (e.g. the pool is smaller than asked)
                 job.emit(("error", str(e)))
                 return

@@ -9,14 +9,20 @@ from __future__ import annotations
 
 import time
 
+from jeagle.logprobs import LOGPROB_TOP
+from jeagle.penalties import MAX_LOGIT_BIAS
 from jeagle.sampling import SamplingParams
 
 MAX_STOP_STRINGS = 4
 
+MAX_N = 16  # completions per request (`n`)
+
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "stream_options", "n",
-          "user", "ignore_eos"}
-COMPLETION_KEYS = COMMON | {"prompt", "echo", "logprobs", "suffix", "best_of"}
-CHAT_KEYS = COMMON | {"messages", "max_completion_tokens", "logprobs"}
+          "user", "ignore_eos", "logprobs", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_tokens",
+          "logit_bias"}
+COMMON |= {"response_format", "regex", "ebnf"}  # structured outputs (OpenAI's, SGLang's)
+COMPLETION_KEYS = COMMON | {"prompt", "echo", "suffix", "best_of"}
+CHAT_KEYS = COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
 
 
 class BadRequest(Exception):
@@ -41,24 +47,40 @@ def _number(body, key, lo=None, hi=None, integer=False, default=None, lo_open=Fa
     return v
 
 
+def _logprobs(body: dict, chat: bool) -> int | None:
+    """The top count of the request's logprobs, None if it asks for none. Chat: `logprobs: true`
+    with `top_logprobs: k`; completions: `logprobs: k`. k in [0, LOGPROB_TOP]."""
+    if chat:
+        on = body.get("logprobs")
+        if on is not None and not isinstance(on, bool):
+            raise BadRequest(f"'logprobs' must be a boolean, got {on!r}", "logprobs")
+        top = _number(body, "top_logprobs", 0, LOGPROB_TOP, integer=True)
+        if top is not None and not on:
+            raise BadRequest("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        return (top or 0) if on else None
+    return _number(body, "logprobs", 0, LOGPROB_TOP, integer=True)
+
+
 def parse_common(body: dict, allowed: set[str]) -> dict:
     """The options both endpoints share, checked: max_tokens, temperature, top_p, top_k, seed, stop,
-    stream, ignore_eos (unknown keys and unsupported features are a BadRequest)."""
+    stream, ignore_eos, n, logprobs (and echo for completions); unknown keys and unsupported features
+    are a BadRequest."""
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     unknown = sorted(set(body) - allowed)
     if unknown:
         raise BadRequest(f"unknown parameter '{unknown[0]}'", unknown[0])
-    if body.get("n", 1) != 1:
-        raise BadRequest("only n = 1 is supported", "n")
-    if body.get("logprobs") not in (None, False):
-        raise BadRequest("logprobs are not supported", "logprobs")
-    if body.get("echo"):
-        raise BadRequest("echo is not supported", "echo")
+    chat = "messages" in allowed
+    n = _number(body, "n", 1, MAX_N, integer=True, default=1)
+    logprobs = _logprobs(body, chat)
+    echo = body.get("echo", False)
+    if not isinstance(echo, bool):
+        raise BadRequest("'echo' must be a boolean", "echo")
     if body.get("suffix") is not None:
         raise BadRequest("suffix is not supported", "suffix")
-    if body.get("best_of", 1) not in (None, 1):
-        raise BadRequest("only best_of = 1 is supported", "best_of")
+    best_of = body.get("best_of")
+    if best_of is not None and best_of != n:
+        raise BadRequest("best_of other than n is not supported", "best_of")
     stop = body.get("stop")
     if stop is None:
         stop = []
@@ -79,8 +101,65 @@ def parse_common(body: dict, allowed: set[str]) -> dict:
         "top_p": _number(body, "top_p", 0.0, 1.0, default=1.0, lo_open=True),
         "top_k": _number(body, "top_k", -1, integer=True, default=0),
         "seed": _number(body, "seed", 0, 2**32 - 1, integer=True),
-        "stop": stop, "stream": stream, "ignore_eos": ignore_eos,
+        "stop": stop, "stream": stream, "ignore_eos": ignore_eos, "n": n, "logprobs": logprobs, "echo": echo,
+        "frequency_penalty": _number(body, "frequency_penalty", -2.0, 2.0, default=0.0),
+        "presence_penalty": _number(body, "presence_penalty", -2.0, 2.0, default=0.0),
+        "repetition_penalty": _number(body, "repetition_penalty", 0.0, 10.0, default=1.0, lo_open=True),
+        "min_tokens": _number(body, "min_tokens", 0, integer=True, default=0),
+        "logit_bias": _logit_bias(body),
     }
+
+
+def grammar_request(body: dict) -> tuple[str, object] | None:
+    """The structured output a request asks for, as (kind, source) for `GrammarBackend.compile`, or
+    None: `response_format` {"type": "json_object"} / {"type": "json_schema", "json_schema": {"schema":
+    ...}} / {"type": "text"}, or SGLang's `regex` / `ebnf` string; at most one of them."""
+    asked = [k for k in ("response_format", "regex", "ebnf") if body.get(k) is not None]
+    if len(asked) > 1:
+        raise BadRequest(f"give at most one of response_format, regex, ebnf (got {', '.join(asked)})", asked[1])
+    if not asked:
+        return None
+    key = asked[0]
+    value = body[key]
+    if key in ("regex", "ebnf"):
+        if not isinstance(value, str) or not value:
+            raise BadRequest(f"'{key}' must be a non-empty string", key)
+        return key, value
+    if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema"):
+        raise BadRequest("'response_format' must be {\"type\": \"text\" | \"json_object\" | \"json_schema\", ...}",
+                         "response_format")
+    if value["type"] == "text":
+        return None
+    if value["type"] == "json_object":
+        return "json_object", None
+    spec = value.get("json_schema")
+    schema = spec.get("schema") if isinstance(spec, dict) else None
+    if not isinstance(schema, dict):
+        raise BadRequest("'response_format.json_schema.schema' must be a JSON schema object", "response_format")
+    return "json_schema", schema
+
+
+def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
+    """OpenAI's `logit_bias`: {token id (a string or an integer): bias in [-100, 100]}."""
+    raw = body.get("logit_bias")
+    if raw is None:
+        return ()
+    if not isinstance(raw, dict):
+        raise BadRequest("'logit_bias' must be an object mapping token ids to biases", "logit_bias")
+    if len(raw) > MAX_LOGIT_BIAS:
+        raise BadRequest(f"'logit_bias' has {len(raw)} entries; at most {MAX_LOGIT_BIAS}", "logit_bias")
+    out = {}
+    for k, v in raw.items():
+        try:
+            tok = int(k)
+        except (TypeError, ValueError):
+            raise BadRequest(f"'logit_bias' key {k!r} is not a token id", "logit_bias") from None
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not -100 <= v <= 100:
+            raise BadRequest(f"'logit_bias' for token {k} must be a number in [-100, 100], got {v!r}", "logit_bias")
+        if tok in out:
+            raise BadRequest(f"'logit_bias' names token {tok} twice", "logit_bias")
+        out[tok] = float(v)
+    return tuple(out.items())
 
 
 DEFAULT_MODEL = "default"  # the name SGLang's server answers to whatever it serves; its clients and docs send it
@@ -143,7 +222,12 @@ def sampling_params(opts: dict, n_prompt: int, chat: bool, max_context: int, res
     try:
         return SamplingParams(max_new_tokens=max_tokens, temperature=float(opts["temperature"]),
                               top_k=max(0, opts["top_k"]), top_p=float(opts["top_p"]), seed=opts["seed"],
-                              ignore_eos=opts["ignore_eos"])
+                              ignore_eos=opts["ignore_eos"], logprobs=opts["logprobs"],
+                              prompt_logprobs=opts["echo"] and opts["logprobs"] is not None,
+                              frequency_penalty=float(opts["frequency_penalty"]),
+                              presence_penalty=float(opts["presence_penalty"]),
+                              repetition_penalty=float(opts["repetition_penalty"]), min_tokens=opts["min_tokens"],
+                              logit_bias=opts["logit_bias"])
     except ValueError as e:
         raise BadRequest(str(e)) from e
 
@@ -173,27 +257,55 @@ class StopMatcher:
         return out
 
 
-def stream_chunk(rid: str, model_name: str, chat: bool, text: str, finish: str | None, first: bool = False) -> dict:
-    """One server-sent event's object (chat: the first carries the assistant role)."""
+def stream_chunk(rid: str, model_name: str, chat: bool, text: str, finish: str | None, first: bool = False,
+                 index: int = 0, logprobs: dict | None = None) -> dict:
+    """One server-sent event's object for choice `index` (chat: the first carries the assistant role)."""
     if chat:
         delta = ({"role": "assistant", "content": ""} if first else {}) | ({"content": text} if text else {})
-        choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+        choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
+        choice = {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model_name, "choices": [choice]}
 
 
-def completion_body(rid: str, model_name: str, chat: bool, text: str, finish: str | None, n_prompt: int,
-                    n_completion: int) -> dict:
-    """A whole (not streamed) response with its usage."""
-    usage = {"prompt_tokens": n_prompt, "completion_tokens": n_completion, "total_tokens": n_prompt + n_completion}
+def usage_body(n_prompt: int, n_completion: int) -> dict:
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_completion, "total_tokens": n_prompt + n_completion}
+
+
+def choice_body(chat: bool, index: int, text: str, finish: str | None, logprobs: dict | None = None) -> dict:
     if chat:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-                  "logprobs": None}
-        return {"id": rid, "object": "chat.completion", "created": int(time.time()), "model": model_name,
-                "choices": [choice], "usage": usage}
-    choice = {"index": 0, "text": text, "finish_reason": finish, "logprobs": None}
-    return {"id": rid, "object": "text_completion", "created": int(time.time()), "model": model_name,
-            "choices": [choice], "usage": usage}
+        return {"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
+                "logprobs": logprobs}
+    return {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
+
+
+def completion_body(rid: str, model_name: str, chat: bool, choices: list[dict], n_prompt: int,
+                    n_completion: int) -> dict:
+    """A whole (not streamed) response: its choices (`choice_body`) and usage (the prompt counted once)."""
+    return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": model_name, "choices": choices, "usage": usage_body(n_prompt, n_completion)}
+
+
+# ---- logprobs out ---------------------------------------------------------------------------------------
+def chat_logprobs(tokenizer, pairs, k: int) -> dict:
+    """Chat's `logprobs` object for (token id, TokenLogprob) pairs: {"content": [...], "refusal": None}."""
+    def entry(tid, lp):
+        return {"token": tokenizer.token_text(tid), "logprob": lp, "bytes": list(tokenizer.token_bytes(tid))}
+    return {"content": [entry(t, lp.logprob) | {"top_logprobs": [entry(i, p) for i, p in lp.top(k)]}
+                        for t, lp in pairs], "refusal": None}
+
+
+def completion_logprobs(tokenizer, pairs, k: int, offset: int = 0) -> dict:
+    """Completions' legacy `logprobs` object for (token id, TokenLogprob or None) pairs (None: the
+    first prompt token under echo, which has no logprob); text offsets count from `offset`."""
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    for tid, lp in pairs:
+        text = tokenizer.token_text(tid)
+        out["tokens"].append(text)
+        out["token_logprobs"].append(None if lp is None else lp.logprob)
+        out["top_logprobs"].append(None if lp is None else {tokenizer.token_text(i): p for i, p in lp.top(k)})
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out

@@ -31,7 +31,10 @@ from flax import nnx
 
 from jeagle.adaptive import AdaptiveConfig, AdaptiveConfigError, AdaptiveController, TierState
 from jeagle.runtime.buckets import Buckets, pad
-from jeagle.runtime.decoder import context_size, place_cache, sampling_inputs, weight_bytes
+from jeagle import logprobs
+from jeagle.penalties import penalty_inputs, wants_penalties
+from jeagle.runtime.decoder import (Delivery, context_size, place_cache, sampling_inputs, split_prompt_logprobs,
+                                    token_masks, wants_grammar, wants_logprobs, wants_prompt_logprobs, weight_bytes)
 from jeagle.runtime.executables import DeviceShapes, Executables
 from jeagle.runtime.slots import SlotLayout, flat_slots, pool_size
 from jeagle.runtime.stats import SpecStats
@@ -96,7 +99,8 @@ class SpecDecoder:
             from jeagle.sharding import replicate, shard_pools
 
             dk, dv = shard_pools(state.draft_k, state.draft_v, mesh)
-            state = SpecState(place_cache(state.cache, mesh), dk, dv, replicate(state.rows, mesh))
+            state = SpecState(place_cache(state.cache, mesh), dk, dv, replicate(state.rows, mesh),
+                              replicate(state.penalties, mesh))
         self.state = state
         self.scratch_row = self.max_reqs
         self.buckets = Buckets.for_engine(config, self.max_reqs, self.max_ctx, (mc.head_dim, draft.cfg.head_dim))
@@ -135,17 +139,21 @@ class SpecDecoder:
             self._state = self.controller.active
 
     # ---- keys ------------------------------------------------------------------------------------------
-    def prefill_key(self, b: int, t: int) -> SpecPrefillKey:
-        return SpecPrefillKey(self.static, b, t)
+    def prefill_key(self, b: int, t: int, logprobs: bool = False, prompt_logprobs: bool = False) -> SpecPrefillKey:
+        return SpecPrefillKey(self.static, b, t, logprobs, prompt_logprobs)
 
-    def round_key(self, tier: SpecConfig, b: int, kv: int, greedy: bool) -> RoundKey:
-        return RoundKey(self.static, tier, b, kv, greedy, rounds=self.rounds_per_dispatch)
+    def round_key(self, tier: SpecConfig, b: int, kv: int, greedy: bool, logprobs: bool = False,
+                  penalties: bool = False) -> RoundKey:
+        return RoundKey(self.static, tier, b, kv, greedy, rounds=self.rounds_per_dispatch, logprobs=logprobs,
+                        penalties=penalties)
 
-    def warmup_keys(self, prefill, decode, greedy=(True, False)) -> list:
-        """Prefill keys for the (b, t) pairs, then every tier's fused rounds for the (b, kv) pairs in
-        each mode of `greedy` (the split round is a measurement mode: compiled on first use)."""
-        return ([self.prefill_key(b, t) for b, t in prefill]
-                + [self.round_key(tier, b, kv, g) for tier in self.tiers for g in greedy for b, kv in decode])
+    def warmup_keys(self, prefill, decode, greedy=(True, False), logprobs=(False,), penalties=(False,)) -> list:
+        """Prefill keys for the (b, t) pairs (every prefill applies penalties), then every tier's fused
+        rounds for the (b, kv) pairs in each mode of `greedy` and `penalties`; each in each mode of
+        `logprobs` (the split round is a measurement mode: compiled on first use)."""
+        return ([self.prefill_key(b, t, lp) for lp in logprobs for b, t in prefill]
+                + [self.round_key(tier, b, kv, g, lp, pen) for lp in logprobs for pen in penalties
+                   for tier in self.tiers for g in greedy for b, kv in decode])
 
     def prefix_bound(self, prompt_len: int, max_new: int, overlap: bool) -> int:
         # Dispatch bounds L by tokens received + (S+1) per unread round: two dispatches' rounds with
@@ -159,7 +167,9 @@ class SpecDecoder:
         res.copy_to_host_async()
         return res
 
-    def prefill(self, reqs, b: int, t: int):
+    def prefill(self, reqs, b: int, t: int, logprobs: bool | None = None, prompt_logprobs: bool = False):
+        """logprobs: the executable with logprobs or not (None: as the requests ask; then
+        prompt_logprobs too)."""
         lay, ctx = self.layout, self.max_ctx
         tokens = np.zeros((b, t), np.int32)
         positions, tree, scratch, stops = [], [], [], []
@@ -184,8 +194,11 @@ class SpecDecoder:
             scratch_slots=pad(np.reshape(scratch, (len(reqs), lay.scratch)), b, 0, np.int32),
             sampling=Sampling(*sampling_inputs(reqs, b, self._rng)),
             max_new=pad([r.max_new for r in reqs], b, 1, np.int32),
-            stop_ids=pad(np.reshape(stops, (len(reqs), MAX_STOP)), b, -1, np.int32))
-        return self._run(self.executables.get(self.prefill_key(b, t)), inputs)
+            stop_ids=pad(np.reshape(stops, (len(reqs), MAX_STOP)), b, -1, np.int32),
+            penalties=penalty_inputs(reqs, b), token_mask=token_masks(reqs, b, self.model_cfg.vocab_size))
+        lp = wants_logprobs(reqs) if logprobs is None else logprobs
+        plp = wants_prompt_logprobs(reqs) if logprobs is None else prompt_logprobs
+        return self._run(self.executables.get(self.prefill_key(b, t, lp, plp)), inputs)
 
     def prime(self, key) -> None:
         """Run `key`'s executable once on padding rows only (the scratch row, which every padded batch
@@ -193,7 +206,7 @@ class SpecDecoder:
         executable's first run on the device (its kernels and constants loaded: ~0.2 s for a prefill
         loaded from the store on an H100). Leaves no stats and nothing pending."""
         if key.phase == "prefill":
-            out = self.prefill([], key.batch, key.length)
+            out = self.prefill([], key.batch, key.length, logprobs=key.logprobs, prompt_logprobs=key.prompt_logprobs)
         elif key.phase == "round":
             out = self._run(self.executables.get(key), pad([], key.batch, self.scratch_row, np.int32))
         else:
@@ -209,17 +222,18 @@ class SpecDecoder:
         unread = self.rounds_per_dispatch * (r.dispatched + 1 - r.processed)
         return len(r.prompt) + len(r.out.token_ids) + (self.row_layout.num_steps + 1) * unread
 
-    def _round_exe(self, state, b: int, kv: int, greedy: bool):
-        exe = state.executables.get((b, kv, greedy))
+    def _round_exe(self, state, b: int, kv: int, greedy: bool, logprobs: bool = False, penalties: bool = False):
+        exe = state.executables.get((b, kv, greedy, logprobs, penalties))
         if exe is None:
-            exe = state.executables[b, kv, greedy] = self.executables.get(self.round_key(state.tier, b, kv, greedy))
+            exe = state.executables[b, kv, greedy, logprobs, penalties] = self.executables.get(
+                self.round_key(state.tier, b, kv, greedy, logprobs, penalties))
         return exe
 
     def step(self, reqs, b: int, kv: int):
         row_ids = pad([r.row for r in reqs], b, self.scratch_row, np.int32)
         for r in reqs:
             r.dispatched += 1  # rounds in flight bound how far L can have moved
-        greedy = all(r.params.greedy for r in reqs)
+        greedy, lp, pen = all(r.params.greedy for r in reqs), wants_logprobs(reqs), wants_penalties(reqs)
         if self.timed and not all(self.controller.times.has(j, (b, kv, greedy)) for j in range(len(self.tiers))):
             self.calibrate(b, kv, greedy)
         tier = self.spec
@@ -230,11 +244,27 @@ class SpecDecoder:
         self._last_bucket = (b, kv, greedy)
         self._dispatches.append((index, self._last_bucket, time.perf_counter(), self._prefill_since))
         self._prefill_since = False
-        if self.fused_round:
-            return self._run(self._round_exe(self._state, b, kv, greedy), row_ids)
+        grammar = wants_grammar(reqs)
+        if self.fused_round and not grammar:
+            return self._run(self._round_exe(self._state, b, kv, greedy, lp, pen), row_ids)
         tree = self._run_draft(self.executables.get(DraftKey(self.static, tier, b, kv)), row_ids)
-        verify = dataclasses.replace(self.round_key(tier, b, kv, greedy), phase="verify")
-        return self._run(self.executables.get(verify), (row_ids, tree))
+        verify = dataclasses.replace(self.round_key(tier, b, kv, greedy, lp, pen), phase="verify", rounds=1,
+                                     grammar=grammar)
+        if not grammar:
+            return self._run(self.executables.get(verify), (row_ids, tree))
+        return self._run(self.executables.get(verify), (row_ids, tree, self._tree_masks(reqs, b, tree)))
+
+    def _tree_masks(self, reqs, b: int, tree) -> np.ndarray:
+        """Each tree node's grammar mask [b, N, W], from the draft's tree read back to the host (the
+        GPU waits while the host walks it: the price of structured output with speculation)."""
+        from jeagle.grammar import mask_words
+
+        tokens, parents = np.asarray(tree.tokens), np.asarray(tree.parent)
+        out = np.full((b, tokens.shape[1], mask_words(self.model_cfg.vocab_size)), -1, np.int32)
+        for i, r in enumerate(reqs):
+            if r.matcher is not None:
+                out[i] = r.matcher.tree_masks(tokens[i], parents[i])
+        return out
 
     def calibrate(self, b: int, kv: int, greedy: bool, runs: int = 5, warm: int = 2) -> None:
         """Time one round of every tier at bucket (b, kv, greedy) on padding rows (the scratch row,
@@ -283,9 +313,10 @@ class SpecDecoder:
     def verify_handle(self, result):
         return result  # the next host step waits on this round's verify results (runtime/verify_done.py)
 
-    def unpack(self, kind: str, reqs, host: np.ndarray) -> list[tuple[np.ndarray, bool]]:
-        """Each request's tokens (every round of the dispatch, in order) and whether the device
-        finished it; the rounds' accept lengths go to the stats and the adaptive controller."""
+    def unpack(self, kind: str, reqs, host: np.ndarray) -> list[Delivery]:
+        """Each request's tokens (every round of the dispatch, in order), whether the device finished
+        it and, when it asked, the tokens' TokenLogprobs; the rounds' accept lengths go to the stats and
+        the adaptive controller."""
         now = time.perf_counter()
         ran, bucket = 0, None
         if kind == "step":
@@ -294,13 +325,20 @@ class SpecDecoder:
                 self.controller.times.observed(ran, bucket, (now - max(self._last_read, dispatched)) * 1e3)
             self._last_read = now
         host = host[: len(reqs)]
-        rounds = [RoundResult.unpack(host)] if host.ndim == 2 else [RoundResult.unpack(host[:, j])
-                                                                    for j in range(host.shape[1])]
+        lp = wants_logprobs(reqs)
+        prompt = [None] * len(reqs)
+        if kind == "prefill":  # 2 tokens (the first and an empty one), accepted, finished, their logprobs
+            host, prompt = split_prompt_logprobs(host, reqs, 4 + (2 * logprobs.LOGPROB_COLUMNS if lp else 0))
+        rounds = ([RoundResult.unpack(host, lp)] if host.ndim == 2
+                  else [RoundResult.unpack(host[:, j], lp) for j in range(host.shape[1])])
         accepted, out = [], []
         for i, r in enumerate(reqs):
             r.processed += 1
             toks = np.concatenate([res.tokens[i] for res in rounds])
-            out.append((toks[toks >= 0], any(bool(res.finished[i]) for res in rounds)))
+            lps = None
+            if r.params.logprobs is not None:
+                lps = logprobs.unpack(np.concatenate([res.logprobs[i] for res in rounds])[toks >= 0])
+            out.append(Delivery(toks[toks >= 0], any(bool(res.finished[i]) for res in rounds), lps, prompt[i]))
             if not r.done and kind == "step":
                 accepted.extend(int(res.accepted[i]) for res in rounds if res.accepted[i] >= 0)
         if accepted:

@@ -28,7 +28,8 @@ Phases. Each phase runs under a `jax.named_scope` (metadata only: the op_name of
 emits), so a profile can split a round's device time by phase (`bench/profile_decode.py --phases`):
 `draft_step` (each of the S-1 draft head forwards), `draft_topk` (the draft's softmax/top-K and the
 beam bookkeeping), `tree_build`, `verify_forward`, `accept`, `finish`, `draft_extend` (the head over
-the tree, its top-K, the next feature) and `commit`; `PHASES` lists them.
+the tree, its top-K, the next feature), `commit`; `PHASES` lists them, `OPTIONAL_PHASES` the two
+that only executables compiled for them run (`penalties`, `logprobs`).
 """
 
 from __future__ import annotations
@@ -43,12 +44,19 @@ from jeagle.kernels.build_tree import build_tree
 from jeagle.kernels.commit_slots import commit_slots
 from jeagle.kernels.tree_speculative_sampling import tree_speculative_sampling
 from jeagle.kernels.verify_tree_greedy import verify_tree_greedy
+from jeagle.grammar import apply_token_mask
+from jeagle.logprobs import LOGPROB_COLUMNS, pack as pack_logprobs, split as split_logprobs, token_logprobs
+from jeagle.penalties import MAX_STOP  # stop token ids per request the device checks
+from jeagle.penalties import (PenaltyRows, add_tokens, apply as apply_penalties, gather as gather_penalties,
+                              path_counts)
 from jeagle.spec.tree import select_nodes
 from jeagle.spec.verify import simulated_accept, target_probs
 
-MAX_STOP = 8
 # The named scopes of a round's phases (module docstring), in the order a round runs them.
 PHASES = ("draft_step", "draft_topk", "tree_build", "verify_forward", "accept", "finish", "draft_extend", "commit")
+# Phases only the executables compiled for them run (penalties: after verify_forward; logprobs: last).
+OPTIONAL_PHASES = ("penalties", "logprobs")
+ALL_PHASES = PHASES + OPTIONAL_PHASES
 
 
 @dataclass(frozen=True)
@@ -149,14 +157,20 @@ def pack_result(emitted, accepted, finished):
 
 @dataclass
 class RoundResult:
-    """A round's (or a speculative prefill's) result on the host, unpacked from `pack_result`."""
+    """A round's (or a speculative prefill's) result on the host, unpacked from `pack_result`
+    (with `logprobs`: followed by the W tokens' packed logprobs, `jeagle.logprobs.pack`)."""
     tokens: "np.ndarray"  # [B, W] emitted tokens, -1 padded
     accepted: "np.ndarray"  # [B] accepted draft tokens, bonus excluded; -1 where no round ran
     finished: "np.ndarray"  # [B] bool
+    logprobs: "np.ndarray | None" = None  # [B, W, LOGPROB_COLUMNS] packed, with `logprobs`
 
     @classmethod
-    def unpack(cls, host) -> "RoundResult":
-        return cls(tokens=host[:, :-2], accepted=host[:, -2], finished=host[:, -1].astype(bool))
+    def unpack(cls, host, logprobs: bool = False) -> "RoundResult":
+        blocks = None
+        if logprobs:
+            width = (host.shape[-1] - 2) // (1 + LOGPROB_COLUMNS)
+            host, blocks = split_logprobs(host, width)
+        return cls(tokens=host[:, :-2], accepted=host[:, -2], finished=host[:, -1].astype(bool), logprobs=blocks)
 
 
 def draft_topk(head, logits, k: int):
@@ -175,12 +189,16 @@ def round_keys(seed, seq_len, n):
 
 
 def spec_round(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, row_ids, *, kv_len: int, greedy: bool,
-               aux_layers: tuple[int, ...], unroll: bool | int = False, simulate_accept: float = 0.0):
+               aux_layers: tuple[int, ...], unroll: bool | int = False, simulate_accept: float = 0.0,
+               logprobs: bool = False, penalties: PenaltyRows | None = None):
     """One round for the rows `row_ids` [B]. Returns (out [B, S+3] int32 (`pack_result`: emitted
-    tokens, accept length, finished flag); cache, dk, dv, rows)."""
+    tokens, accept length, finished flag; with `logprobs` the emitted tokens' packed logprobs
+    appended); cache, dk, dv, rows, penalties (given: applied in the verify, the emitted tokens
+    counted))."""
     tree, dk, dv = draft_tree(target, head, cfg, cache, dk, dv, rows, row_ids, kv_len=kv_len)
     return verify_commit(target, head, cfg, cache, dk, dv, rows, row_ids, tree, kv_len=kv_len, greedy=greedy,
-                         aux_layers=aux_layers, unroll=unroll, simulate_accept=simulate_accept)
+                         aux_layers=aux_layers, unroll=unroll, simulate_accept=simulate_accept, logprobs=logprobs,
+                         penalties=penalties)
 
 
 def _prefix(cache, row_ids, kv_len: int):
@@ -244,8 +262,14 @@ def draft_tree(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, row
 
 
 def verify_commit(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, row_ids, tree, *, kv_len: int,
-                  greedy: bool, aux_layers: tuple[int, ...], unroll: bool | int = False, simulate_accept: float = 0.0):
+                  greedy: bool, aux_layers: tuple[int, ...], unroll: bool | int = False, simulate_accept: float = 0.0,
+                  logprobs: bool = False, penalties: PenaltyRows | None = None, token_masks=None):
     """Verify the tree with the target, accept, check finishes, extend the draft, commit.
+    token_masks [B, N, W]: each node's grammar mask (jeagle/grammar.py), applied to its logits.
+    logprobs: append the emitted tokens' logprobs from the target's logits at the accepted nodes.
+    penalties: the rows' penalties, applied to every tree node's logits with the node's path counted
+    (what target-only decoding applies there had it emitted that path); the emitted tokens are
+    counted in the returned rows.
     simulate_accept > 0: timing only, accept this many tokens per round on average (bonus included)
     whatever the draft (`simulated_accept`); the output is then not the target's."""
     S, N = cfg.num_steps, cfg.num_draft_tokens
@@ -263,15 +287,24 @@ def verify_commit(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, 
                                kv_len=L, extra_slots=node_slots, extra_mask=tree.mask)
         tout = target(tree.tokens, tree_attn, cache.k, cache.v, aux_layers=aux_layers, unroll=unroll)
 
+    logits = tout.logits
+    if penalties is not None:
+        with jax.named_scope("penalties"):
+            pen = gather_penalties(penalties, row_ids)
+            generated = L[:, None] + tree.depth - pen.prompt_len[:, None] + 1  # tokens emitted before each node's next
+            logits = apply_penalties(logits, pen, generated, path_counts(tree.tokens, tree.mask, logits.shape[-1]))
+    if token_masks is not None:
+        logits = apply_token_mask(logits, token_masks)
+
     # ---- accept ----------------------------------------------------------------------------
     with jax.named_scope("accept"):
         walk = (tree.tokens, tree.retrieve_index, tree.retrieve_next_token, tree.retrieve_next_sibling)
         g_predict, g_index, g_len, g_bonus = verify_tree_greedy(  # kernel or reference, per the traced KernelSettings
-            *walk, jnp.argmax(tout.logits, -1).astype(jnp.int32), S + 1)
+            *walk, jnp.argmax(logits, -1).astype(jnp.int32), S + 1)
         if greedy:
             predict, accept_index, acc, bonus = g_predict, g_index, g_len, g_bonus
         else:
-            probs = target_probs(tout.logits, r.temperature, r.top_k, r.top_p)
+            probs = target_probs(logits, r.temperature, r.top_k, r.top_p)
             coins, final_coin = round_keys(r.seed, L, N)
             s_out = tree_speculative_sampling(*walk, probs, coins, final_coin, S + 1, cfg.threshold_single,
                                               cfg.threshold_acc)
@@ -323,5 +356,11 @@ def verify_commit(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, 
                             top_k=r.top_k, top_p=r.top_p, seed=r.seed)
         rows = rows.scatter(row_ids, new_rows)
         out = pack_result(emitted, jnp.where(r.finished, -1, acc), finished)
-        cache = type(cache)(k=tout.k, v=tout.v, req_to_token=req_to_token)
-    return out, cache, dk, dv, rows
+    if logprobs:  # emitted token j came from the target's logits at the accepted node path[j]
+        with jax.named_scope("logprobs"):
+            at_path = tout.logits[ar[:, None], jnp.maximum(path, 0)]  # [B, S+1, V]
+            out = pack_logprobs(out, token_logprobs(at_path, emitted))
+    if penalties is not None:
+        penalties = add_tokens(penalties, row_ids, emitted)
+    cache = type(cache)(k=tout.k, v=tout.v, req_to_token=req_to_token)
+    return out, cache, dk, dv, rows, penalties

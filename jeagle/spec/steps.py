@@ -7,7 +7,8 @@
     draft_step, verify_step   the same round as two executables (a measurement mode)
 
 Each returns (result, state); a result is `round.pack_result`'s [B, W + 2] array (the split round's
-draft step returns the tree). The keys (frozen, hashable) hold everything static and are the
+draft step returns the tree), with a key's `logprobs` followed by the W tokens' packed logprobs
+(`jeagle.logprobs`). The keys (frozen, hashable) hold everything static and are the
 executables' keys (`jeagle.runtime.executables`).
 """
 
@@ -23,6 +24,10 @@ from flax import nnx
 from jeagle.cache import SCRATCH_SLOT, KVCache, assign_rows, init_cache, init_pools
 from jeagle.config import DraftConfig, ModelConfig
 from jeagle.kernels.settings import KernelSettings
+from jeagle.grammar import apply_token_mask, mask_words
+from jeagle.logprobs import pack, prompt_logprobs, token_logprobs
+from jeagle.penalties import (PenaltyInputs, PenaltyRows, add_tokens, apply as apply_penalties,
+                              gather as gather_penalties, init_penalty_rows, penalty_shapes, prefill_rows)
 from jeagle.models.common import AttnInputs
 from jeagle.runtime.executables import DeviceShapes, StepBuild, compiler_options
 from jeagle.runtime.steps import Sampling, sampling_shapes
@@ -38,13 +43,15 @@ class SpecState:
     draft_k: jax.Array  # [L_draft, num_slots, kv_heads, head_dim]: the draft's pools, same slot ids
     draft_v: jax.Array
     rows: SpecRows
+    penalties: PenaltyRows  # jeagle/penalties.py
 
 
 def init_state(model: ModelConfig, draft: DraftConfig, layout: RowLayout, *, num_slots: int, max_reqs: int,
                max_ctx: int) -> SpecState:
     dk, dv = init_pools(draft, num_slots=num_slots)
     rows = init_rows(max_reqs + 1, layout, draft.hidden_size, jnp.dtype(draft.dtype))
-    return SpecState(init_cache(model, num_slots=num_slots, max_reqs=max_reqs, max_ctx=max_ctx), dk, dv, rows)
+    return SpecState(init_cache(model, num_slots=num_slots, max_reqs=max_reqs, max_ctx=max_ctx), dk, dv, rows,
+                     init_penalty_rows(max_reqs + 1, model.vocab_size))
 
 
 @jax.tree_util.register_dataclass
@@ -60,6 +67,8 @@ class SpecPrefillInputs:
     sampling: Sampling
     max_new: jax.Array  # [B]
     stop_ids: jax.Array  # [B, MAX_STOP], -1 padded
+    penalties: PenaltyInputs
+    token_mask: jax.Array  # [B, W] int32 bitmask of the tokens the first may be (jeagle/grammar.py; -1: any)
 
 
 @dataclass(frozen=True)
@@ -119,18 +128,22 @@ class _SpecKey:
 class SpecPrefillKey(_SpecKey):
     batch: int
     length: int
+    logprobs: bool = False
+    prompt_logprobs: bool = False  # also the prompt tokens' logprobs (`jeagle.logprobs.prompt_logprobs`)
     phase = "prefill"
 
     @property
     def label(self) -> str:
-        return f"spec_prefill-b{self.batch}-t{self.length}"
+        return (f"spec_prefill-b{self.batch}-t{self.length}{'-lp' if self.logprobs else ''}"
+                f"{'-plp' if self.prompt_logprobs else ''}")
 
     def build(self, shapes: DeviceShapes) -> StepBuild:
         b, t, s = self.batch, self.length, self.static
         inputs = SpecPrefillInputs(_abstract((b, t)), _abstract((b,)), _abstract((b,)), _abstract((b,)),
                                    _abstract((b * s.max_ctx,)), _abstract((b, s.layout.num_draft_tokens)),
                                    _abstract((b, s.layout.scratch)), sampling_shapes(b), _abstract((b,)),
-                                   _abstract((b, MAX_STOP)))
+                                   _abstract((b, MAX_STOP)), penalty_shapes(b),
+                                   _abstract((b, mask_words(s.model.vocab_size))))
         return self._build(spec_prefill_step, shapes, inputs)
 
 
@@ -142,12 +155,20 @@ class RoundKey(_SpecKey):
     greedy: bool
     phase: str = "round"  # "round" (fused) | "verify" (the split round's second half)
     rounds: int = 1  # rounds per dispatch, looped on the device (fused rounds only)
+    logprobs: bool = False  # the emitted tokens' logprobs appended to the result
+    penalties: bool = False  # the rows' penalties applied in the verify (jeagle/penalties.py)
+    grammar: bool = False  # verify only: inputs (row_ids, tree, token masks [B, N, W]) (jeagle/grammar.py)
+
+    def __post_init__(self):
+        if self.grammar and (self.phase != "verify" or self.rounds != 1):
+            raise ValueError("grammar masks come between the draft and the verify: a split round, one per dispatch")
 
     @property
     def label(self) -> str:
         s, k, n = self.tier.shape
         r = f"-r{self.rounds}" if self.rounds > 1 else ""
-        return f"{self.phase}-b{self.batch}-kv{self.kv_len}-{'greedy' if self.greedy else 'sampled'}-s{s}k{k}n{n}{r}"
+        lp = ("-lp" if self.logprobs else "") + ("-pen" if self.penalties else "") + ("-gram" if self.grammar else "")
+        return f"{self.phase}-b{self.batch}-kv{self.kv_len}-{'greedy' if self.greedy else 'sampled'}-s{s}k{k}n{n}{r}{lp}"
 
     def build(self, shapes: DeviceShapes) -> StepBuild:
         if self.phase == "round":
@@ -155,7 +176,10 @@ class RoundKey(_SpecKey):
         tree = jax.eval_shape(functools.partial(draft_step, DraftKey(self.static, self.tier, self.batch, self.kv_len),
                                                 *shapes.graphdefs), shapes.params, shapes.state,
                               _abstract((self.batch,)))[0]
-        return self._build(verify_step, shapes, (_abstract((self.batch,)), tree))
+        inputs = (_abstract((self.batch,)), tree)
+        if self.grammar:
+            inputs += (_abstract((self.batch, self.tier.num_draft_tokens, mask_words(self.static.model.vocab_size))),)
+        return self._build(verify_step, shapes, inputs)
 
 
 @dataclass(frozen=True)
@@ -190,7 +214,11 @@ def spec_prefill_step(key: SpecPrefillKey, graphdef, draft_graphdef, params, sta
     out = target(tokens, attn, cache.k, cache.v, logits_index=last, aux_layers=static.aux_layers,
                  unroll=static.unroll_prefill)
     s = x.sampling
-    first = sample(out.logits, s.seed, lengths, s.temperature, s.top_k, s.top_p, all_greedy=False)  # greedy rows: argmax
+    pen = prefill_rows(state.penalties, row_ids, x.penalties, tokens, lengths)  # neutral ones change nothing
+    logits = apply_penalties(out.logits, gather_penalties(pen, row_ids), jnp.zeros((b,), jnp.int32))
+    logits = apply_token_mask(logits, x.token_mask)
+    first = sample(logits, s.seed, lengths, s.temperature, s.top_k, s.top_p, all_greedy=False)  # greedy rows: argmax
+    pen = add_tokens(pen, row_ids, first[:, None])
     # Draft extend: (token t+1, feature t) at position t; the last pair takes the first new token.
     nxt = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), jnp.int32)], 1)
     ext_tok = jnp.where(pos == last[:, None], first[:, None], nxt)
@@ -208,8 +236,13 @@ def spec_prefill_step(key: SpecPrefillKey, graphdef, draft_graphdef, params, sta
                    top_k=s.top_k, top_p=s.top_p, seed=s.seed)
     emitted = jnp.full((b, 2), -1, jnp.int32).at[:, 0].set(first)
     res = pack_result(emitted, jnp.full((b,), -1, jnp.int32), finished)
+    if key.logprobs:
+        lp = token_logprobs(out.logits, first)[:, None]
+        res = pack(res, jnp.concatenate([lp, jnp.zeros_like(lp)], 1))  # the second column emits nothing
+    if key.prompt_logprobs:
+        res = pack(res, prompt_logprobs(out.hidden, lm_head, tokens))
     return res, SpecState(KVCache(k=out.k, v=out.v, req_to_token=req_to_token), dout.k, dout.v,
-                          rows.scatter(row_ids, new))
+                          rows.scatter(row_ids, new), pen)
 
 
 def round_step(key: RoundKey, graphdef, draft_graphdef, params, state: SpecState, row_ids):
@@ -221,10 +254,11 @@ def round_step(key: RoundKey, graphdef, draft_graphdef, params, state: SpecState
     s = key.static
 
     def one(st: SpecState):
-        res, cache, dk, dv, rows = spec_round(target, head, key.tier, st.cache, st.draft_k, st.draft_v, st.rows,
-                                              row_ids, kv_len=key.kv_len, greedy=key.greedy, aux_layers=s.aux_layers,
-                                              unroll=s.unroll_round, simulate_accept=s.simulate_accept)
-        return res, SpecState(cache, dk, dv, rows)
+        res, cache, dk, dv, rows, pen = spec_round(
+            target, head, key.tier, st.cache, st.draft_k, st.draft_v, st.rows, row_ids, kv_len=key.kv_len,
+            greedy=key.greedy, aux_layers=s.aux_layers, unroll=s.unroll_round, simulate_accept=s.simulate_accept,
+            logprobs=key.logprobs, penalties=st.penalties if key.penalties else None)
+        return res, SpecState(cache, dk, dv, rows, pen if key.penalties else st.penalties)
 
     res, state = one(state)
     if key.rounds == 1:
@@ -240,8 +274,9 @@ def round_step(key: RoundKey, graphdef, draft_graphdef, params, state: SpecState
         res, st = one(st)
         return i + 1, st, out.at[:, i].set(res)
 
-    empty = jnp.concatenate([jnp.full(res.shape[:1] + (key.rounds, res.shape[1] - 1), -1, res.dtype),
-                             jnp.zeros(res.shape[:1] + (key.rounds, 1), res.dtype)], -1)
+    # -1 everywhere but the finished column (S + 1 tokens, accepted, finished, then any logprobs).
+    empty = jnp.full(res.shape[:1] + (key.rounds,) + res.shape[1:], -1, res.dtype)
+    empty = empty.at[..., key.tier.num_steps + 2].set(0)
     _, state, out = jax.lax.while_loop(live, body, (jnp.int32(1), state, empty.at[:, 0].set(res)))
     return out, state
 
@@ -250,15 +285,16 @@ def draft_step(key: DraftKey, graphdef, draft_graphdef, params, state: SpecState
     target, head = nnx.merge(graphdef, params[0]), nnx.merge(draft_graphdef, params[1])
     tree, dk, dv = draft_tree(target, head, key.tier, state.cache, state.draft_k, state.draft_v, state.rows,
                               row_ids, kv_len=key.kv_len)
-    return tree, SpecState(state.cache, dk, dv, state.rows)
+    return tree, SpecState(state.cache, dk, dv, state.rows, state.penalties)
 
 
 def verify_step(key: RoundKey, graphdef, draft_graphdef, params, state: SpecState, inputs):
     target, head = nnx.merge(graphdef, params[0]), nnx.merge(draft_graphdef, params[1])
-    row_ids, tree = inputs
+    row_ids, tree, masks = inputs if key.grammar else (*inputs, None)
     s = key.static
-    res, cache, dk, dv, rows = verify_commit(target, head, key.tier, state.cache, state.draft_k, state.draft_v,
-                                             state.rows, row_ids, tree, kv_len=key.kv_len, greedy=key.greedy,
-                                             aux_layers=s.aux_layers, unroll=s.unroll_round,
-                                             simulate_accept=s.simulate_accept)
-    return res, SpecState(cache, dk, dv, rows)
+    res, cache, dk, dv, rows, pen = verify_commit(
+        target, head, key.tier, state.cache, state.draft_k, state.draft_v, state.rows, row_ids, tree,
+        kv_len=key.kv_len, greedy=key.greedy, aux_layers=s.aux_layers, unroll=s.unroll_round,
+        simulate_accept=s.simulate_accept, logprobs=key.logprobs, penalties=state.penalties if key.penalties else None,
+        token_masks=masks)
+    return res, SpecState(cache, dk, dv, rows, pen if key.penalties else state.penalties)
