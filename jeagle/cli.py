@@ -33,6 +33,15 @@ def build_parser(prog: str = "python -m jeagle.generate", prompts: bool = True,
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON object (outputs + stats) on stdout")
     if prompts:
+        p.add_argument("--frequency-penalty", type=float, default=0.0, help="[-2, 2], over the new tokens")
+        p.add_argument("--presence-penalty", type=float, default=0.0, help="[-2, 2], over the new tokens")
+        p.add_argument("--repetition-penalty", type=float, default=1.0, help="(0, 10], over prompt and new tokens")
+        p.add_argument("--min-tokens", type=int, default=0, help="EOS and stop tokens held back until this many")
+        grammar = p.add_mutually_exclusive_group()
+        grammar.add_argument("--json-schema", metavar="FILE_OR_JSON",
+                             help="the output follows this JSON schema (a file, or the schema itself)")
+        grammar.add_argument("--regex", help="the output matches this regular expression")
+        grammar.add_argument("--ebnf", metavar="FILE_OR_GRAMMAR", help="the output follows this GBNF grammar")
         p.add_argument("--logprobs", type=int, default=None, metavar="K",
                        help="with --json: each new token's logprob and the K (0-20) most likely tokens at its position")
     p.add_argument("--dtype", default="auto", choices=DTYPE_CHOICES,

@@ -36,6 +36,27 @@ def read_prompts_file(path: str) -> list[str]:
     return [line for line in text.splitlines() if line.strip()]
 
 
+def compile_grammar(args, tokenizer, model_cfg):
+    """--json-schema / --regex / --ebnf as a compiled grammar (None without one); a bad one raises
+    GrammarError (a ValueError: one line, exit 2)."""
+    kind, source = next(((k, getattr(args, k)) for k in ("json_schema", "regex", "ebnf") if getattr(args, k, None)),
+                        (None, None))
+    if kind is None:
+        return None
+    try:
+        if kind != "regex" and Path(source).is_file():
+            source = Path(source).read_text()
+    except OSError:  # an inline schema or grammar too long for a file name
+        pass
+    try:
+        from jeagle.grammar import GrammarBackend
+
+        backend = GrammarBackend(tokenizer, model_cfg.vocab_size, model_cfg.eos_token_ids[0])
+    except ImportError:
+        raise ValueError(f"--{kind.replace('_', '-')} needs llguidance: pip install llguidance") from None
+    return backend.compile(kind, source)
+
+
 def describe_decoding(spec) -> str:
     if not spec.uses_draft:
         return "target only"
@@ -62,9 +83,12 @@ def run(args: argparse.Namespace) -> dict:
     ids = [tokenizer.encode_chat([{"role": "user", "content": t}]) if use_chat else tokenizer.encode(t)
            for t in texts]
     engine, load_s = build_engine(spec, target_dir, len(ids))
+    grammar = compile_grammar(args, tokenizer, engine.model_cfg)
     params = [SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                              top_p=args.top_p, seed=None if args.seed is None else args.seed + i,
-                             stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos, logprobs=args.logprobs)
+                             stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos, logprobs=args.logprobs,
+                             frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
+                             repetition_penalty=args.repetition_penalty, min_tokens=args.min_tokens, grammar=grammar)
               for i in range(len(ids))]
     if not args.warmup:
         for i, (x, sp) in enumerate(zip(ids, params)):

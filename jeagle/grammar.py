@@ -33,6 +33,11 @@ class GrammarError(ValueError):
     """A grammar (schema, regex, EBNF) that does not compile."""
 
 
+def _one_line(message: str) -> str:
+    """llguidance's messages span lines (a caret under the error): one line, for a 400 or the CLI."""
+    return " ".join(message.split())
+
+
 def mask_words(vocab: int) -> int:
     return (vocab + 31) // 32
 
@@ -101,10 +106,10 @@ class GrammarBackend:
         except GrammarError:
             raise
         except Exception as e:  # llguidance raises ValueError/RuntimeError on malformed input
-            raise GrammarError(f"{kind}: {e}") from None
+            raise GrammarError(_one_line(f"{kind}: {e}")) from None
         err = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
         if err and not err.startswith("WARNING"):
-            raise GrammarError(f"{kind}: {err}")
+            raise GrammarError(_one_line(f"{kind}: {err}"))
         return Grammar(kind, grammar, self)
 
 

@@ -16,6 +16,8 @@ tokens; its logits there become, in this order (vLLM's and SGLang's definitions)
     logit_bias: logit + bias
     min_tokens m: stop tokens at -inf while g < m
 
+The draft drafts under the same penalties (the row's counts, without the beam's own path: a guess,
+never a correctness matter) so that it proposes what the penalized target will accept.
 A speculative tree node also counts the draft tokens on its path (root excluded: it is emitted
 already): the counts target-only decoding would have there if that path were accepted. Every
 prefill writes its rows (the params, zero counts, the prompt's tokens) and applies them to the first
@@ -121,27 +123,29 @@ def gather(rows: PenaltyRows, row_ids) -> PenaltyRows:
     return jax.tree.map(lambda a: a[row_ids], rows)
 
 
-def apply(logits, g: PenaltyRows, generated, extra_counts=None):
+def apply(logits, g: PenaltyRows, generated, extra_counts=None, vocab_ids=None):
     """Penalized logits. logits [B, ..., V] fp32; g: the batch's rows (`gather`); generated [B, ...]:
     tokens emitted before each position; extra_counts [B, ..., V] (int): tokens to count besides the
-    row's (a tree node's path)."""
+    row's (a tree node's path); vocab_ids [V'] (target ids): logits over another vocabulary, entry i
+    standing for target token vocab_ids[i] (an EAGLE-3 head's draft vocabulary)."""
     x = logits.astype(jnp.float32)
     lead = x.ndim - 2  # the axes between the batch and the vocabulary
     per_row = lambda a: a.reshape(a.shape[:1] + (1,) * lead + a.shape[1:])  # noqa: E731  [B, (1,)..., ...]
-    counts = per_row(g.counts)
+    pick = (lambda a: a) if vocab_ids is None else (lambda a: a[:, vocab_ids])  # noqa: E731
+    counts = per_row(pick(g.counts))
     if extra_counts is not None:
         counts = counts + extra_counts
     out = counts > 0
     rep = per_row(g.repetition)[..., None]
-    x = jnp.where(per_row(g.seen) | out, jnp.where(x > 0, x / rep, x * rep), x)
+    x = jnp.where(per_row(pick(g.seen)) | out, jnp.where(x > 0, x / rep, x * rep), x)
     x = x - per_row(g.frequency)[..., None] * counts - per_row(g.presence)[..., None] * out
-    b, v = x.shape[0], x.shape[-1]
+    b, v = g.counts.shape
     bias = jnp.zeros((b, v), jnp.float32).at[jnp.arange(b)[:, None], jnp.maximum(g.bias_ids, 0)].add(
         jnp.where(g.bias_ids >= 0, g.bias_values, 0.0))
-    x = x + per_row(bias)
+    x = x + per_row(pick(bias))
     stop = jnp.zeros((b, v), bool).at[jnp.arange(b)[:, None], jnp.maximum(g.stop_ids, 0)].max(g.stop_ids >= 0)
     hold = (generated < per_row(g.min_tokens))[..., None]
-    return jnp.where(hold & per_row(stop), -jnp.inf, x)
+    return jnp.where(hold & per_row(pick(stop)), -jnp.inf, x)
 
 
 def add_tokens(rows: PenaltyRows, row_ids, tokens) -> PenaltyRows:

@@ -169,6 +169,26 @@ def test_json_logprobs_with_a_draft_equal_target_only(single, smollm2_head):
     assert proc.returncode == 2 and "--logprobs needs --json" in proc.stderr
 
 
+def test_structured_output_and_penalties_flags(smollm2_head):
+    """--regex / --json-schema constrain the output (with a draft too); penalties flags change it;
+    a bad grammar is a one-line error."""
+    import re
+
+    doc = json.loads(run_cli("--json", "--max-new-tokens", "16", "--regex", "It is (Paris|London|Berlin)\\.",
+                             "--draft", str(smollm2_head), *SPEC, QUESTION).stdout)
+    assert doc["outputs"][0]["text"] == "It is Paris.", doc["outputs"][0]["text"]
+    schema = {"type": "object", "properties": {"capital": {"type": "string", "maxLength": 24}},
+              "required": ["capital"], "additionalProperties": False}
+    doc = json.loads(run_cli("--json", "--max-new-tokens", "24", "--json-schema", json.dumps(schema), QUESTION).stdout)
+    assert set(json.loads(doc["outputs"][0]["text"])) == {"capital"}
+    plain = json.loads(run_cli("--json", "--max-new-tokens", "24", "--ignore-eos", QUESTION).stdout)["outputs"][0]
+    pen = json.loads(run_cli("--json", "--max-new-tokens", "24", "--ignore-eos", "--frequency-penalty", "2",
+                             "--repetition-penalty", "1.5", QUESTION).stdout)["outputs"][0]
+    assert pen["token_ids"] != plain["token_ids"]
+    proc = run_cli("--regex", "a(b", QUESTION, check=False)
+    assert proc.returncode == 2 and "regex" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
 def test_speculative_flag_errors(smollm2_head):
     proc = run_cli("--draft", str(smollm2_head), "--speculative-algorithm", "EAGLE3", QUESTION, check=False)
     assert proc.returncode == 2 and "is an EAGLE head" in proc.stderr

@@ -159,3 +159,15 @@ def test_bad_penalties_are_refused(target):
     eng = target_only(target, EngineConfig(max_batch_size=1, max_context=MAX_CONTEXT))
     with pytest.raises(ValueError, match="outside the vocabulary"):
         eng.check([5, 6], SamplingParams(logit_bias=((1000, 1.0),)))
+
+
+def test_eagle3_head_drafts_under_penalties_losslessly(target, prompts, penalized, expected):
+    """An EAGLE-3 head (its own draft vocabulary, d2t) drafts under the penalties mapped onto that
+    vocabulary; the output is still the reference's."""
+    from jeagle.models.eagle import random_draft
+    from tests.spec_models import draft_config
+
+    head3 = random_draft(draft_config(target.cfg, "eagle3"), seed=4)
+    eng = speculative(target, head3, EngineConfig(max_batch_size=4, max_context=MAX_CONTEXT, batch_buckets=(1, 2, 4)),
+                      SpecConfig(3, 2, 5))
+    assert [o.token_ids for o in eng.generate(prompts, penalized)] == expected

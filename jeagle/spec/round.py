@@ -195,7 +195,7 @@ def spec_round(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, row
     tokens, accept length, finished flag; with `logprobs` the emitted tokens' packed logprobs
     appended); cache, dk, dv, rows, penalties (given: applied in the verify, the emitted tokens
     counted))."""
-    tree, dk, dv = draft_tree(target, head, cfg, cache, dk, dv, rows, row_ids, kv_len=kv_len)
+    tree, dk, dv = draft_tree(target, head, cfg, cache, dk, dv, rows, row_ids, kv_len=kv_len, penalties=penalties)
     return verify_commit(target, head, cfg, cache, dk, dv, rows, row_ids, tree, kv_len=kv_len, greedy=greedy,
                          aux_layers=aux_layers, unroll=unroll, simulate_accept=simulate_accept, logprobs=logprobs,
                          penalties=penalties)
@@ -211,8 +211,16 @@ def _heads(target):
     return embed, (embed if target.lm_head is None else target.lm_head[...])
 
 
-def draft_tree(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, row_ids, *, kv_len: int):
-    """Draft S steps of top-K expansion and build the verify tree. Returns (tree, dk, dv)."""
+def draft_vocab_ids(head):
+    """The target ids of the draft's vocabulary [Vd] (EAGLE-1: None, the same vocabulary)."""
+    return None if head.d2t is None else head.draft_to_target(jnp.arange(head.d2t.shape[0], dtype=jnp.int32))
+
+
+def draft_tree(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, row_ids, *, kv_len: int,
+               penalties: PenaltyRows | None = None):
+    """Draft S steps of top-K expansion and build the verify tree. Returns (tree, dk, dv). penalties:
+    the draft's logits penalized like the target's (the rows' counts), so it drafts what the verify
+    will accept."""
     S, K, N = cfg.num_steps, cfg.topk, cfg.num_draft_tokens
     r = rows.gather(row_ids)
     b = row_ids.shape[0]
@@ -240,7 +248,12 @@ def draft_tree(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, row
                        lm_head=lm_head_t)
             dk, dv = out.k, out.v
         with jax.named_scope("draft_topk"):
-            p, ids = draft_topk(head, out.logits, K)  # [B, K, K]
+            logits = out.logits
+            if penalties is not None:
+                pen = gather_penalties(penalties, row_ids)
+                generated = jnp.broadcast_to((L - pen.prompt_len + 1 + i)[:, None], logits.shape[:2])
+                logits = apply_penalties(logits, pen, generated, vocab_ids=draft_vocab_ids(head))
+            p, ids = draft_topk(head, logits, K)  # [B, K, K]
             expand = (beam_scores[:, :, None] * p).reshape(b, K * K)
             new_scores, cs = jax.lax.top_k(expand, K)
             parent_beam = cs // K
@@ -339,7 +352,13 @@ def verify_commit(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, 
         dout = head(ext_tok, feature, tree_attn, dk, dv, embed=embed, embed_split=target.vocab_split, lm_head=lm_head_t,
                     logits_index=last)
         dk, dv = dout.k, dout.v
-        topk_p, topk_id = draft_topk(head, dout.logits, r.topk_p.shape[1])  # as wide as the rows: any tier next
+        next_logits = dout.logits
+        if penalties is not None:  # the next round's root top-K, drafted under the counts with this round's tokens
+            penalties = add_tokens(penalties, row_ids, emitted)
+            pen = gather_penalties(penalties, row_ids)
+            next_logits = apply_penalties(next_logits, pen, L + acc + 1 - pen.prompt_len + 1,
+                                          vocab_ids=draft_vocab_ids(head))
+        topk_p, topk_id = draft_topk(head, next_logits, r.topk_p.shape[1])  # as wide as the rows: any tier next
         new_feature = dout.hidden[ar, last]
 
     # ---- commit: swap position slots and accepted tree slots ---------------------------------
@@ -360,7 +379,5 @@ def verify_commit(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, 
         with jax.named_scope("logprobs"):
             at_path = tout.logits[ar[:, None], jnp.maximum(path, 0)]  # [B, S+1, V]
             out = pack_logprobs(out, token_logprobs(at_path, emitted))
-    if penalties is not None:
-        penalties = add_tokens(penalties, row_ids, emitted)
     cache = type(cache)(k=tout.k, v=tout.v, req_to_token=req_to_token)
     return out, cache, dk, dv, rows, penalties

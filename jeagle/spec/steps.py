@@ -32,7 +32,7 @@ from jeagle.models.common import AttnInputs
 from jeagle.runtime.executables import DeviceShapes, StepBuild, compiler_options
 from jeagle.runtime.steps import Sampling, sampling_shapes
 from jeagle.sampling import sample
-from jeagle.spec.round import (MAX_STOP, RowLayout, SpecConfig, SpecRows, draft_topk, draft_tree, init_rows,
+from jeagle.spec.round import (MAX_STOP, RowLayout, SpecConfig, SpecRows, draft_topk, draft_tree, draft_vocab_ids, init_rows,
                                pack_result, spec_round, verify_commit)
 
 
@@ -226,7 +226,10 @@ def spec_prefill_step(key: SpecPrefillKey, graphdef, draft_graphdef, params, sta
     lm_head = target.embed[...] if target.lm_head is None else target.lm_head[...]
     dout = head(ext_tok, feature, attn, state.draft_k, state.draft_v, embed=target.embed[...],
                 embed_split=target.vocab_split, lm_head=lm_head, logits_index=last)
-    topk_p, topk_id = draft_topk(head, dout.logits, static.layout.topk)
+    # The first round's root top-K, drafted under the rows' penalties (neutral ones change nothing).
+    dpen = gather_penalties(pen, row_ids)
+    dlogits = apply_penalties(dout.logits, dpen, jnp.ones((b,), jnp.int32), vocab_ids=draft_vocab_ids(head))
+    topk_p, topk_id = draft_topk(head, dlogits, static.layout.topk)
     finished = jnp.any(first[:, None] == x.stop_ids, -1) | (x.max_new <= 1)
     rows = state.rows
     new = SpecRows(root=first, seq_len=lengths, topk_p=topk_p, topk_id=topk_id,
