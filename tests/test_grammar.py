@@ -16,28 +16,12 @@ from jeagle.engine import EngineConfig, speculative, target_only
 from jeagle.grammar import GrammarBackend, GrammarError
 from jeagle.sampling import SamplingParams
 from jeagle.spec.round import SpecConfig
-from jeagle.tokenizer import Tokenizer
 from tests.spec_models import bigram_target, signed_identity_head, target_config
+from tests.test_serve import char_tokenizer
 from tests.util import last_logits
 
 VOCAB, EOS = 100, 3
 MAX_CONTEXT = 160
-
-
-def ascii_tokenizer() -> Tokenizer:
-    """ids 0-3 special (</s> = 3 = EOS), 4-99 one printable ASCII character each (and newline)."""
-    from tokenizers import Regex, decoders, models, pre_tokenizers
-    from tokenizers import Tokenizer as Fast
-
-    chars = [chr(c) for c in range(32, 127)] + ["\n"]
-    vocab = {"<unk>": 0, "<|im_start|>": 1, "<|im_end|>": 2, "</s>": 3} | {c: 4 + i for i, c in enumerate(chars)}
-    fast = Fast(models.WordLevel(vocab, unk_token="<unk>"))
-    fast.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    fast.decoder = decoders.Fuse()
-    fast.add_special_tokens(["<|im_start|>", "<|im_end|>", "</s>", "<unk>"])
-    from tests.test_serve import TEMPLATE
-
-    return Tokenizer(fast, {"eos_token": "</s>", "unk_token": "<unk>", "chat_template": TEMPLATE})
 
 
 SCHEMAS = [
@@ -55,7 +39,7 @@ SCHEMAS = [
 
 @pytest.fixture(scope="module")
 def tok():
-    return ascii_tokenizer()
+    return char_tokenizer(last="~")  # printable ASCII: JSON's braces too
 
 
 @pytest.fixture(scope="module")

@@ -171,3 +171,19 @@ def test_eagle3_head_drafts_under_penalties_losslessly(target, prompts, penalize
     eng = speculative(target, head3, EngineConfig(max_batch_size=4, max_context=MAX_CONTEXT, batch_buckets=(1, 2, 4)),
                       SpecConfig(3, 2, 5))
     assert [o.token_ids for o in eng.generate(prompts, penalized)] == expected
+
+
+def test_tokens_repeated_inside_one_round_are_counted():
+    """A token that follows itself (69 on the sharper bigram target: its likeliest successor) is
+    drafted again and again inside one round; the verify must count the path's earlier copies, or it
+    accepts more repeats than target-only decoding emits."""
+    target = bigram_target(target_config(), scale=16.0)
+    head = signed_identity_head(target, +1.0)
+    prompts = [[17, 69], [40, 69, 69], [69]]
+    sp = SamplingParams(max_new_tokens=16, frequency_penalty=1.0, ignore_eos=True)  # (0.3 did not need the path)
+    want = [reference(target, p, sp) for p in prompts]
+    assert all(w.count(69) >= 2 for w in want)  # the repeats happen
+    eng = speculative(target, head, EngineConfig(max_batch_size=4, max_context=MAX_CONTEXT, batch_buckets=(1, 2, 4)),
+                      SpecConfig(4, 2, 6))
+    assert [o.token_ids for o in eng.generate(prompts, [sp] * 3)] == want
+    assert eng.last_stats.to_dict()["accept_length"] > 1.5

@@ -24,12 +24,13 @@ TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|i
             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
-def char_tokenizer() -> Tokenizer:
-    """ids 0-3 special (</s> = 3, the tiny target's EOS), 4-95 one character each."""
+def char_tokenizer(last: str = "z") -> Tokenizer:
+    """ids 0-3 special (</s> = 3, the tiny target's EOS), then one character each: " " to `last`, and
+    newline (last "z": ids 4-95; "~", all of printable ASCII: ids 4-99)."""
     from tokenizers import Regex, decoders, models, pre_tokenizers
     from tokenizers import Tokenizer as Fast
 
-    chars = [chr(c) for c in range(32, 32 + 91)] + ["\n"]
+    chars = [chr(c) for c in range(32, ord(last) + 1)] + ["\n"]
     vocab = {"<unk>": 0, "<|im_start|>": 1, "<|im_end|>": 2, "</s>": 3} | {c: 4 + i for i, c in enumerate(chars)}
     fast = Fast(models.WordLevel(vocab, unk_token="<unk>"))
     fast.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")

@@ -46,7 +46,7 @@ class Request:
     on_tokens: Callable[[int, list[int]], None] | None = None  # streaming callback (index, new ids)
     t_submit: float = 0.0  # perf_counter at submit
     compile_mark: float = 0.0  # the engine's compile seconds at submit (compiling is not serving latency)
-    matcher: object | None = None  # the grammar's state (`jeagle.grammar.Matcher`), with SamplingParams.grammar
+    matcher: object | None = None  # the grammar's state (`jeagle.grammar.Matcher`), started when it is queued
 
     def finish(self, reason: str) -> None:
         self.done, self.out.finish_reason = True, reason
@@ -118,5 +118,4 @@ def make_request(index: int, prompt: list[int], params: SamplingParams, limits: 
     if params.min_tokens and len(eos) > MAX_STOP:
         raise ValueError(f"request {index}: min_tokens holds back at most {MAX_STOP} stop tokens, it has {len(eos)}")
     return Request(index=index, prompt=list(prompt), params=params, eos=eos, max_new=max_new,
-                   out=Output(prompt_ids=list(prompt), logprobs=None if params.logprobs is None else []),
-                   matcher=params.grammar.matcher() if params.grammar is not None else None)
+                   out=Output(prompt_ids=list(prompt), logprobs=None if params.logprobs is None else []))

@@ -118,6 +118,8 @@ class Engine:
         self._next_index = max(self._next_index, index + 1)
         r = self.check(prompt, params, index)
         r.on_tokens, r.t_submit, r.compile_mark = on_tokens, time.perf_counter(), self.compile_seconds
+        if params.grammar is not None:  # started here, not in check(): a matcher builds the grammar's parser
+            r.matcher = params.grammar.matcher()
         self._waiting.append(r)
         return r
 

@@ -19,8 +19,7 @@ MAX_N = 16  # completions per request (`n`)
 
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "stream_options", "n",
           "user", "ignore_eos", "logprobs", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_tokens",
-          "logit_bias"}
-COMMON |= {"response_format", "regex", "ebnf"}  # structured outputs (OpenAI's, SGLang's)
+          "logit_bias", "response_format", "regex", "ebnf"}
 COMPLETION_KEYS = COMMON | {"prompt", "echo", "suffix", "best_of"}
 CHAT_KEYS = COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
 

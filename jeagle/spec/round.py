@@ -237,6 +237,8 @@ def draft_tree(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, row
     beam_flat = jnp.broadcast_to(jnp.arange(K, dtype=jnp.int32), (b, K))
     sk = cfg.scratch
     anc = jnp.zeros((b, K, sk), bool)
+    if penalties is not None:  # the rows' penalties, on the draft's vocabulary
+        pen, vocab_ids = gather_penalties(penalties, row_ids), draft_vocab_ids(head)
     for i in range(1, S):
         with jax.named_scope("draft_step"):
             entry = (i - 1) * K + jnp.arange(K)
@@ -250,9 +252,8 @@ def draft_tree(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, row
         with jax.named_scope("draft_topk"):
             logits = out.logits
             if penalties is not None:
-                pen = gather_penalties(penalties, row_ids)
                 generated = jnp.broadcast_to((L - pen.prompt_len + 1 + i)[:, None], logits.shape[:2])
-                logits = apply_penalties(logits, pen, generated, vocab_ids=draft_vocab_ids(head))
+                logits = apply_penalties(logits, pen, generated, vocab_ids=vocab_ids)
             p, ids = draft_topk(head, logits, K)  # [B, K, K]
             expand = (beam_scores[:, :, None] * p).reshape(b, K * K)
             new_scores, cs = jax.lax.top_k(expand, K)
