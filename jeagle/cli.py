@@ -66,6 +66,9 @@ def build_parser(prog: str = "python -m jeagle.generate", prompts: bool = True,
     rt.add_argument("--disable-padding", action="store_true", help="compile one executable per exact batch size")
     rt.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                     help="dispatch the next round before the host processes the last one (default on)")
+    rt.add_argument("--disable-prefix-cache", action="store_true",
+                    help="prefill every prompt whole (default: reuse the KV of the longest cached prefix — earlier "
+                         "prompts and answers — and evict the least recently used when slots run short)")
     rt.add_argument("--verify-done-wait", choices=["sync", "dataflow"], default=None,
                     help="after a round: data dependence only (dataflow, the default) or a hard wait (sync; also "
                          "JEAGLE_VERIFY_DONE_STREAM_WAIT=0)")

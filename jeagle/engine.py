@@ -83,6 +83,7 @@ class EngineSpec:
     max_bucket: int | None = None
     disable_padding: bool = False
     overlap: bool = True
+    disable_prefix_cache: bool = False
     verify_done_wait: str | None = None
     rounds_per_dispatch: int = 1
     compile_cache_dir: str | None = None
@@ -153,6 +154,7 @@ class EngineSpec:
                             unroll_layers=True if self.unroll_layers else self.layer_unroll,
                             batch_buckets=self.buckets, max_bucket=self.max_bucket,
                             disable_padding=self.disable_padding, overlap=self.overlap,
+                            prefix_cache=not self.disable_prefix_cache,
                             verify_done_wait=self.verify_done_wait, rounds_per_dispatch=self.rounds_per_dispatch,
                             executable_cache_dir=executable_cache_dir,
                             compile_workers=self.compile_workers, tp=self.tp, tp_vocab=self.tp_vocab,

@@ -64,6 +64,7 @@ class PenaltyInputs:
     stop_ids: jax.Array  # [B, MAX_STOP]
     bias_ids: jax.Array  # [B, MAX_LOGIT_BIAS]
     bias_values: jax.Array  # [B, MAX_LOGIT_BIAS]
+    prompt_len: jax.Array  # [B] the prompt's length: tokens at later positions (a resumed request's) are output
 
 
 def init_penalty_rows(num_rows: int, vocab: int) -> PenaltyRows:
@@ -79,7 +80,7 @@ def init_penalty_rows(num_rows: int, vocab: int) -> PenaltyRows:
 def penalty_shapes(b: int) -> PenaltyInputs:
     s = lambda shape, dt=jnp.int32: jax.ShapeDtypeStruct(shape, jnp.dtype(dt))  # noqa: E731
     return PenaltyInputs(s((b,), jnp.float32), s((b,), jnp.float32), s((b,), jnp.float32), s((b,)),
-                         s((b, MAX_STOP)), s((b, MAX_LOGIT_BIAS)), s((b, MAX_LOGIT_BIAS), jnp.float32))
+                         s((b, MAX_STOP)), s((b, MAX_LOGIT_BIAS)), s((b, MAX_LOGIT_BIAS), jnp.float32), s((b,)))
 
 
 def penalty_inputs(reqs, b: int) -> PenaltyInputs:
@@ -89,9 +90,10 @@ def penalty_inputs(reqs, b: int) -> PenaltyInputs:
                         repetition=np.ones(b, np.float32), min_tokens=np.zeros(b, np.int32),
                         stop_ids=np.full((b, MAX_STOP), -1, np.int32),
                         bias_ids=np.full((b, MAX_LOGIT_BIAS), -1, np.int32),
-                        bias_values=np.zeros((b, MAX_LOGIT_BIAS), np.float32))
+                        bias_values=np.zeros((b, MAX_LOGIT_BIAS), np.float32), prompt_len=np.zeros(b, np.int32))
     for i, r in enumerate(reqs[:n]):
         p = r.params
+        out.prompt_len[i] = len(r.prompt)
         out.frequency[i], out.presence[i], out.repetition[i] = p.frequency_penalty, p.presence_penalty, \
             p.repetition_penalty
         out.min_tokens[i] = p.min_tokens
@@ -108,13 +110,19 @@ def wants_penalties(reqs) -> bool:
     return any(r.params.penalized for r in reqs)
 
 
-def prefill_rows(rows: PenaltyRows, row_ids, x: PenaltyInputs, tokens, lengths) -> PenaltyRows:
-    """The rows of a prefill's requests: their params, zero counts, their prompts' tokens seen."""
+def prefill_rows(rows: PenaltyRows, row_ids, x: PenaltyInputs, tokens, lengths, positions) -> PenaltyRows:
+    """The rows of a prefill's requests: their params, their prompts' tokens seen, and as counts the
+    tokens past the prompt (a request resumed after a retraction prefills its output so far too).
+    tokens [B, T] sit at `positions` [B, T]; a prefill that starts past position 0 (a cached prefix)
+    only runs for requests without penalties, whose rows are neutral anyway."""
     b, t = tokens.shape
     valid = jnp.arange(t)[None, :] < lengths[:, None]
-    seen = jnp.zeros((b, rows.seen.shape[1]), bool).at[jnp.arange(b)[:, None], tokens].max(valid)
-    new = PenaltyRows(counts=jnp.zeros((b, rows.counts.shape[1]), jnp.int32), seen=seen, frequency=x.frequency,
-                      presence=x.presence, repetition=x.repetition, min_tokens=x.min_tokens, prompt_len=lengths,
+    prompt = positions < x.prompt_len[:, None]
+    seen = jnp.zeros((b, rows.seen.shape[1]), bool).at[jnp.arange(b)[:, None], tokens].max(valid & prompt)
+    counts = jnp.zeros((b, rows.counts.shape[1]), jnp.int32).at[jnp.arange(b)[:, None], tokens].add(
+        (valid & ~prompt).astype(jnp.int32))
+    new = PenaltyRows(counts=counts, seen=seen, frequency=x.frequency,
+                      presence=x.presence, repetition=x.repetition, min_tokens=x.min_tokens, prompt_len=x.prompt_len,
                       stop_ids=x.stop_ids, bias_ids=x.bias_ids, bias_values=x.bias_values)
     return jax.tree.map(lambda old, v: old.at[row_ids].set(v), rows, new)
 

@@ -80,11 +80,15 @@ def test_plans_pick_the_smallest_covering_buckets():
     assert b.decode(1, 10_000) == (1, 512)  # prefixes are capped at the context
     assert b.prefill_fits(8, 64) and not b.prefill_fits(4, 200) and b.prefill_fits(1, 256)
     prefill, decode = b.warmup_plan()
-    assert (1, 256) in prefill and (4, 256) not in prefill and (8, 64) in prefill
-    assert all(bb == 1 or bb * t <= 512 for bb, t in prefill)
+    assert (1, 256, 0) in prefill and (4, 256, 0) not in prefill and (8, 64, 0) in prefill
+    assert all(bb == 1 or bb * t <= 512 for bb, t, _ in prefill) and all(c == 0 for *_, c in prefill)
     assert len(decode) == 12
     prefill, decode = b.warmup_plan(batch_sizes=[3], prefill_lengths=[20], kv_lengths=[100, 300])
-    assert (prefill, decode) == ([(4, 64)], [(4, 128), (4, 512)])
+    assert (prefill, decode) == ([(4, 64, 0)], [(4, 128), (4, 512)])
+    # After a prefix-cache hit a prefill attends over a context bucket >= its length, up to the longest prompt's.
+    prefill, _ = b.warmup_plan(batch_sizes=[1], prefill_lengths=[10, 60], prefix=(False, True))
+    assert prefill == [(1, 16, 0), (1, 64, 0), (1, 16, 16), (1, 16, 64), (1, 64, 64)]
+    assert b.context(65) == 256
 
 
 def test_pad_and_unpad():

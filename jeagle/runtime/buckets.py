@@ -128,16 +128,25 @@ class Buckets:
         `longest_prefix` positions."""
         return pick_bucket(self.batch, n), pick_bucket(self.kv, min(longest_prefix, self.max_ctx))
 
-    def warmup_plan(self, batch_sizes=None, prefill_lengths=None, kv_lengths=None):
-        """(prefill (b, t) pairs, decode (b, kv) pairs) covering the given sizes (None: every bucket).
-        Prefill pairs keep b x t <= max_prefill_tokens, except the smallest batch bucket (any t: a lone
-        long prompt)."""
+    def context(self, longest_total: int) -> int:
+        """The context bucket of a prefill whose rows continue cached prefixes, the longest reaching
+        `longest_total` positions (a prefill-length bucket: `runtime/steps.py` `prefill_attn`)."""
+        return pick_bucket(self.prefill_len, longest_total)
+
+    def warmup_plan(self, batch_sizes=None, prefill_lengths=None, kv_lengths=None, prefix=(False,)):
+        """(prefill (b, t, context) triples, decode (b, kv) pairs) covering the given sizes (None:
+        every bucket). Prefill keeps b x t <= max_prefill_tokens, except the smallest batch bucket (any
+        t: a lone long prompt); context 0 (no cached prefix), and with True in `prefix` also every
+        context bucket c >= t up to the longest prompt's (prefills after a prefix-cache hit)."""
         def covering(table, sizes):
             return sorted(set(table if sizes is None else (pick_bucket(table, n) for n in sizes)))
 
-        prefill = [(b, t) for b in covering(self.prefill_batch, batch_sizes)
-                   for t in covering(self.prefill_len, prefill_lengths)
-                   if b == self.prefill_batch[0] or b * t <= self.max_prefill_tokens]
+        lengths = covering(self.prefill_len, prefill_lengths)
+        pairs = [(b, t) for b in covering(self.prefill_batch, batch_sizes) for t in lengths
+                 if b == self.prefill_batch[0] or b * t <= self.max_prefill_tokens]
+        prefill = [(b, t, 0) for b, t in pairs] if False in prefix else []
+        if True in prefix:
+            prefill += [(b, t, c) for b, t in pairs for c in self.prefill_len if t <= c <= lengths[-1]]
         decode = [(b, kv) for b in covering(self.batch, batch_sizes) for kv in covering(self.kv, kv_lengths)]
         return prefill, decode
 

@@ -31,6 +31,9 @@ class EngineConfig:
     max_bucket: int | None = None  # cap the default list (the largest bucket is then max_batch_size)
     disable_padding: bool = False  # one executable per exact batch size
     overlap: bool = True  # dispatch step r+1 before the host processes step r
+    # Prefix caching (runtime/radix.py): a request reuses the KV of the longest cached prefix of its
+    # prompt (prompts and finished requests are cached; LRU eviction when slots run short).
+    prefix_cache: bool = True
     verify_done_wait: str | None = None  # "sync" | "dataflow"; None: JEAGLE_VERIFY_DONE_STREAM_WAIT, else dataflow
     min_kv_bucket: int = 128
     executable_cache_dir: str | None = None  # ExecutableStore root (store.py); None: no store

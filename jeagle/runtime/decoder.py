@@ -101,7 +101,7 @@ def wants_logprobs(reqs) -> bool:
 
 def wants_prompt_logprobs(reqs) -> bool:
     """Whether a prefill also computes the prompt tokens' logprobs (completions' `echo`)."""
-    return any(r.params.prompt_logprobs for r in reqs)
+    return any(r.wants_prompt_logprobs for r in reqs)
 
 
 def split_prompt_logprobs(host: np.ndarray, reqs, base: int) -> tuple[np.ndarray, list]:
@@ -113,7 +113,7 @@ def split_prompt_logprobs(host: np.ndarray, reqs, base: int) -> tuple[np.ndarray
         return host, [None] * len(reqs)
     rest = host[:, base:]
     blocks = rest.reshape(rest.shape[0], -1, logprobs.LOGPROB_COLUMNS)
-    out = [[None] + logprobs.unpack(blocks[i, 1:len(r.prompt)]) if r.params.prompt_logprobs else None
+    out = [[None] + logprobs.unpack(blocks[i, 1:len(r.prompt)]) if r.wants_prompt_logprobs else None
            for i, r in enumerate(reqs)]
     return host[:, :base], out
 
@@ -132,3 +132,77 @@ def token_masks(reqs, b: int, vocab: int) -> np.ndarray:
         if r.matcher is not None:
             out[i] = r.matcher.mask()
     return out
+
+
+def prefill_batch(reqs, b: int, t: int, max_ctx: int):
+    """A prefill's token inputs: (tokens [b, t] — each request's sequence from its cached prefix on —,
+    lengths [b], starts [b], slot count [b], flat slot list): see `runtime/steps.py` `prefill_attn` and
+    `runtime/slots.py` `flat_slots`. Sets each request's `length` (its positions once prefilled)."""
+    from jeagle.runtime.slots import flat_slots
+
+    tokens = np.zeros((b, t), np.int32)
+    for i, r in enumerate(reqs):
+        seq = r.seq
+        tokens[i, : len(seq) - r.start] = seq[r.start:]
+        r.length = len(seq)
+    count, flat = flat_slots(b, max_ctx, [r.table for r in reqs])
+    return (tokens, pad([r.length - r.start for r in reqs], b, 0, np.int32), pad([r.start for r in reqs], b, 0, np.int32),
+            count, flat)
+
+
+class SlotTables:
+    """The host's two ways into a decoder's slot table (`state.cache.req_to_token`), shared by both
+    decoders: `assign_slots` writes positions allocated after the prefill (slots on demand,
+    runtime/kv.py), `read_tables` reads rows back (a speculative round swaps slots on the device)."""
+
+    EXTEND_ROWS_SLOTS = 128  # flat slots per row of one assign call (larger requests take several calls)
+
+    def _init_tables(self):
+        import dataclasses
+
+        import jax
+
+        from jeagle.kernels.assign_req_to_token_pool import assign_req_to_token_pool
+
+        def assign(state, rows, starts, ends, flat):
+            cache = state.cache
+            r2t = assign_req_to_token_pool(cache.req_to_token, rows, starts, ends, flat)
+            return dataclasses.replace(state, cache=dataclasses.replace(cache, req_to_token=r2t))
+
+        def read(state, rows):
+            seq_len = getattr(state.rows, "seq_len", None)
+            return state.cache.req_to_token[rows], (seq_len[rows] if seq_len is not None else rows * 0)
+
+        self._assign_fn = jax.jit(assign, donate_argnums=0)
+        self._read_fn = jax.jit(read)
+
+    def assign_slots(self, entries) -> None:
+        """Write slot-table entries [(row, first position, slots)] (in as few fixed-shape calls as fit)."""
+        n, per = self.max_reqs, self.EXTEND_ROWS_SLOTS
+        pieces = [(row, start + i, s[i:i + per]) for row, start, s in entries for i in range(0, len(s), per)]
+        for c in range(0, len(pieces), n):
+            part = pieces[c:c + n]
+            rows = pad([p[0] for p in part], n, self.scratch_row, np.int32)
+            starts = pad([p[1] for p in part], n, 0, np.int32)
+            ends = pad([p[1] + len(p[2]) for p in part], n, 0, np.int32)
+            flat = np.zeros((n * per,), np.int32)
+            if part:
+                cat = np.concatenate([p[2] for p in part])
+                flat[: len(cat)] = cat
+            self.state = self._assign_fn(self.state, rows, starts, ends, flat)
+
+    def read_tables(self, rows):
+        """Dispatch a read of slot-table rows `rows` and their committed lengths (speculative: the rows'
+        seq_len; target-only: 0, the host knows); returns a handle for `tables_of`."""
+        size = 1
+        while size < len(rows):
+            size *= 2
+        tables, lengths = self._read_fn(self.state, pad(list(rows), size, self.scratch_row, np.int32))
+        tables.copy_to_host_async()
+        lengths.copy_to_host_async()
+        return len(rows), tables, lengths
+
+    @staticmethod
+    def tables_of(handle) -> tuple[np.ndarray, np.ndarray]:
+        n, tables, lengths = handle
+        return np.asarray(tables)[:n], np.asarray(lengths)[:n]

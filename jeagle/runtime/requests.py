@@ -37,7 +37,17 @@ class Request:
     eos: frozenset[int]
     max_new: int
     row: int = -1
-    slots: np.ndarray | None = None
+    # KV (jeagle/runtime/kv.py): the slots of positions [0, len(table)) (the first `cached` from the
+    # prefix cache, locked through `node`), the tree and draft scratch slots (`extra`).
+    table: np.ndarray | None = None
+    extra: np.ndarray | None = None
+    cached: int = 0
+    node: object | None = None
+    start: int = 0  # positions the current prefill starts at (a cached prefix's length)
+    position_cap: int = 0  # positions the request can ever need (its layout's, within the context)
+    cached_tokens: int = 0  # prompt tokens its first prefill took from the prefix cache
+    retractions: int = 0  # times it was retracted to make room (it resumes from prompt + tokens so far)
+    admit_order: int = 0  # when it was last admitted (the youngest is retracted first)
     length: int = 0  # positions whose KV is written or dispatched to be written
     dispatched: int = 0  # new tokens (speculative: calls) that dispatched work will produce
     processed: int = 0  # dispatched calls whose results the host has read
@@ -47,6 +57,17 @@ class Request:
     t_submit: float = 0.0  # perf_counter at submit
     compile_mark: float = 0.0  # the engine's compile seconds at submit (compiling is not serving latency)
     matcher: object | None = None  # the grammar's state (`jeagle.grammar.Matcher`), started when it is queued
+
+    @property
+    def seq(self) -> list[int]:
+        """The tokens a (re)admission prefills from: the prompt and, after a retraction, every token
+        emitted so far (the next one is sampled from the prefill, as a decode step would have)."""
+        return self.prompt + self.out.token_ids if self.out.token_ids else self.prompt
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Its prefill scores the prompt (`echo`): the first one only, not a resumption's."""
+        return bool(self.params.prompt_logprobs) and not self.out.token_ids
 
     def finish(self, reason: str) -> None:
         self.done, self.out.finish_reason = True, reason
@@ -91,9 +112,10 @@ class RequestLimits:
 
 
 def make_request(index: int, prompt: list[int], params: SamplingParams, limits: RequestLimits,
-                 slots_needed: Callable[[int, int], int]) -> Request:
+                 slots_needed: Callable[[int, int], int], position_cap: Callable[[int, int], int]) -> Request:
     """A checked request: a bad one raises (PromptTooLong, OutOfSlots, ValueError) before anything is
-    queued. `slots_needed(prompt_len, max_new)` is the decoder's slot layout."""
+    queued. `slots_needed(prompt_len, max_new)` and `position_cap(prompt_len, max_new)` are the decoder's
+    slot layout (`SlotLayout.slots_needed`, `.positions`)."""
     n = len(prompt)
     if n == 0:
         raise ValueError(f"prompt {index} is empty")
@@ -118,4 +140,5 @@ def make_request(index: int, prompt: list[int], params: SamplingParams, limits: 
     if params.min_tokens and len(eos) > MAX_STOP:
         raise ValueError(f"request {index}: min_tokens holds back at most {MAX_STOP} stop tokens, it has {len(eos)}")
     return Request(index=index, prompt=list(prompt), params=params, eos=eos, max_new=max_new,
+                   position_cap=position_cap(n, max_new),
                    out=Output(prompt_ids=list(prompt), logprobs=None if params.logprobs is None else []))

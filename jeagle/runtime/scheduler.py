@@ -1,10 +1,19 @@
 """The Engine: a scheduler driving one decoder, with continuous batching and pipelined dispatch.
 
-The engine owns the host side: the queue, admission (a request gets a row and all the slots its
-decoder's layout asks for, `runtime/slots.py`), grouping of prefills, the batch of each decode step
-or speculative round, the overlap of host and device, reading results back, the verify_done wait
-and the stats. The decoder (`runtime/decoder.py` says what it provides) owns the device state and
-the executables. Requests wait in the queue while the pool lacks room.
+The engine owns the host side: the queue, admission (a request gets a row, its longest cached
+prefix and slots for its prompt and a little more, `runtime/kv.py`), grouping of prefills, slots on
+demand before each dispatch, retraction when the pool runs short, the batch of each decode step or
+speculative round, the overlap of host and device, reading results back, the verify_done wait and
+the stats. The decoder (`runtime/decoder.py` says what it provides) owns the device state and the
+executables. Requests wait in the queue while the pool lacks room.
+
+Retraction: when the running batch's next dispatch needs slots the pool (free, or held by evictable
+cached prefixes) cannot give, the host reads every result in flight, then retracts the youngest
+request: its committed KV goes to the prefix cache, everything else it holds is freed, and it waits
+at the head of the queue. Resumed, it prefills its prompt and the tokens it has emitted (most of
+them from the cache) and samples its next token from that prefill: greedy output is unchanged, and
+target-only sampling too (each token's random draw is keyed by its position). Admission pauses after
+a retraction until a request finishes, so the two do not alternate.
 
 Pipelining: the host dispatches step c+1 (its inputs live on the device) before it reads the tokens
 of step c, whose device→host copy was started right after dispatch. A request that finishes inside
@@ -24,6 +33,7 @@ from typing import Callable
 import numpy as np
 
 from jeagle.runtime.decoder import wants_grammar
+from jeagle.runtime.kv import MIN_CACHED, Committed, KVManager, ShortOfSlots
 from jeagle.runtime.requests import Output, Request, RequestLimits, make_request
 from jeagle.runtime.slots import OutOfSlots, SlotPool
 from jeagle.runtime.stats import Stats, latency_stats
@@ -43,6 +53,8 @@ class Engine:
         self.buckets = decoder.buckets
         self.max_context, self.max_running = decoder.max_ctx, decoder.max_reqs
         self.pool = SlotPool(decoder.num_slots, decoder.max_reqs)
+        self.kv = KVManager(self.pool, speculative=decoder.speculative, vocab=self.model_cfg.vocab_size,
+                            prefix_cache=config.prefix_cache)
         self.limits = RequestLimits(max_ctx=decoder.max_ctx, vocab_size=self.model_cfg.vocab_size,
                                     eos_token_ids=tuple(self.model_cfg.eos_token_ids),
                                     context_reserve=decoder.context_reserve, pool_slots=decoder.num_slots - 1)
@@ -51,6 +63,11 @@ class Engine:
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
         self._pending: deque = deque()
+        self._releasing: deque = deque()  # (finished requests, their slot tables being read back)
+        self._to_read: list[Request] = []  # finished in this processing, their tables not asked for yet
+        self._admitted = 0  # admissions so far (a request's admit_order: the youngest is retracted first)
+        self._hold_admission = False  # after a retraction, until a request finishes
+        self.retractions = 0
         self._next_index = 0
         self.last_stats: Stats | None = None
         self.reset_stats()
@@ -99,14 +116,30 @@ class Engine:
 
     def info(self) -> dict:
         """The live counters a server reports (`/server_info`)."""
+        kv = self.kv
+        cache = kv.cache
         return {"running_requests": self.num_running, "queued_requests": self.num_waiting,
-                "kv_slots_free": self.pool.free_slots, "kv_slots_total": self.pool.num_slots - 1} | self.decoder.info()
+                "kv_slots_free": self.pool.free_slots, "kv_slots_total": self.pool.num_slots - 1,
+                "prefix_cache": cache is not None, "prefix_cache_slots": cache.cached_slots if cache else 0,
+                "prefix_cache_evictable_slots": cache.evictable_slots if cache else 0,
+                "cached_tokens_total": kv.cached_tokens_total, "evicted_slots_total": kv.evicted_total,
+                "retractions": self.retractions} | self.decoder.info()
+
+    def check_kv(self) -> None:
+        """Raise unless every KV slot is free, cached once or owned once (`KVManager.check`)."""
+        holders = list(self._running) + [r for done, _ in self._releasing for r in done]
+        self.kv.check(holders)
+
+    def flush_cache(self) -> int:
+        """Evict every cached prefix no request uses; returns the slots freed."""
+        return self.kv.flush()
 
     # ---- requests ------------------------------------------------------------------------------------
     def check(self, prompt: list[int], params: SamplingParams = SamplingParams(), index: int = 0) -> Request:
         """The request `submit` would queue, checked (PromptTooLong, OutOfSlots, ValueError), queued nowhere."""
         layout, max_ctx = self.decoder.layout, self.max_context
-        return make_request(index, prompt, params, self.limits, lambda n, m: layout.slots_needed(n, m, max_ctx))
+        return make_request(index, prompt, params, self.limits, lambda n, m: layout.slots_needed(n, m, max_ctx),
+                            lambda n, m: layout.positions(n, m, max_ctx))
 
     def submit(self, prompt: list[int], params: SamplingParams = SamplingParams(),
                on_tokens: Callable[[int, list[int]], None] | None = None, index: int | None = None) -> Request:
@@ -132,8 +165,8 @@ class Engine:
         r.finish("abort")
         if r in self._waiting:
             self._waiting.remove(r)
-        elif r.slots is not None:
-            self._release(r)
+        elif r.table is not None:
+            self.kv.release(r)  # nothing cached: its last dispatches may still be in flight
         self._running = [x for x in self._running if x is not r]
 
     def abort_all(self) -> list[Request]:
@@ -144,6 +177,14 @@ class Engine:
         for r in reqs:
             self.abort(r)
         self._pending.clear()
+        self._to_read.clear()
+        while self._releasing:  # finished before the failure: their tables' reads may have failed too
+            done, handle = self._releasing.popleft()
+            try:
+                self._complete(done, handle)
+            except Exception:
+                for r in done:
+                    self.kv.release(r)
         self.decoder.dropped()
         try:  # after a failed step the last round's results may be the failure itself: drop them
             self.verify_done.wait()
@@ -152,23 +193,55 @@ class Engine:
         return reqs
 
     def _admit(self, r: Request) -> bool:
-        got = self.pool.admit(self.decoder.layout.slots_needed(len(r.prompt), r.max_new, self.max_context))
-        if got is None:
+        lay = self.decoder.layout
+        # Room for the prompt and a chunk more; the running requests keep a chunk each to grow into.
+        chunk = self.kv.chunk
+        headroom = sum(min(chunk, x.position_cap - len(x.table)) for x in self._running if x.table is not None)
+        if not self.kv.admit(r, min(r.position_cap, len(r.seq) + chunk), lay.tree + lay.scratch, headroom):
             return False
-        r.row, r.slots = got
+        if not r.retractions:
+            r.cached_tokens = r.cached
+        self._admitted += 1
+        r.admit_order = self._admitted
         return True
 
     def _release(self, r: Request) -> None:
-        if r.slots is None:  # released already: an abort from the request's own token callback
+        """A finished request's KV: what it committed to the prefix cache, the rest freed. Where rounds
+        swap slots on the device, its slot-table row is read back first (asynchronously)."""
+        if r.table is None:  # released already: an abort from the request's own token callback
             return
-        self.pool.release(r.row, r.slots)
-        r.slots = None
+        if not self.kv.usable(r):
+            self.kv.release(r)
+        elif self.decoder.swaps_slots:
+            self._to_read.append(r)
+        else:
+            self.kv.release(r, Committed(len(r.seq) - 1, r.table))
+
+    def _ask_tables(self) -> None:
+        """Start reading the slot tables of the requests that finished in this processing."""
+        if self._to_read:
+            done = [r for r in self._to_read if r.table is not None]
+            self._to_read = []
+            if done:
+                self._releasing.append((done, self.decoder.read_tables([r.row for r in done])))
+
+    def _complete(self, done, handle) -> None:
+        tables, lengths = self.decoder.tables_of(handle)
+        for r, table, n in zip(done, tables, lengths):
+            if r.table is not None:
+                self.kv.release(r, Committed(int(n), table))
+
+    def _complete_releases(self) -> None:
+        """Release the finished requests whose slot tables were read."""
+        while self._releasing:
+            self._complete(*self._releasing.popleft())
 
     def _deliver(self, r: Request, tokens, logprobs=None) -> None:
         new = r.take(tokens, self.compile_seconds, logprobs)
         if new and r.on_tokens is not None:
             r.on_tokens(r.index, new)
         if r.done:
+            self._hold_admission = False
             self._release(r)
 
     # ---- the scheduler step ----------------------------------------------------------------------------
@@ -180,26 +253,43 @@ class Engine:
 
         def flush():
             b, t = self.buckets.prefill(len(group), longest)
-            self._pending.append(("prefill", list(group), dec.prefill(group, b, t)))
+            starts = any(r.start for r in group)
+            context = self.buckets.context(max(len(r.seq) for r in group)) if starts else 0
+            self._pending.append(("prefill", list(group), dec.prefill(group, b, t, context=context)))
+            for r in group:
+                self.kv.prefilled(r)  # its prompt's KV is on its way: later requests may share it
             running.extend(group)
             group.clear()
 
+        if self._hold_admission and running:
+            return
         while waiting and len(running) + len(group) < self.max_running:
             nxt = waiting[0]
-            if group and not self.buckets.prefill_fits(len(group) + 1, max(longest, len(nxt.prompt))):
+            if group and (not self.buckets.prefill_fits(len(group) + 1, max(longest, len(nxt.seq) - nxt.start))
+                          or self._shares_prefix(nxt, group)):
                 flush()
                 longest = 0
                 continue
             if not self._admit(nxt):
                 break
             group.append(waiting.popleft())
-            longest = max(longest, len(nxt.prompt))
+            longest = max(longest, len(nxt.seq) - nxt.start)
         if group:
             flush()
         if waiting and not running and not self._pending:
             r = waiting.popleft()
             r.finish("abort")
             raise OutOfSlots(f"cannot admit request {r.index} although nothing is running (it was dropped)")
+
+    def _shares_prefix(self, r: Request, group: list[Request]) -> bool:
+        """Whether r's prompt shares at least half its length with a prompt of the prefill `group` (n
+        samples of one prompt, a long shared system prompt): r then waits for the next prefill, which
+        reuses that prompt's KV from the prefix cache instead of computing it again."""
+        if not self.kv.usable(r):
+            return False
+        seq = r.seq
+        need = max(MIN_CACHED, len(seq) // 2)
+        return any(self.kv.usable(g) and len(g.seq) >= need and g.seq[:need] == seq[:need] for g in group)
 
     def step(self) -> None:
         """One scheduler step: the verify_done wait, admission and prefill of what fits, one decode
@@ -208,8 +298,12 @@ class Engine:
         dec, pending, acct = self.decoder, self._pending, self._acct
         # The next host step starts with the wait on the last round's verify results (sync: hard).
         blocked = self.verify_done.wait()
+        self._complete_releases()  # their reads were started a step ago
         self._admit_waiting()
         live = [r for r in self._running if dec.wants_step(r)]
+        if live:
+            live, waited = self._reserve(live)
+            blocked += waited
         grammar = wants_grammar(live)
         if grammar and pending:  # the grammars' masks need every token in flight first
             t1 = time.perf_counter()
@@ -232,11 +326,71 @@ class Engine:
         keep = 1 if live and self.config.overlap and not grammar else 0
         while len(pending) > keep:
             blocked += self._process(*pending.popleft())
+        self._ask_tables()
         if live:
             acct["blocked_per_step"].append(blocked)
         self._running = [r for r in self._running if not r.done]
         if not self.has_work:
             self.verify_done.wait()  # nothing may stay pending once idle
+            self._complete_releases()
+
+    # ---- slots on demand, retraction ------------------------------------------------------------------------
+    def _reserve(self, live: list[Request]) -> tuple[list[Request], float]:
+        """Slots for every position the next dispatch over `live` may write (written into the device's
+        slot table), retracting the youngest requests while the pool cannot give them. Returns (the
+        batch to dispatch, seconds the host waited on results in flight)."""
+        dec, waited = self.decoder, 0.0
+        while True:
+            entries, short = [], False
+            for r in live:
+                try:
+                    got = self.kv.ensure(r, dec.prefix_needed(r))
+                except ShortOfSlots:
+                    short = True
+                    break
+                if got is not None:
+                    entries.append((r.row, *got))
+            if entries:
+                dec.assign_slots(entries)
+            if not short:
+                return live, waited
+            if self._pending or self._to_read or self._releasing:
+                # Read every result in flight (finished requests free their slots; the rest's state
+                # is final), then try again.
+                t1 = time.perf_counter()
+                while self._pending:
+                    self._process(*self._pending.popleft())
+                self._ask_tables()
+                self._complete_releases()
+                waited += time.perf_counter() - t1
+            elif len(self._running) > 1:
+                self._retract(max(self._running, key=lambda x: x.admit_order))
+            else:
+                raise OutOfSlots(f"request {live[0].index} alone cannot get the KV slots it needs "
+                                 f"({self.kv.available} available of {self.pool.num_slots - 1})")
+            self._running = [r for r in self._running if not r.done]
+            live = [r for r in self._running if dec.wants_step(r)]
+            if not live:
+                return live, waited
+
+    def _retract(self, r: Request) -> None:
+        """Take r out of the batch (nothing of it in flight): its committed KV to the prefix cache,
+        the rest freed, r back at the head of the queue to resume from its tokens so far."""
+        dec = self.decoder
+        if dec.swaps_slots:
+            tables, lengths = dec.tables_of(dec.read_tables([r.row]))
+            committed = Committed(int(lengths[0]), tables[0])
+        else:
+            committed = Committed(len(r.seq) - 1, r.table)
+        self.kv.release(r, committed)
+        r.row, r.start, r.length, r.dispatched, r.processed = -1, 0, 0, 0, 0
+        r.retractions += 1
+        self.retractions += 1
+        self._hold_admission = True
+        self._running = [x for x in self._running if x is not r]
+        self._waiting.appendleft(r)
+        log.info("retracted request %d after %d tokens (%d KV slots free)", r.index, len(r.out.token_ids),
+                 self.pool.free_slots)
 
     def _process(self, kind, batch, result) -> float:
         """Read one dispatched result and deliver its tokens; returns the seconds the host waited."""
@@ -255,16 +409,18 @@ class Engine:
 
     # ---- warm-up -------------------------------------------------------------------------------------------
     def warmup(self, batch_sizes=None, prefill_lengths=None, kv_lengths=None, greedy=(True, False),
-               progress: bool = True, logprobs=(False,), penalties=(False,)) -> float:
+               progress: bool = True, logprobs=(False,), penalties=(False,), prefix=(False,)) -> float:
         """Compile ahead of time every executable `generate()` can dispatch for the given sizes (None:
         all of them): prefill for every (batch, length) bucket pair within max_prefill_tokens, decode
         steps / rounds (every tier's) for every (batch, prefix) bucket pair in each mode of `greedy`;
         all of them in each mode of `logprobs` (True: the executables that also return logprobs) and
-        the decode steps / rounds in each mode of `penalties` (True: those that apply penalties).
-        Afterwards generate() compiles nothing for those shapes (its stats count any compilation as
-        `compilations_after_warmup`). Returns the seconds taken."""
-        return self._warmup(self.warmup_plan(batch_sizes, prefill_lengths, kv_lengths, greedy, logprobs, penalties),
-                            progress)
+        the decode steps / rounds in each mode of `penalties` (True: those that apply penalties), and
+        the prefills in each mode of `prefix` (True: those that continue a cached prefix, every context
+        bucket; a server with the prefix cache on wants both). Afterwards generate() compiles nothing
+        for those shapes (its stats count any compilation as `compilations_after_warmup`). Returns the
+        seconds taken."""
+        return self._warmup(self.warmup_plan(batch_sizes, prefill_lengths, kv_lengths, greedy, logprobs, penalties,
+                                             prefix), progress)
 
     def _warmup(self, keys, progress: bool) -> float:
         """Compile `keys`, then let the decoder time what it times (the adaptive tiers' rounds; counted
@@ -274,9 +430,11 @@ class Engine:
         return self.executables.warmup_seconds
 
     def warmup_plan(self, batch_sizes=None, prefill_lengths=None, kv_lengths=None, greedy=(True, False),
-                    logprobs=(False,), penalties=(False,)) -> list:
+                    logprobs=(False,), penalties=(False,), prefix=(False,)) -> list:
         """The step keys `warmup` compiles for these sizes (see there)."""
-        prefill, decode = self.buckets.warmup_plan(batch_sizes, prefill_lengths, kv_lengths)
+        if self.kv.cache is None:
+            prefix = (False,)
+        prefill, decode = self.buckets.warmup_plan(batch_sizes, prefill_lengths, kv_lengths, prefix)
         return self.decoder.warmup_keys(prefill, decode, greedy, logprobs, penalties)
 
     def plan_for(self, prompt_lengths, max_new_tokens: int, greedy=(True, False), logprobs=(False,), penalties=(False,)) -> list:
@@ -311,6 +469,7 @@ class Engine:
         """Start a new accounting window for `stats()`."""
         self._acct = {"t0": time.perf_counter(), "compile0": self.compile_seconds, "compiled0": self.num_compiled,
                       "blocked_per_step": deque(maxlen=HISTORY), "buckets_used": set(),
+                      "retractions0": self.retractions,
                       "decoder": self.decoder.stats_window()}
 
     def stats(self, reqs: list[Request]) -> Stats:
@@ -326,6 +485,8 @@ class Engine:
                      host_blocked_ms=latency_stats(acct["blocked_per_step"]),
                      buckets_used=sorted(acct["buckets_used"]), overlap=self.config.overlap,
                      verify_done_wait=self.verify_done.mode, executables_from_store=exes.loaded_from_store,
+                     cached_tokens=sum(r.cached_tokens for r in reqs),
+                     retractions=self.retractions - acct["retractions0"],
                      speculative=self.decoder.stats(acct["decoder"]))
 
     # ---- all at once ----------------------------------------------------------------------------------------

@@ -49,6 +49,8 @@ class Stats:
     overlap: bool
     verify_done_wait: str
     executables_from_store: int | None  # engine lifetime; None without a store
+    cached_tokens: int = 0  # prompt tokens taken from the prefix cache instead of prefilled
+    retractions: int = 0  # requests retracted to make room (and resumed), in the window
     speculative: SpecStats | None = None
 
     @property

@@ -99,7 +99,8 @@ class Sampling:
 @dataclass
 class PrefillInputs:
     tokens: jax.Array  # [B, T] prompts, 0 padded
-    lengths: jax.Array  # [B] prompt lengths (0: a padding row)
+    lengths: jax.Array  # [B] tokens to prefill (0: a padding row)
+    starts: jax.Array  # [B] the position of each row's first token (a cached prefix's length; 0 without a key context)
     row_ids: jax.Array  # [B] request rows (padding: the scratch row)
     slot_count: jax.Array  # [B] position slots of each request
     slot_flat: jax.Array  # [B * max_ctx] their slots back to back (runtime.slots.flat_slots)
@@ -159,6 +160,25 @@ class _TargetKey:
         return compiler_options(self.static.kernels, cublas_only=self.phase == "prefill")
 
 
+def prefill_attn(table, starts, lengths, t: int, context: int) -> tuple[AttnInputs, jax.Array]:
+    """(AttnInputs, positions [B, t]) of a prefill of `lengths` tokens per row (padded to t) from
+    position `starts`. context 0: every row starts at 0 and attends over its own t tokens (the plain
+    prefill); else rows continue a cached prefix and attend over positions [0, context) of their
+    slot-table rows, causally (`context` >= every start + length: a prefill-length bucket)."""
+    b = lengths.shape[0]
+    j = jnp.arange(t, dtype=jnp.int32)
+    if not context:
+        pos = jnp.broadcast_to(j, (b, t))
+        valid = pos < lengths[:, None]
+        return AttnInputs(positions=pos, write_slots=jnp.where(valid, table[:, :t], SCRATCH_SLOT),
+                          kv_slots=table[:, :t], kv_len=lengths), pos
+    pos = starts[:, None] + j[None, :]
+    valid = j[None, :] < lengths[:, None]
+    write = jnp.take_along_axis(table, jnp.minimum(pos, table.shape[1] - 1), 1)
+    return AttnInputs(positions=pos, write_slots=jnp.where(valid, write, SCRATCH_SLOT), kv_slots=table[:, :context],
+                      kv_len=starts + lengths), pos
+
+
 @dataclass(frozen=True)
 class PrefillKey(_TargetKey):
     static: TargetStatic
@@ -166,16 +186,18 @@ class PrefillKey(_TargetKey):
     length: int
     logprobs: bool = False
     prompt_logprobs: bool = False  # also the prompt tokens' logprobs (`jeagle.logprobs.prompt_logprobs`)
+    context: int = 0  # > 0: rows continue cached prefixes, attending over this many positions (`prefill_attn`)
     phase = "prefill"
 
     @property
     def label(self) -> str:
-        return (f"prefill-b{self.batch}-t{self.length}{'-lp' if self.logprobs else ''}"
-                f"{'-plp' if self.prompt_logprobs else ''}")
+        return (f"prefill-b{self.batch}-t{self.length}{f'-c{self.context}' if self.context else ''}"
+                f"{'-lp' if self.logprobs else ''}{'-plp' if self.prompt_logprobs else ''}")
 
     def build(self, shapes: DeviceShapes) -> StepBuild:
         b, t, ctx = self.batch, self.length, self.static.max_ctx
         inputs = PrefillInputs(_abstract((b, t), jnp.int32), _abstract((b,), jnp.int32), _abstract((b,), jnp.int32),
+                               _abstract((b,), jnp.int32),
                                _abstract((b,), jnp.int32), _abstract((b * ctx,), jnp.int32), sampling_shapes(b),
                                penalty_shapes(b), _abstract((b, mask_words(self.static.model.vocab_size)), jnp.int32))
         fn = functools.partial(prefill_step, self, shapes.graphdefs[0])
@@ -223,18 +245,17 @@ def prefill_step(key: PrefillKey, graphdef, params, state: TargetState, inputs: 
     b, t = tokens.shape
     cache = state.cache
     req_to_token, table = assign_rows(cache.req_to_token, row_ids, inputs.slot_count, inputs.slot_flat)
-    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    valid = pos < lengths[:, None]
-    attn = AttnInputs(positions=pos, write_slots=jnp.where(valid, table[:, :t], SCRATCH_SLOT),
-                      kv_slots=table[:, :t], kv_len=lengths)
+    attn, pos = prefill_attn(table, inputs.starts, lengths, t, key.context)
     out = model(tokens, attn, cache.k, cache.v, logits_index=jnp.maximum(lengths - 1, 0),
                 unroll=key.static.unroll_prefill)
+    total = inputs.starts + lengths  # the sequence's length: the sampled token's position
     # The rows' penalties written and applied (neutral ones leave the logits as they are).
-    pen = prefill_rows(state.penalties, row_ids, inputs.penalties, tokens, lengths)
-    logits = apply_penalties(out.logits, gather_penalties(pen, row_ids), jnp.zeros((b,), jnp.int32))
+    pen = prefill_rows(state.penalties, row_ids, inputs.penalties, tokens, lengths, pos)
+    logits = apply_penalties(out.logits, gather_penalties(pen, row_ids),
+                             jnp.maximum(total - inputs.penalties.prompt_len, 0))
     logits = apply_token_mask(logits, inputs.token_mask)
     # One executable for greedy and sampled rows: the sampler's sort runs once per prefill, not per step.
-    tok = sample(logits, s.seed, lengths, s.temperature, s.top_k, s.top_p, all_greedy=False)
+    tok = sample(logits, s.seed, total, s.temperature, s.top_k, s.top_p, all_greedy=False)
     pen = add_tokens(pen, row_ids, tok[:, None])
     r = state.rows
     rows = RowState(last_token=r.last_token.at[row_ids].set(tok), temperature=r.temperature.at[row_ids].set(s.temperature),

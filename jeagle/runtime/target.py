@@ -16,16 +16,18 @@ from flax import nnx
 from jeagle.runtime.buckets import Buckets, pad
 from jeagle import logprobs
 from jeagle.penalties import penalty_inputs, wants_penalties
-from jeagle.runtime.decoder import (Delivery, context_size, place_cache, sampling_inputs, split_prompt_logprobs,
-                                    token_masks, wants_grammar, wants_logprobs, wants_prompt_logprobs, weight_bytes)
+from jeagle.runtime.decoder import (Delivery, SlotTables, context_size, place_cache, prefill_batch, sampling_inputs,
+                                    split_prompt_logprobs, token_masks, wants_grammar, wants_logprobs,
+                                    wants_prompt_logprobs, weight_bytes)
 from jeagle.runtime.executables import DeviceShapes, Executables
-from jeagle.runtime.slots import SlotLayout, flat_slots, pool_size
+from jeagle.runtime.slots import SlotLayout, pool_size
 from jeagle.runtime.steps import (DecodeInputs, DecodeKey, PrefillInputs, PrefillKey, Sampling, TargetState,
                                   TargetStatic, init_state, layer_unroll)
 
 
-class TargetDecoder:
+class TargetDecoder(SlotTables):
     speculative = False
+    swaps_slots = False  # the host's slot tables are the device's (nothing swaps positions' slots)
 
     def __init__(self, model, config, *, mesh=None):
         self.config, self.model_cfg, self.mesh = config, model.cfg, mesh
@@ -58,10 +60,12 @@ class TargetDecoder:
                                        compile_processes=config.compile_processes)
         self._rng = np.random.default_rng()
         self._fast: dict[tuple, object] = {}  # (b, kv, greedy) -> decode executable, without hashing a whole key
+        self._init_tables()
 
     # ---- keys -----------------------------------------------------------------------------------
-    def prefill_key(self, b: int, t: int, logprobs: bool = False, prompt_logprobs: bool = False) -> PrefillKey:
-        return PrefillKey(self.static, b, t, logprobs, prompt_logprobs)
+    def prefill_key(self, b: int, t: int, logprobs: bool = False, prompt_logprobs: bool = False,
+                    context: int = 0) -> PrefillKey:
+        return PrefillKey(self.static, b, t, logprobs, prompt_logprobs, context)
 
     def decode_key(self, b: int, kv: int, greedy: bool, logprobs: bool = False, penalties: bool = False,
                    grammar: bool = False) -> DecodeKey:
@@ -72,7 +76,7 @@ class TargetDecoder:
         """Prefill keys for the (b, t) pairs (greedy and sampled rows share them; every prefill applies
         penalties), decode keys for the (b, kv) pairs in each mode of `greedy` and `penalties`; each in
         each mode of `logprobs`."""
-        return ([self.prefill_key(b, t, lp) for lp in logprobs for b, t in prefill]
+        return ([self.prefill_key(b, t, lp, context=c) for lp in logprobs for b, t, c in prefill]
                 + [self.decode_key(b, kv, g, lp, pen) for lp in logprobs for pen in penalties for g in greedy
                    for b, kv in decode])
 
@@ -86,30 +90,30 @@ class TargetDecoder:
         out.copy_to_host_async()  # the host reads it a step later; this copy is then done
         return out
 
-    def prefill(self, reqs, b: int, t: int, logprobs: bool | None = None, prompt_logprobs: bool = False):
+    def prefill(self, reqs, b: int, t: int, logprobs: bool | None = None, prompt_logprobs: bool = False,
+                context: int = 0):
         """logprobs: the executable with logprobs or not (None: as the requests ask; then
-        prompt_logprobs too)."""
-        tokens = np.zeros((b, t), np.int32)
-        for i, r in enumerate(reqs):
-            tokens[i, : len(r.prompt)] = r.prompt
-            r.length, r.dispatched = len(r.prompt), 1
-        count, flat = flat_slots(b, self.max_ctx, [r.slots for r in reqs])
+        prompt_logprobs too). context > 0: requests may start past position 0 (cached prefixes)."""
+        tokens, lengths, starts, count, flat = prefill_batch(reqs, b, t, self.max_ctx)
+        for r in reqs:
+            r.dispatched = len(r.out.token_ids) + 1
         lp = wants_logprobs(reqs) if logprobs is None else logprobs
         plp = wants_prompt_logprobs(reqs) if logprobs is None else prompt_logprobs
-        inputs = PrefillInputs(tokens=tokens, lengths=pad([len(r.prompt) for r in reqs], b, 0, np.int32),
+        inputs = PrefillInputs(tokens=tokens, lengths=lengths, starts=starts,
                                row_ids=pad([r.row for r in reqs], b, self.scratch_row, np.int32),
                                slot_count=count, slot_flat=flat,
                                sampling=Sampling(*sampling_inputs(reqs, b, self._rng)),
                                penalties=penalty_inputs(reqs, b),
                                token_mask=token_masks(reqs, b, self.model_cfg.vocab_size))
-        return self._run(self.executables.get(self.prefill_key(b, t, lp, plp)), inputs)
+        return self._run(self.executables.get(self.prefill_key(b, t, lp, plp, context)), inputs)
 
     def prime(self, key) -> None:
         """Run `key`'s executable once on padding rows only (the scratch row, which every padded batch
         computes on anyway), so that the first dispatch a request waits on does not pay the
         executable's first run on the device. Leaves nothing pending."""
         if key.phase == "prefill":
-            out = self.prefill([], key.batch, key.length, logprobs=key.logprobs, prompt_logprobs=key.prompt_logprobs)
+            out = self.prefill([], key.batch, key.length, logprobs=key.logprobs, prompt_logprobs=key.prompt_logprobs,
+                               context=key.context)
         elif key.phase == "decode":
             out = self._run(self.executables.get(key), DecodeInputs(
                 row_ids=pad([], key.batch, self.scratch_row, np.int32), positions=pad([], key.batch, 0, np.int32)))

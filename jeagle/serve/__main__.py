@@ -55,7 +55,7 @@ def serve(args: ServeArgs) -> int:
     except USER_ERRORS as e:
         return report(e)
     if args.warmup:
-        engine.warmup(progress=True)
+        engine.warmup(progress=True, prefix=(False, True))  # prefills after a prefix-cache hit too
     name = args.served_model_name or target_dir.name
     print(f"[jeagle.serve] {name} ({spec.dtype}) loaded in {load_s:.1f} s; serving on http://{args.host}:{args.port}", file=sys.stderr)
     aliases = (spec.target, str(target_dir)) if spec.target else (str(target_dir),)

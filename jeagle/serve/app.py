@@ -343,4 +343,7 @@ async def whole(s: Served, jobs: list[Job], ask: Ask):
             text = ask.prompt_text + text
             p = (echo_pairs(ask, jobs[i]) if ask.opts["logprobs"] is not None else []) + p
         choices.append(choice_body(ask.chat, i, text, finishes[i], LogprobsOut(s, ask)(p)))
-    return JSONResponse(completion_body(ask.rid, s.model_name, ask.chat, choices, len(ask.prompt_ids), sum(counts)))
+    # The prompt's cached tokens as its first sample saw them (the others fork from its prefill).
+    cached = jobs[0].request.cached_tokens if jobs[0].request is not None else 0
+    return JSONResponse(completion_body(ask.rid, s.model_name, ask.chat, choices, len(ask.prompt_ids), sum(counts),
+                                        cached))

@@ -269,8 +269,10 @@ def stream_chunk(rid: str, model_name: str, chat: bool, text: str, finish: str |
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model_name, "choices": [choice]}
 
 
-def usage_body(n_prompt: int, n_completion: int) -> dict:
-    return {"prompt_tokens": n_prompt, "completion_tokens": n_completion, "total_tokens": n_prompt + n_completion}
+def usage_body(n_prompt: int, n_completion: int, cached: int = 0) -> dict:
+    """OpenAI's usage; `cached`: prompt tokens whose KV came from the prefix cache."""
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_completion, "total_tokens": n_prompt + n_completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def choice_body(chat: bool, index: int, text: str, finish: str | None, logprobs: dict | None = None) -> dict:
@@ -281,10 +283,10 @@ def choice_body(chat: bool, index: int, text: str, finish: str | None, logprobs:
 
 
 def completion_body(rid: str, model_name: str, chat: bool, choices: list[dict], n_prompt: int,
-                    n_completion: int) -> dict:
+                    n_completion: int, cached: int = 0) -> dict:
     """A whole (not streamed) response: its choices (`choice_body`) and usage (the prompt counted once)."""
     return {"id": rid, "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
-            "model": model_name, "choices": choices, "usage": usage_body(n_prompt, n_completion)}
+            "model": model_name, "choices": choices, "usage": usage_body(n_prompt, n_completion, cached)}
 
 
 # ---- logprobs out ---------------------------------------------------------------------------------------

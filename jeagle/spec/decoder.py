@@ -33,10 +33,11 @@ from jeagle.adaptive import AdaptiveConfig, AdaptiveConfigError, AdaptiveControl
 from jeagle.runtime.buckets import Buckets, pad
 from jeagle import logprobs
 from jeagle.penalties import penalty_inputs, wants_penalties
-from jeagle.runtime.decoder import (Delivery, context_size, place_cache, sampling_inputs, split_prompt_logprobs,
-                                    token_masks, wants_grammar, wants_logprobs, wants_prompt_logprobs, weight_bytes)
+from jeagle.runtime.decoder import (Delivery, SlotTables, context_size, place_cache, prefill_batch, sampling_inputs,
+                                    split_prompt_logprobs, token_masks, wants_grammar, wants_logprobs,
+                                    wants_prompt_logprobs, weight_bytes)
 from jeagle.runtime.executables import DeviceShapes, Executables
-from jeagle.runtime.slots import SlotLayout, flat_slots, pool_size
+from jeagle.runtime.slots import SlotLayout, pool_size
 from jeagle.runtime.stats import SpecStats
 from jeagle.runtime.steps import Sampling, layer_unroll
 from jeagle.spec.round import MAX_STOP, RoundResult, RowLayout, SpecConfig
@@ -45,8 +46,9 @@ from jeagle.spec.steps import DraftKey, RoundKey, SpecPrefillInputs, SpecPrefill
 ACCEPT_HISTORY = 100_000  # accept lengths kept between stats windows (a server runs for days)
 
 
-class SpecDecoder:
+class SpecDecoder(SlotTables):
     speculative = True
+    swaps_slots = True  # a round's commit swaps tree slots into positions: read the tables back to know them
 
     def __init__(self, model, draft, config, spec: SpecConfig = SpecConfig(), *, adaptive: AdaptiveConfig | None = None,
                  fused_round: bool = True, simulate_accept: float = 0.0, mesh=None):
@@ -112,6 +114,7 @@ class SpecDecoder:
                                        store_dir=config.executable_cache_dir, compile_workers=config.compile_workers,
                                        compile_processes=config.compile_processes)
         self._rng = np.random.default_rng()
+        self._init_tables()
         self.accept_lengths: list[int] = []  # tokens per request-round, bonus included (bounded)
         self.rounds_dispatched = 0
         self.tier_log: list[tuple[int, SpecConfig]] = []  # (round index, tier) at every change of tier
@@ -139,8 +142,9 @@ class SpecDecoder:
             self._state = self.controller.active
 
     # ---- keys ------------------------------------------------------------------------------------------
-    def prefill_key(self, b: int, t: int, logprobs: bool = False, prompt_logprobs: bool = False) -> SpecPrefillKey:
-        return SpecPrefillKey(self.static, b, t, logprobs, prompt_logprobs)
+    def prefill_key(self, b: int, t: int, logprobs: bool = False, prompt_logprobs: bool = False,
+                    context: int = 0) -> SpecPrefillKey:
+        return SpecPrefillKey(self.static, b, t, logprobs, prompt_logprobs, context)
 
     def round_key(self, tier: SpecConfig, b: int, kv: int, greedy: bool, logprobs: bool = False,
                   penalties: bool = False) -> RoundKey:
@@ -151,7 +155,7 @@ class SpecDecoder:
         """Prefill keys for the (b, t) pairs (every prefill applies penalties), then every tier's fused
         rounds for the (b, kv) pairs in each mode of `greedy` and `penalties`; each in each mode of
         `logprobs` (the split round is a measurement mode: compiled on first use)."""
-        return ([self.prefill_key(b, t, lp) for lp in logprobs for b, t in prefill]
+        return ([self.prefill_key(b, t, lp, context=c) for lp in logprobs for b, t, c in prefill]
                 + [self.round_key(tier, b, kv, g, lp, pen) for lp in logprobs for pen in penalties
                    for tier in self.tiers for g in greedy for b, kv in decode])
 
@@ -167,38 +171,34 @@ class SpecDecoder:
         res.copy_to_host_async()
         return res
 
-    def prefill(self, reqs, b: int, t: int, logprobs: bool | None = None, prompt_logprobs: bool = False):
+    def prefill(self, reqs, b: int, t: int, logprobs: bool | None = None, prompt_logprobs: bool = False,
+                context: int = 0):
         """logprobs: the executable with logprobs or not (None: as the requests ask; then
-        prompt_logprobs too)."""
-        lay, ctx = self.layout, self.max_ctx
-        tokens = np.zeros((b, t), np.int32)
-        positions, tree, scratch, stops = [], [], [], []
-        for i, r in enumerate(reqs):
-            n = len(r.prompt)
-            tokens[i, :n] = r.prompt
-            p, tr, sc = lay.split(r.slots, n, r.max_new, ctx)
-            positions.append(p)
-            tree.append(tr)
-            scratch.append(sc)
+        prompt_logprobs too). context > 0: requests may start past position 0 (cached prefixes)."""
+        lay = self.layout
+        tree, scratch, stops = [], [], []
+        tokens, lengths, starts, count, flat = prefill_batch(reqs, b, t, self.max_ctx)
+        for r in reqs:
+            tree.append(r.extra[:lay.tree])
+            scratch.append(r.extra[lay.tree:lay.tree + lay.scratch])
             eos = sorted(r.eos)
             if len(eos) > MAX_STOP:
                 raise ValueError(f"request {r.index} has {len(eos)} stop tokens; at most {MAX_STOP} are supported")
             stops.append(eos + [-1] * (MAX_STOP - len(eos)))
-            r.length, r.dispatched = n, 1
+            r.dispatched, r.processed = 1, 0
         self._prefill_since = True  # the next round's time sample would include this prefill
-        count, flat = flat_slots(b, ctx, positions)
         inputs = SpecPrefillInputs(
-            tokens=tokens, lengths=pad([len(r.prompt) for r in reqs], b, 0, np.int32),
+            tokens=tokens, lengths=lengths, starts=starts,
             row_ids=pad([r.row for r in reqs], b, self.scratch_row, np.int32), slot_count=count, slot_flat=flat,
             tree_slots=pad(np.reshape(tree, (len(reqs), lay.tree)), b, 0, np.int32),  # reqs may be none (prime)
             scratch_slots=pad(np.reshape(scratch, (len(reqs), lay.scratch)), b, 0, np.int32),
             sampling=Sampling(*sampling_inputs(reqs, b, self._rng)),
-            max_new=pad([r.max_new for r in reqs], b, 1, np.int32),
+            max_new=pad([r.max_new - len(r.out.token_ids) for r in reqs], b, 1, np.int32),  # a resumed one's rest
             stop_ids=pad(np.reshape(stops, (len(reqs), MAX_STOP)), b, -1, np.int32),
             penalties=penalty_inputs(reqs, b), token_mask=token_masks(reqs, b, self.model_cfg.vocab_size))
         lp = wants_logprobs(reqs) if logprobs is None else logprobs
         plp = wants_prompt_logprobs(reqs) if logprobs is None else prompt_logprobs
-        return self._run(self.executables.get(self.prefill_key(b, t, lp, plp)), inputs)
+        return self._run(self.executables.get(self.prefill_key(b, t, lp, plp, context)), inputs)
 
     def prime(self, key) -> None:
         """Run `key`'s executable once on padding rows only (the scratch row, which every padded batch
@@ -206,7 +206,8 @@ class SpecDecoder:
         executable's first run on the device (its kernels and constants loaded: ~0.2 s for a prefill
         loaded from the store on an H100). Leaves no stats and nothing pending."""
         if key.phase == "prefill":
-            out = self.prefill([], key.batch, key.length, logprobs=key.logprobs, prompt_logprobs=key.prompt_logprobs)
+            out = self.prefill([], key.batch, key.length, logprobs=key.logprobs, prompt_logprobs=key.prompt_logprobs,
+                               context=key.context)
         elif key.phase == "round":
             out = self._run(self.executables.get(key), pad([], key.batch, self.scratch_row, np.int32))
         else:

@@ -21,16 +21,15 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jeagle.cache import SCRATCH_SLOT, KVCache, assign_rows, init_cache, init_pools
+from jeagle.cache import KVCache, assign_rows, init_cache, init_pools
 from jeagle.config import DraftConfig, ModelConfig
 from jeagle.kernels.settings import KernelSettings
 from jeagle.grammar import apply_token_mask, mask_words
 from jeagle.logprobs import pack, prompt_logprobs, token_logprobs
 from jeagle.penalties import (PenaltyInputs, PenaltyRows, add_tokens, apply as apply_penalties,
                               gather as gather_penalties, init_penalty_rows, penalty_shapes, prefill_rows)
-from jeagle.models.common import AttnInputs
 from jeagle.runtime.executables import DeviceShapes, StepBuild, compiler_options
-from jeagle.runtime.steps import Sampling, sampling_shapes
+from jeagle.runtime.steps import Sampling, prefill_attn, sampling_shapes
 from jeagle.sampling import sample
 from jeagle.spec.round import (MAX_STOP, RowLayout, SpecConfig, SpecRows, draft_topk, draft_tree, draft_vocab_ids, init_rows,
                                pack_result, spec_round, verify_commit)
@@ -59,6 +58,7 @@ def init_state(model: ModelConfig, draft: DraftConfig, layout: RowLayout, *, num
 class SpecPrefillInputs:
     tokens: jax.Array  # [B, T]
     lengths: jax.Array  # [B]
+    starts: jax.Array  # [B] the position of each row's first token (runtime/steps.py `prefill_attn`)
     row_ids: jax.Array  # [B]
     slot_count: jax.Array  # [B]
     slot_flat: jax.Array  # [B * max_ctx]
@@ -130,16 +130,17 @@ class SpecPrefillKey(_SpecKey):
     length: int
     logprobs: bool = False
     prompt_logprobs: bool = False  # also the prompt tokens' logprobs (`jeagle.logprobs.prompt_logprobs`)
+    context: int = 0  # > 0: rows continue cached prefixes (runtime/steps.py `prefill_attn`)
     phase = "prefill"
 
     @property
     def label(self) -> str:
-        return (f"spec_prefill-b{self.batch}-t{self.length}{'-lp' if self.logprobs else ''}"
-                f"{'-plp' if self.prompt_logprobs else ''}")
+        return (f"spec_prefill-b{self.batch}-t{self.length}{f'-c{self.context}' if self.context else ''}"
+                f"{'-lp' if self.logprobs else ''}{'-plp' if self.prompt_logprobs else ''}")
 
     def build(self, shapes: DeviceShapes) -> StepBuild:
         b, t, s = self.batch, self.length, self.static
-        inputs = SpecPrefillInputs(_abstract((b, t)), _abstract((b,)), _abstract((b,)), _abstract((b,)),
+        inputs = SpecPrefillInputs(_abstract((b, t)), _abstract((b,)), _abstract((b,)), _abstract((b,)), _abstract((b,)),
                                    _abstract((b * s.max_ctx,)), _abstract((b, s.layout.num_draft_tokens)),
                                    _abstract((b, s.layout.scratch)), sampling_shapes(b), _abstract((b,)),
                                    _abstract((b, MAX_STOP)), penalty_shapes(b),
@@ -206,33 +207,32 @@ def spec_prefill_step(key: SpecPrefillKey, graphdef, draft_graphdef, params, sta
     tokens, lengths, row_ids = x.tokens, x.lengths, x.row_ids
     b, t = tokens.shape
     req_to_token, table = assign_rows(cache.req_to_token, row_ids, x.slot_count, x.slot_flat)
-    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    valid = pos < lengths[:, None]
-    attn = AttnInputs(positions=pos, write_slots=jnp.where(valid, table[:, :t], SCRATCH_SLOT), kv_slots=table[:, :t],
-                      kv_len=lengths)
+    attn, pos = prefill_attn(table, x.starts, lengths, t, key.context)
     last = jnp.maximum(lengths - 1, 0)
     out = target(tokens, attn, cache.k, cache.v, logits_index=last, aux_layers=static.aux_layers,
                  unroll=static.unroll_prefill)
     s = x.sampling
-    pen = prefill_rows(state.penalties, row_ids, x.penalties, tokens, lengths)  # neutral ones change nothing
-    logits = apply_penalties(out.logits, gather_penalties(pen, row_ids), jnp.zeros((b,), jnp.int32))
+    total = x.starts + lengths  # the sequence's length: the first new token's position
+    generated = jnp.maximum(total - x.penalties.prompt_len, 0)  # > 0 for a request resumed after a retraction
+    pen = prefill_rows(state.penalties, row_ids, x.penalties, tokens, lengths, pos)  # neutral ones change nothing
+    logits = apply_penalties(out.logits, gather_penalties(pen, row_ids), generated)
     logits = apply_token_mask(logits, x.token_mask)
-    first = sample(logits, s.seed, lengths, s.temperature, s.top_k, s.top_p, all_greedy=False)  # greedy rows: argmax
+    first = sample(logits, s.seed, total, s.temperature, s.top_k, s.top_p, all_greedy=False)  # greedy rows: argmax
     pen = add_tokens(pen, row_ids, first[:, None])
     # Draft extend: (token t+1, feature t) at position t; the last pair takes the first new token.
     nxt = jnp.concatenate([tokens[:, 1:], jnp.zeros((b, 1), jnp.int32)], 1)
-    ext_tok = jnp.where(pos == last[:, None], first[:, None], nxt)
+    ext_tok = jnp.where(jnp.arange(t)[None, :] == last[:, None], first[:, None], nxt)
     feature = out.hidden if head.cfg.kind == "eagle1" else out.aux_hidden
     lm_head = target.embed[...] if target.lm_head is None else target.lm_head[...]
     dout = head(ext_tok, feature, attn, state.draft_k, state.draft_v, embed=target.embed[...],
                 embed_split=target.vocab_split, lm_head=lm_head, logits_index=last)
     # The first round's root top-K, drafted under the rows' penalties (neutral ones change nothing).
     dpen = gather_penalties(pen, row_ids)
-    dlogits = apply_penalties(dout.logits, dpen, jnp.ones((b,), jnp.int32), vocab_ids=draft_vocab_ids(head))
+    dlogits = apply_penalties(dout.logits, dpen, generated + 1, vocab_ids=draft_vocab_ids(head))
     topk_p, topk_id = draft_topk(head, dlogits, static.layout.topk)
     finished = jnp.any(first[:, None] == x.stop_ids, -1) | (x.max_new <= 1)
     rows = state.rows
-    new = SpecRows(root=first, seq_len=lengths, topk_p=topk_p, topk_id=topk_id,
+    new = SpecRows(root=first, seq_len=total, topk_p=topk_p, topk_id=topk_id,
                    feature=dout.hidden[jnp.arange(b), last].astype(rows.feature.dtype),
                    tree_slots=x.tree_slots, scratch_slots=x.scratch_slots, n_generated=jnp.ones_like(lengths),
                    max_new=x.max_new, stop_ids=x.stop_ids, finished=finished, temperature=s.temperature,

@@ -1,0 +1,210 @@
+"""Prefix caching, slots on demand and retraction (issue 25): the radix tree, the slot ownership
+invariants under random admit/finish/abort/retract sequences, and engines whose output with the cache
+on, with a pool too small for the batch (retraction), equals the output with neither (fp32)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jeagle.engine import EngineConfig, speculative, target_only
+from jeagle.models.eagle import random_draft
+from jeagle.models.llama import random_model
+from jeagle.runtime.kv import MIN_CACHED, Committed, KVManager, ShortOfSlots
+from jeagle.runtime.radix import RadixCache, bigram_keys
+from jeagle.runtime.requests import RequestLimits, make_request
+from jeagle.runtime.slots import SlotPool
+from jeagle.sampling import SamplingParams
+from jeagle.spec.round import SpecConfig
+from tests.spec_models import draft_config, target_config
+
+
+# ---- the radix tree -------------------------------------------------------------------------------------------
+def test_radix_match_insert_split_and_lru_eviction():
+    c = RadixCache()
+    had, a = c.insert([1, 2, 3, 4], np.array([10, 11, 12, 13]))
+    assert had == 0 and c.cached_slots == 4
+    had, b = c.insert([1, 2, 7], np.array([20, 21, 22]))  # splits [1,2,3,4] after 2
+    assert had == 2 and c.cached_slots == 5
+    slots, node = c.match([1, 2, 3, 9])
+    assert slots.tolist() == [10, 11, 12] and node.key == [3]  # the match ends mid-node: split there
+    assert c.match([5])[0].tolist() == [] and c.match([1, 2, 7, 8])[0].tolist() == [10, 11, 22]
+    c.lock(b)  # [1,2] + [7] in use
+    assert c.evictable_slots == 2  # [3] and [4]
+    freed = c.evict(10)
+    assert sorted(np.concatenate(freed).tolist()) == [12, 13] and c.cached_slots == 3
+    c.unlock(b)
+    c.match([1, 2, 7])  # touched: newer than anything else
+    c.insert([9, 9], np.array([30, 31]))
+    assert np.concatenate(c.evict(1)).tolist() == [22]  # least recently used leaf first: [7] (then [1,2])
+    with pytest.raises(AssertionError, match="nobody locked"):
+        c.unlock(b)
+
+
+def test_bigram_keys_need_the_next_token():
+    assert bigram_keys([1, 2, 3], 2, 100) == [102, 203]
+    with pytest.raises(ValueError):
+        bigram_keys([1, 2, 3], 3, 100)
+
+
+def test_random_admit_finish_abort_retract_sequences_keep_every_slot_owned_once():
+    """Many random sequences over a small pool: every slot stays free, cached once or owned by one
+    request once; refcounts stay >= 0; eviction never frees a slot a request uses."""
+    rng = np.random.default_rng(0)
+    for speculative_, trial in [(False, 0), (True, 1), (False, 2), (True, 3)]:
+        pool = SlotPool(num_slots=200, max_reqs=6)
+        kv = KVManager(pool, speculative=speculative_, vocab=8, prefix_cache=True)
+        kv.chunk = 3
+        limits = RequestLimits(max_ctx=64, vocab_size=8, eos_token_ids=(), context_reserve=2 if speculative_ else 0,
+                               pool_slots=199)
+        extra = 5 if speculative_ else 0
+        bases = [list(rng.integers(0, 8, 20)) for _ in range(3)]  # shared prefixes: the cache gets hits
+        running, index = [], 0
+        for _ in range(400):
+            op = rng.random()
+            if op < 0.4 and pool.free_rows:
+                base = bases[rng.integers(3)]
+                prompt = base[: rng.integers(1, 21)] + list(rng.integers(0, 8, rng.integers(0, 6)))
+                r = make_request(index, prompt, SamplingParams(max_new_tokens=int(rng.integers(1, 30))), limits,
+                                 lambda n, m: n + m + 2 + extra, lambda n, m: min(n + m + 2, 64))
+                index += 1
+                if kv.admit(r, min(r.position_cap, len(r.seq) + kv.chunk), extra):
+                    assert r.table[: r.cached].tolist() == (r.table[: r.cached]).tolist()
+                    kv.prefilled(r)
+                    running.append(r)
+            elif op < 0.75 and running:  # a request grows: emits tokens, asks for slots
+                r = running[rng.integers(len(running))]
+                r.out.token_ids.extend(int(t) for t in rng.integers(0, 8, rng.integers(1, 4)))
+                try:
+                    kv.ensure(r, min(len(r.seq) + 3, r.position_cap))
+                except ShortOfSlots:
+                    pass
+            elif running:  # finish (cached), retract (cached), or abort (nothing cached)
+                r = running.pop(rng.integers(len(running)))
+                how = rng.integers(3)
+                written = min(len(r.seq) - 1, len(r.table))
+                # The device may have swapped its own slots around (speculative rounds): a permutation.
+                own = np.concatenate([r.table[r.cached:], r.extra])
+                perm = own[rng.permutation(len(own))] if speculative_ else own
+                table = np.concatenate([r.table[: r.cached], perm])[: len(r.table)]
+                kv.release(r, None if how == 2 else Committed(written, table))
+            kv.check(running)
+            if kv.cache is not None:
+                assert all(n.ref >= 0 for n in kv.cache.nodes())
+                assert kv.cache.locked_slots <= kv.cache.cached_slots
+        for r in running:
+            kv.release(r)
+        assert kv.cache.locked_slots == 0 and all(n.ref == 0 for n in kv.cache.nodes())
+        kv.flush()
+        assert pool.free_slots == 199 and pool.free_rows == 6
+
+
+# ---- engines ----------------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def models():
+    cfg = target_config()
+    return random_model(cfg, 1), random_draft(draft_config(cfg), 2)  # real attention: a wrong KV shows
+
+
+def prompts_with_prefixes():
+    rng = np.random.default_rng(5)
+    system = list(rng.integers(4, 96, 40))
+    prompts = [system + list(rng.integers(4, 96, n)) for n in (3, 7, 5, 9)]  # a shared prefix
+    prompts.append(prompts[1] + [7, 8, 9, 10])  # nested: another prompt whole, then more
+    prompts.append(system[:30] + list(rng.integers(4, 96, 6)))  # diverging inside the shared prefix
+    prompts.append(list(rng.integers(4, 96, 12)))  # nothing shared
+    return prompts
+
+
+def make(models, kind, **kw):
+    target, head = models
+    cfg = EngineConfig(**{"max_batch_size": 3, "max_context": 160, **kw})
+    return target_only(target, cfg) if kind == "target" else speculative(target, head, cfg, SpecConfig(3, 2, 5))
+
+
+def run(engine, prompts, params):
+    outs = [o.token_ids for o in engine.generate(prompts, params)]
+    engine.check_kv()
+    return outs
+
+
+@pytest.mark.parametrize("kind", ["target", "eagle"])
+def test_prefix_cache_and_retraction_leave_output_unchanged(models, kind):
+    prompts = prompts_with_prefixes()
+    params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in (40, 30, 50, 35, 30, 45, 40)]
+    want = run(make(models, kind, prefix_cache=False), prompts, params)
+
+    cached = make(models, kind)
+    assert run(cached, prompts, params) == want
+    first = cached.last_stats
+    assert first.cached_tokens >= 30 and first.retractions == 0  # later admissions reused earlier prompts
+    # Again: every prompt (and answer) is cached now; output unchanged.
+    assert run(cached, prompts, params) == want
+    again = cached.last_stats
+    # (All but the last token of each prompt; the short unshared one is under MIN_CACHED.)
+    assert again.cached_tokens == sum(len(p) - 1 for p in prompts if len(p) - 1 >= MIN_CACHED)
+    if kind == "eagle":  # the draft's KV came along: it drafts as well as after a full prefill
+        assert abs(again.accept_length - first.accept_length) <= 0.02 * first.accept_length + 0.05
+
+    # A pool too small for three such requests at once: slots on demand, then retraction.
+    small = make(models, kind, max_total_tokens=130)
+    small.kv.chunk = 4
+    assert run(small, prompts, params) == want
+    assert small.last_stats.retractions > 0 and small.info()["retractions"] == small.last_stats.retractions
+    small.flush_cache()
+    assert small.pool.free_slots == small.pool.num_slots - 1 and small.pool.free_rows == small.max_running
+
+    # The same without the cache: retracted requests prefill everything again.
+    bare = make(models, kind, max_total_tokens=130, prefix_cache=False)
+    bare.kv.chunk = 4
+    assert run(bare, prompts, params) == want and bare.last_stats.retractions > 0
+    assert bare.pool.free_slots == bare.pool.num_slots - 1
+
+
+def test_sampled_and_penalized_requests_resume_identically_after_retraction(models):
+    """Target-only sampling draws each token by its position: a retracted request resumes with the
+    same tokens. Penalties count its tokens so far again when it resumes."""
+    prompts = prompts_with_prefixes()[:5]
+    params = [SamplingParams(max_new_tokens=30, temperature=0.9, seed=11 + i, ignore_eos=True,
+                             frequency_penalty=0.7 if i % 2 else 0.0, repetition_penalty=1.3 if i == 2 else 1.0)
+              for i in range(5)]
+    want = run(make(models, "target", prefix_cache=False), prompts, params)
+    small = make(models, "target", max_total_tokens=110)
+    small.kv.chunk = 4
+    assert run(small, prompts, params) == want and small.last_stats.retractions > 0
+
+
+def test_step_by_step_invariants_and_abort_during_retraction(models):
+    engine = make(models, "eagle", max_total_tokens=140)
+    engine.kv.chunk = 4
+    prompts = prompts_with_prefixes()
+    reqs = [engine.submit(p, SamplingParams(max_new_tokens=40, ignore_eos=True)) for p in prompts]
+    aborted = False
+    for _ in range(2000):
+        if not engine.has_work:
+            break
+        engine.step()
+        engine.check_kv()
+        if engine.retractions and not aborted:  # abort a retracted request and a running one
+            waiting = [r for r in reqs if r.retractions and not r.done and r.table is None]
+            for r in waiting[:1] + [r for r in reqs if r.table is not None][:1]:
+                engine.abort(r)
+            aborted = True
+            engine.check_kv()
+    assert aborted and not engine.has_work
+    assert all(r.done for r in reqs) and any(r.out.finish_reason == "abort" for r in reqs)
+    engine.flush_cache()
+    assert engine.pool.free_slots == engine.pool.num_slots - 1 and engine.pool.free_rows == engine.max_running
+
+
+def test_n_samples_of_one_prompt_share_its_prefill(models):
+    """Identical prompts submitted together: the first is prefilled, the rest reuse its KV (all but
+    the last token) from the cache — n > 1 in the server."""
+    engine = make(models, "target")
+    prompt = prompts_with_prefixes()[0]
+    params = [SamplingParams(max_new_tokens=6, temperature=1.0, seed=s) for s in range(3)]
+    reqs = [engine.submit(prompt, p) for p in params]
+    while engine.has_work:
+        engine.step()
+    assert [r.cached_tokens for r in reqs] == [0, len(prompt) - 1, len(prompt) - 1]
+    assert len({tuple(r.out.token_ids) for r in reqs}) > 1
