@@ -118,10 +118,11 @@ def jeagle_rows(target_dir, head_dir, prompts_ids, batches, max_new, repeats, ti
             # requests finish, every KV bucket, every tier of jeagle-adaptive), then a warm-up run.
             eng.warmup(batch_sizes=range(1, batch + 1), prefill_lengths=sorted({len(p) for p in ids}),
                        greedy=(sp.greedy,), logprobs=(sp.logprobs is not None,), penalties=(sp.penalized,),
-                       progress=False)
+                       prefix=(False, True), progress=False)
             eng.generate(ids, sp)
 
             def once():
+                eng.flush_cache()  # every run starts cold: later waves reuse only what this run prefilled
                 if name == "jeagle-adaptive":
                     eng.decoder.reset_tier()  # every run starts from the initial tier with a fresh EMA
                 outs = eng.generate(ids, sp)

@@ -47,6 +47,10 @@ fi
 if [[ "$steps" == *" spectests "* ]]; then
   python3 -m pytest -q -x tests/test_spec.py -k "hand or oracle or eos or committed or split" 2>&1 | tail -5 | tee "$OUT/pytest_spec_on_gpu.log"
 fi
+if [[ "$steps" == *" prefix "* ]]; then  # issue 25: prefix cache TTFT, slots on demand + retraction capacity
+  python3 bench/prefix.py --prompts .data/mtbench.jsonl --scenarios "${PREFIX_SCENARIOS:-ttft,capacity}" \
+    --json-out "$OUT/prefix.json" ${PREFIX_ARGS:-} 2>&1 | grep -v "Converting\|Loading" | tee "$OUT/prefix.log"
+fi
 if [[ "$steps" == *" specbench "* ]]; then
   python3 bench/probes/spec_round.py --shape smollm2 --batch-sizes 1,16 --tiers 5,4,8:3,1,4 2>&1 | tee "$OUT/spec_round.log"
 fi

@@ -10,7 +10,7 @@ from jeagle.config import ModelConfig
 from jeagle.engine import EngineConfig, target_only
 from jeagle.models.llama import random_model
 from jeagle.sampling import SamplingParams
-from tests.util import max_rel_err, ragged_forward
+from tests.util import kv_idle, max_rel_err, ragged_forward
 
 CFG = ModelConfig(arch="llama", vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
                   num_kv_heads=2, head_dim=16, dtype="float32", max_position_embeddings=256)
@@ -61,12 +61,14 @@ def test_allocator_exhaustion_and_reuse():
 
 def test_engine_frees_every_slot(model):
     engine = target_only(model, EngineConfig(max_batch_size=2, max_context=64, max_total_tokens=40))
-    idle = engine.pool.free_slots
+    idle = kv_idle(engine)
     rng = np.random.default_rng(2)
     prompts = [list(rng.integers(0, 128, n)) for n in (5, 9, 2, 11)]
     outs = engine.generate(prompts, SamplingParams(max_new_tokens=8))
     assert all(len(o.token_ids) == 8 for o in outs)
-    assert engine.pool.free_slots == idle
+    assert kv_idle(engine) == idle
+    engine.flush_cache()
+    assert engine.pool.free_slots == idle[0]
 
 
 def test_kv_slots_exhausted_is_a_clear_error(model):

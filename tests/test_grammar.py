@@ -18,7 +18,7 @@ from jeagle.sampling import SamplingParams
 from jeagle.spec.round import SpecConfig
 from tests.spec_models import bigram_target, signed_identity_head, target_config
 from tests.test_serve import char_tokenizer
-from tests.util import last_logits
+from tests.util import last_logits, kv_idle
 
 VOCAB, EOS = 100, 3
 MAX_CONTEXT = 160
@@ -132,7 +132,7 @@ def test_target_only_equals_the_reference(tok, target, workload, expected):
     free = target_only(target, EngineConfig(max_batch_size=1, max_context=MAX_CONTEXT)).generate(
         prompts[-1:], params[-1:])[0]
     assert outs[-1].token_ids == free.token_ids  # the unconstrained request, batched with grammars
-    assert eng.pool.free_slots == eng.pool.num_slots - 1
+    assert kv_idle(eng)[0] == eng.pool.num_slots - 1
 
 
 @pytest.mark.parametrize("tier", [(3, 2, 5), (2, 1, 3), (4, 3, 8)])
@@ -146,7 +146,7 @@ def test_eagle_equals_the_reference(tok, target, head, workload, expected, tier)
         if e is not None:
             assert o.token_ids == e
     assert eng.last_stats.to_dict()["accept_length"] > 1.0
-    assert eng.pool.free_slots == eng.pool.num_slots - 1
+    assert kv_idle(eng)[0] == eng.pool.num_slots - 1
 
 
 def test_bad_grammars_are_refused(backend):

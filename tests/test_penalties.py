@@ -16,7 +16,7 @@ from jeagle.engine import EngineConfig, speculative, target_only
 from jeagle.sampling import SamplingParams
 from jeagle.spec.round import SpecConfig
 from tests.spec_models import bigram_target, signed_identity_head, target_config
-from tests.util import last_logits, ragged_forward
+from tests.util import last_logits, ragged_forward, kv_idle
 
 MAX_CONTEXT = 96
 EOS = 3
@@ -105,7 +105,7 @@ def test_eagle_equals_the_reference(target, head, prompts, penalized, expected, 
     outs = eng.generate(prompts, penalized)
     assert [o.token_ids for o in outs] == expected
     assert eng.last_stats.to_dict()["accept_length"] > 1.0
-    assert eng.pool.free_slots == eng.pool.num_slots - 1
+    assert kv_idle(eng)[0] == eng.pool.num_slots - 1
 
 
 def test_mixed_batch_keeps_plain_requests(target, head, prompts, penalized, expected):

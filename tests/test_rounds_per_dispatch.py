@@ -12,6 +12,7 @@ from jeagle.engine import EngineConfig, speculative, target_only
 from jeagle.sampling import SamplingParams
 from jeagle.spec.round import SpecConfig
 from tests.spec_models import bigram_target, signed_identity_head, target_config
+from tests.util import kv_idle
 
 ROUNDS = (1, 2, 4)
 MAX_CONTEXT = 96
@@ -67,7 +68,7 @@ def test_greedy_tokens_equal_for_every_rounds_per_dispatch(target, head, workloa
         assert len(prompts[5]) + len(got[5]) + eng.decoder.context_reserve == MAX_CONTEXT
         first = first or got
         assert got == first, rounds
-        assert eng.pool.free_slots == eng.pool.num_slots - 1, rounds  # every slot back
+        assert kv_idle(eng)[0] == eng.pool.num_slots - 1, rounds  # every slot back
         stats = eng.last_stats.to_dict()
         assert stats["rounds_per_dispatch"] == rounds and stats["verify_done_wait"] == "dataflow"
         if rounds > 1:  # several rounds per dispatch, and early exits: fewer dispatches than rounds
@@ -104,7 +105,7 @@ def test_abort_mid_dispatch_frees_everything(target, head, workload):
         while eng.has_work:
             eng.step()
         outs[rounds] = [r.out.token_ids[:5] for r in reqs]
-        assert eng.pool.free_slots == eng.pool.num_slots - 1 and eng.pool.free_rows == 4
+        assert kv_idle(eng)[0] == eng.pool.num_slots - 1 and eng.pool.free_rows == 4
     assert outs[1] == outs[4]
 
 

@@ -10,6 +10,7 @@ from jeagle.engine import EngineConfig, PromptTooLong, speculative, target_only
 from jeagle.sampling import SamplingParams
 from jeagle.spec.round import SpecConfig
 from tests.spec_models import bigram_target, signed_identity_head, target_config
+from tests.util import kv_idle
 
 CFG = EngineConfig(max_batch_size=3, max_context=96, batch_buckets=(1, 2, 3))
 
@@ -37,7 +38,7 @@ def alone(target):
 
 
 def idle_state(eng):
-    return eng.pool.free_slots, sorted(eng.pool._free_rows)
+    return kv_idle(eng)
 
 
 @pytest.mark.parametrize("name", ["target-only", "eagle"])

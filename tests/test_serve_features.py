@@ -182,3 +182,21 @@ def test_bad_chat_values_are_400(server, body, param):
         assert r.status_code == 400, r.text
         err = r.json()["error"]
         assert err["type"] == "invalid_request_error" and err["param"] == param
+
+
+def test_prefix_cache_shows_in_usage_and_server_info(client, server):
+    """A shared system prompt is prefilled once: the next request's usage reports it as cached, with
+    the same answer as without the cache (issue 25)."""
+    system = "You are a terse assistant; answer in lowercase words only."
+    usages, texts = [], []
+    for q in ["first question", "second question", "first question"]:
+        r = client.chat.completions.create(model=MODEL, max_tokens=6, temperature=0, extra_body={"ignore_eos": True},
+                                           messages=[{"role": "system", "content": system}, {"role": "user", "content": q}])
+        usages.append(r.usage)
+        texts.append(r.choices[0].message.content)
+    cached = [u.prompt_tokens_details.cached_tokens for u in usages]
+    assert cached[1] >= len(system) and cached[1] < usages[1].prompt_tokens
+    assert cached[2] == usages[2].prompt_tokens - 1  # all of it but the last token, which is always prefilled
+    assert texts[2] == texts[0]
+    info = httpx.get(f"{server[0]}/server_info").json()
+    assert info["prefix_cache"] and info["retractions"] == 0 and info["cached_tokens_total"] >= sum(cached)

@@ -15,6 +15,7 @@ from jeagle.models.eagle import random_draft
 from jeagle.sampling import SamplingParams
 from jeagle.spec.round import SpecConfig
 from tests.spec_models import bigram_target, draft_config, signed_identity_head, target_config
+from tests.util import kv_idle
 
 TIERS = [(1, 1, 2), (3, 1, 4), (5, 4, 8), (4, 8, 32)]
 BUCKETS = (1, 4, 8)
@@ -72,7 +73,7 @@ def test_lossless_greedy_every_tier_and_batch(target, heads, prompts, greedy_ref
                         EngineConfig(max_batch_size=batch, max_context=128, batch_buckets=buckets), SpecConfig(*tier))
     got = [o.token_ids for o in engine.generate(prompts if batch > 1 else prompts[:3], sp)]
     assert got == (want if batch > 1 else want[:3]), (tier, head_name, batch)
-    assert engine.pool.free_slots == engine.pool.num_slots - 1
+    assert kv_idle(engine)[0] == engine.pool.num_slots - 1
 
 
 def test_lossless_with_every_layer_unrolled(prompts):
@@ -131,7 +132,7 @@ def test_eos_and_max_new_tokens_inside_an_accepted_run(target, prompts):
     got = engine.generate(prompts[:4], SamplingParams(max_new_tokens=4, ignore_eos=True))
     assert [o.token_ids for o in got] == [f[:4] for f in free]
     assert all(o.finish_reason == "length" for o in got)
-    assert engine.pool.free_slots == engine.pool.num_slots - 1
+    assert kv_idle(engine)[0] == engine.pool.num_slots - 1
 
 
 def test_default_pool_holds_a_full_context_per_row(target, prompts):

@@ -75,3 +75,13 @@ def last_logits(model, seq: list[int], width: int = 128) -> np.ndarray:
         width = len(seq)
     logits, _ = ragged_forward(model, [list(seq), [4] * width])
     return logits[0, len(seq) - 1]
+
+
+def kv_idle(engine) -> tuple[int, list[int]]:
+    """(slots free or held only by the prefix cache, the free request rows), after checking that every
+    slot is owned once and no cached prefix is still in use: what an idle engine must be back to."""
+    engine.check_kv()
+    cache = engine.kv.cache
+    if cache is not None:
+        assert cache.locked_slots == 0, "an idle engine's cached prefixes are still locked"
+    return engine.pool.free_slots + (cache.cached_slots if cache is not None else 0), sorted(engine.pool._free_rows)

@@ -162,11 +162,16 @@ class SlotTables:
 
         import jax
 
-        from jeagle.kernels.assign_req_to_token_pool import assign_req_to_token_pool
+        from jeagle.kernels.assign_req_to_token_pool import (assign_req_to_token_pool,
+                                                             assign_req_to_token_pool_reference)
+
+        # Under tensor parallelism the table is replicated over the mesh: the jnp form partitions
+        # without a custom call (the kernel runs inside the prefill executables only).
+        kernel = assign_req_to_token_pool if getattr(self, "mesh", None) is None else assign_req_to_token_pool_reference
 
         def assign(state, rows, starts, ends, flat):
             cache = state.cache
-            r2t = assign_req_to_token_pool(cache.req_to_token, rows, starts, ends, flat)
+            r2t = kernel(cache.req_to_token, rows, starts, ends, flat)
             return dataclasses.replace(state, cache=dataclasses.replace(cache, req_to_token=r2t))
 
         def read(state, rows):

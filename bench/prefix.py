@@ -1,0 +1,179 @@
+"""Prefix caching, slots on demand and retraction on SmolLM2-135M-Instruct (issue 25), at the engine
+level (submit / step, the server's engine loop without HTTP), EAGLE (the shipped head) and target-only.
+
+ttft      A ~1,000-token system prompt shared by every request, one MT-bench question each, sent one
+          after another (each after the previous finished): time to first token of the later requests
+          with the prefix cache on vs off (the first request prefills the system prompt either way),
+          and the accept length of both.
+capacity  `--concurrent` requests at once with max_tokens = the context (real answers, EOS on) in a
+          pool of `--pool-contexts` contexts: the old policy (every request reserves its whole
+          context at admission, no cache) vs the default (slots on demand, retraction, prefix cache):
+          output tokens/s, requests running at once, retractions, and how many outputs agree.
+
+    python bench/prefix.py --prompts .data/mtbench.jsonl --json-out bench/results/prefix.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+
+from common import chat_ids, device_kind, emit, git_commit, read_prompts
+
+
+def system_prompt(tok, texts, tokens: int) -> str:
+    """A system prompt of about `tokens` tokens: reference material made of questions the requests do
+    not ask (the prompt file's second half)."""
+    body, parts = "You are a careful assistant. Use the reference material below when it helps.\n\n", []
+    for t in texts[len(texts) // 2:]:
+        parts.append(t)
+        if len(tok.encode(body + "\n\n".join(parts))) >= tokens:
+            break
+    return body + "\n\n".join(parts)
+
+
+def make_engine(kind, model, head, ec, tier):
+    from jeagle.engine import speculative, target_only
+    from jeagle.spec.round import SpecConfig
+
+    return target_only(model, ec) if kind == "target-only" else speculative(model, head, ec, SpecConfig(*tier))
+
+
+def ttft_rows(model, head, tok, texts, args, tier) -> list[dict]:
+    from jeagle.engine import EngineConfig
+    from jeagle.kernels.settings import KernelSettings
+    from jeagle.sampling import SamplingParams
+
+    system = system_prompt(tok, texts, args.system_tokens)
+    asks = texts[: args.requests]
+    ids = [tok.encode_chat([{"role": "system", "content": system}, {"role": "user", "content": q}]) for q in asks]
+    shared = len(tok.encode_chat([{"role": "system", "content": system}]))
+    sp = SamplingParams(max_new_tokens=args.ttft_new_tokens)
+    rows = []
+    for kind in ("target-only", "eagle"):
+        for cache in (False, True):
+            ec = EngineConfig(max_batch_size=1, max_context=max(map(len, ids)) + args.ttft_new_tokens + 16,
+                              prefix_cache=cache, kernels=KernelSettings.from_env())
+            eng = make_engine(kind, model, head, ec, tier)
+            eng.warmup(batch_sizes=[1], prefill_lengths=[len(p) for p in ids] + [len(p) - shared for p in ids],
+                       greedy=(True,), prefix=(False, True), progress=False)
+            for p in ids[:2]:  # a first run of every executable on the device
+                eng.generate([p], sp)
+            eng.flush_cache()
+            ttft, acc, outs = [], [], []
+            for p in ids:
+                out = eng.generate([p], sp)[0]
+                ttft.append(out.time_to_first_token_s * 1e3)
+                acc.append(eng.last_stats.accept_length)
+                outs.append(out.token_ids)
+                if eng.last_stats.compilations:
+                    raise RuntimeError(f"{kind}: a timed request compiled")
+            later = ttft[1:]
+            row = {"scenario": "ttft", "system": kind, "prefix_cache": cache, "requests": len(ids),
+                   "prompt_tokens": [min(map(len, ids)), max(map(len, ids))], "shared_tokens": shared,
+                   "ttft_first_ms": round(ttft[0], 2), "ttft_later_p50_ms": round(statistics.median(later), 2),
+                   "ttft_later_mean_ms": round(statistics.fmean(later), 2),
+                   "accept_length": round(statistics.fmean(acc), 3) if kind == "eagle" else None, "tokens": outs}
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "tokens"}), flush=True)
+    for kind in ("target-only", "eagle"):
+        off, on = [r for r in rows if r["system"] == kind]
+        on["ttft_speedup"] = round(off["ttft_later_p50_ms"] / on["ttft_later_p50_ms"], 2)
+        on["same_tokens"] = sum(a == b for a, b in zip(off["tokens"], on["tokens"]))
+    return rows
+
+
+def capacity_rows(model, head, tok, texts, args, tier) -> list[dict]:
+    from jeagle.engine import EngineConfig
+    from jeagle.kernels.settings import KernelSettings
+    from jeagle.sampling import SamplingParams
+
+    ids = chat_ids(tok, texts)[: args.concurrent]
+    ctx = args.context
+    pool = args.pool_contexts * ctx
+    # max_tokens = the context (capped per request at what its context leaves); sampled, as clients do:
+    # greedy SmolLM2 often loops to the limit, which no policy can serve faster.
+    sps = [SamplingParams(max_new_tokens=ctx, temperature=args.temperature, seed=i) for i in range(len(ids))]
+    buckets = tuple(b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128) if b < args.concurrent) + (args.concurrent,)
+    rows = []
+    for kind in ("target-only", "eagle"):
+        for policy in ("reserve", "on-demand"):
+            ec = EngineConfig(max_batch_size=args.concurrent, batch_buckets=buckets, max_context=ctx,
+                              max_total_tokens=pool, prefix_cache=policy == "on-demand",
+                              kernels=KernelSettings.from_env())
+            eng = make_engine(kind, model, head, ec, tier)
+            if policy == "reserve":
+                eng.kv.chunk = 1 << 30  # admission takes the request's whole context: the policy before issue 25
+            eng.warmup(prefill_lengths=sorted({len(p) for p in ids}), greedy=(args.temperature == 0,),
+                       prefix=(False, True), progress=False)
+            eng.generate(ids[:4], [dataclasses.replace(sp, max_new_tokens=32) for sp in sps[:4]])
+            eng.flush_cache()
+            peak = []
+            reqs = [eng.submit(p, sp) for p, sp in zip(ids, sps)]
+            eng.reset_stats()
+            while eng.has_work:
+                eng.step()
+                peak.append(eng.num_running)
+            stats = eng.stats(reqs)
+            new = sum(len(r.out.token_ids) for r in reqs)
+            row = {"scenario": "capacity", "system": kind, "policy": policy, "requests": len(ids), "context": ctx,
+                   "pool_slots": pool, "new_tokens": new, "wall_s": round(stats.wall_s, 3),
+                   "tokens_per_s": round(new / stats.wall_s, 1), "peak_running": max(peak),
+                   "mean_running": round(statistics.fmean(peak), 1), "retractions": stats.retractions,
+                   "compilations_after_warmup": stats.compilations_after_warmup,
+                   "finish": {k: sum(r.out.finish_reason == k for r in reqs) for k in ("stop", "length")},
+                   "accept_length": round(stats.accept_length, 3) if kind == "eagle" else None,
+                   "tokens": [r.out.token_ids for r in reqs]}
+            rows.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "tokens"}), flush=True)
+    for kind in ("target-only", "eagle"):
+        old, new = [r for r in rows if r["system"] == kind]
+        new["vs_reserve"] = round(new["tokens_per_s"] / old["tokens_per_s"], 2)
+        new["same_tokens"] = sum(a == b for a, b in zip(old["tokens"], new["tokens"]))
+    return rows
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompts", default=None, help=".jsonl with a 'prompt' per line (MT-bench first turns)")
+    p.add_argument("--scenarios", default="ttft,capacity")
+    p.add_argument("--system-tokens", type=int, default=1000)
+    p.add_argument("--requests", type=int, default=20, help="ttft: requests sent one after another")
+    p.add_argument("--ttft-new-tokens", type=int, default=16)
+    p.add_argument("--concurrent", type=int, default=64)
+    p.add_argument("--context", type=int, default=2048)
+    p.add_argument("--pool-contexts", type=int, default=16, help="capacity: the pool holds this many contexts")
+    p.add_argument("--temperature", type=float, default=0.7, help="capacity: sampling temperature (seed i per request)")
+    p.add_argument("--tier", default="5,4,8")
+    p.add_argument("--json-out", default=None)
+    args = p.parse_args(argv)
+
+    from jeagle.checkpoint import load_draft, load_model
+    from jeagle.fetch import resolve_draft, resolve_target
+    from jeagle.heads import default_head_dir
+    from jeagle.tokenizer import Tokenizer
+
+    target_dir = resolve_target(None, quiet=True)
+    head_dir = resolve_draft(str(default_head_dir()), target_dir, quiet=True)
+    tok = Tokenizer.from_dir(target_dir)
+    model = load_model(target_dir)
+    head = load_draft(head_dir, target=model.cfg)
+    texts = read_prompts(args.prompts, "Write a short story about a robot who learns to paint.")
+    tier = tuple(int(x) for x in args.tier.split(","))
+    doc = {"bench": "prefix", "model": target_dir.name, "device": device_kind(), "commit": git_commit(),
+           "tier": list(tier), "args": vars(args), "rows": []}
+    scenarios = args.scenarios.split(",")
+    if "ttft" in scenarios:
+        doc["rows"] += ttft_rows(model, head, tok, texts, args, tier)
+    if "capacity" in scenarios:
+        doc["rows"] += capacity_rows(model, head, tok, texts, args, tier)
+    for r in doc["rows"]:
+        r.pop("tokens", None)
+    emit(doc, args.json_out)
+    return doc
+
+
+if __name__ == "__main__":
+    main()
