@@ -13,6 +13,14 @@ The prefix cache takes positions at two moments: after a prefill is dispatched (
 slots the host assigned itself), and when a request finishes or is retracted (everything committed
 on the device). Anything dispatched later that reads those slots runs after the writes on the device.
 When the free list runs short, unreferenced cached prefixes are evicted, least recently used first.
+
+Retraction (the scheduler's `_reserve`): when the running batch's next dispatch needs slots the pool
+(free, or held by evictable cached prefixes) cannot give, the host reads every result in flight, then
+retracts the youngest request: its committed KV goes to the prefix cache, everything else it holds
+is freed, and it waits at the head of the queue. Resumed, it prefills its prompt and the tokens it
+has emitted (most of them from the cache) and samples its next token from that prefill: greedy
+output is unchanged, and target-only sampling too (each token's random draw is keyed by its
+position). Admission pauses after a retraction until a request finishes, so the two do not alternate.
 """
 
 from __future__ import annotations
@@ -56,6 +64,16 @@ class KVManager:
         """Whether a request may start from a cached prefix: not when its prefill must see every
         prompt token (penalties count the prompt's tokens; prompt logprobs score each)."""
         return self.cache is not None and not r.params.penalized and not r.wants_prompt_logprobs
+
+    def shares_prefix(self, r, group) -> bool:
+        """Whether r's prompt shares at least half its length with a prompt of the prefill `group` (n
+        samples of one prompt, a long shared system prompt): r then waits for the next prefill, which
+        reuses that prompt's KV from the prefix cache instead of computing it again."""
+        if not self.usable(r):
+            return False
+        seq = r.seq
+        need = max(MIN_CACHED, len(seq) // 2)
+        return any(self.usable(g) and len(g.seq) >= need and g.seq[:need] == seq[:need] for g in group)
 
     # ---- room -------------------------------------------------------------------------------------------
     @property

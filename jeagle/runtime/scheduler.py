@@ -5,15 +5,7 @@ prefix and slots for its prompt and a little more, `runtime/kv.py`), grouping of
 demand before each dispatch, retraction when the pool runs short, the batch of each decode step or
 speculative round, the overlap of host and device, reading results back, the verify_done wait and
 the stats. The decoder (`runtime/decoder.py` says what it provides) owns the device state and the
-executables. Requests wait in the queue while the pool lacks room.
-
-Retraction: when the running batch's next dispatch needs slots the pool (free, or held by evictable
-cached prefixes) cannot give, the host reads every result in flight, then retracts the youngest
-request: its committed KV goes to the prefix cache, everything else it holds is freed, and it waits
-at the head of the queue. Resumed, it prefills its prompt and the tokens it has emitted (most of
-them from the cache) and samples its next token from that prefill: greedy output is unchanged, and
-target-only sampling too (each token's random draw is keyed by its position). Admission pauses after
-a retraction until a request finishes, so the two do not alternate.
+executables. Requests wait in the queue while the pool lacks room; retraction: `runtime/kv.py`.
 
 Pipelining: the host dispatches step c+1 (its inputs live on the device) before it reads the tokens
 of step c, whose device→host copy was started right after dispatch. A request that finishes inside
@@ -33,7 +25,7 @@ from typing import Callable
 import numpy as np
 
 from jeagle.runtime.decoder import wants_grammar
-from jeagle.runtime.kv import MIN_CACHED, Committed, KVManager, ShortOfSlots
+from jeagle.runtime.kv import Committed, KVManager, ShortOfSlots
 from jeagle.runtime.requests import Output, Request, RequestLimits, make_request
 from jeagle.runtime.slots import OutOfSlots, SlotPool
 from jeagle.runtime.stats import Stats, latency_stats
@@ -266,7 +258,7 @@ class Engine:
         while waiting and len(running) + len(group) < self.max_running:
             nxt = waiting[0]
             if group and (not self.buckets.prefill_fits(len(group) + 1, max(longest, len(nxt.seq) - nxt.start))
-                          or self._shares_prefix(nxt, group)):
+                          or self.kv.shares_prefix(nxt, group)):
                 flush()
                 longest = 0
                 continue
@@ -280,16 +272,6 @@ class Engine:
             r = waiting.popleft()
             r.finish("abort")
             raise OutOfSlots(f"cannot admit request {r.index} although nothing is running (it was dropped)")
-
-    def _shares_prefix(self, r: Request, group: list[Request]) -> bool:
-        """Whether r's prompt shares at least half its length with a prompt of the prefill `group` (n
-        samples of one prompt, a long shared system prompt): r then waits for the next prefill, which
-        reuses that prompt's KV from the prefix cache instead of computing it again."""
-        if not self.kv.usable(r):
-            return False
-        seq = r.seq
-        need = max(MIN_CACHED, len(seq) // 2)
-        return any(self.kv.usable(g) and len(g.seq) >= need and g.seq[:need] == seq[:need] for g in group)
 
     def step(self) -> None:
         """One scheduler step: the verify_done wait, admission and prefill of what fits, one decode
