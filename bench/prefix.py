@@ -34,6 +34,16 @@ def system_prompt(tok, texts, tokens: int) -> str:
     return body + "\n\n".join(parts)
 
 
+def compare(rows: list[dict], name: str, ratio) -> list[dict]:
+    """Per system, the second row (the new way) gets `name` = ratio(first, second) and how many of its
+    outputs equal the first row's."""
+    for kind in ("target-only", "eagle"):
+        before, after = [r for r in rows if r["system"] == kind]
+        after[name] = round(ratio(before, after), 2)
+        after["same_tokens"] = sum(a == b for a, b in zip(before["tokens"], after["tokens"]))
+    return rows
+
+
 def make_engine(kind, model, head, ec, tier):
     from jeagle.engine import speculative, target_only
     from jeagle.spec.round import SpecConfig
@@ -78,11 +88,7 @@ def ttft_rows(model, head, tok, texts, args, tier) -> list[dict]:
                    "accept_length": round(statistics.fmean(acc), 3) if kind == "eagle" else None, "tokens": outs}
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "tokens"}), flush=True)
-    for kind in ("target-only", "eagle"):
-        off, on = [r for r in rows if r["system"] == kind]
-        on["ttft_speedup"] = round(off["ttft_later_p50_ms"] / on["ttft_later_p50_ms"], 2)
-        on["same_tokens"] = sum(a == b for a, b in zip(off["tokens"], on["tokens"]))
-    return rows
+    return compare(rows, "ttft_speedup", lambda off, on: off["ttft_later_p50_ms"] / on["ttft_later_p50_ms"])
 
 
 def capacity_rows(model, head, tok, texts, args, tier) -> list[dict]:
@@ -128,11 +134,7 @@ def capacity_rows(model, head, tok, texts, args, tier) -> list[dict]:
                    "tokens": [r.out.token_ids for r in reqs]}
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "tokens"}), flush=True)
-    for kind in ("target-only", "eagle"):
-        old, new = [r for r in rows if r["system"] == kind]
-        new["vs_reserve"] = round(new["tokens_per_s"] / old["tokens_per_s"], 2)
-        new["same_tokens"] = sum(a == b for a, b in zip(old["tokens"], new["tokens"]))
-    return rows
+    return compare(rows, "vs_reserve", lambda old, new: new["tokens_per_s"] / old["tokens_per_s"])
 
 
 def main(argv=None) -> dict:

@@ -29,21 +29,23 @@ def test_layout_parts_are_disjoint_and_capped_at_the_context():
 def test_pool_hands_out_rows_and_slots_and_takes_them_back():
     pool = SlotPool(num_slots=11, max_reqs=2)
     assert (pool.free_rows, pool.free_slots, pool.scratch_row) == (2, 10, 2)
-    row_a, a = pool.admit(4)
-    row_b, b = pool.admit(5)
+    row_a, a = pool.take_row(), pool.allocator.alloc(4)
+    row_b, b = pool.take_row(), pool.allocator.alloc(5)
     assert {row_a, row_b} == {0, 1}
     taken = np.concatenate([a, b])
     assert SCRATCH_SLOT not in taken and len(set(taken)) == 9 and taken.max() <= 10
-    assert pool.admit(1) is None  # no row left: nothing taken
-    assert pool.free_slots == 1
-    pool.release(row_a, a)
-    assert pool.admit(6) is None and (pool.free_rows, pool.free_slots) == (1, 5)  # short of slots: nothing taken
-    row_c, c = pool.admit(5)
+    assert pool.free_rows == 0 and pool.free_slots == 1  # no row left
+    pool.allocator.free(a)
+    pool.give_row(row_a)
+    assert (pool.free_rows, pool.free_slots) == (1, 5)
+    with pytest.raises(ValueError, match="free or not a row"):
+        pool.give_row(row_a)
+    row_c, c = pool.take_row(), pool.allocator.alloc(5)
     assert row_c == row_a and len(c) == 5 and not set(c) & set(b)
     with pytest.raises(OutOfSlots, match="need 3, 0 free of 10"):
         pool.allocator.alloc(3)
     with pytest.raises(ValueError, match="invalid slot"):
-        pool.release(row_c, [SCRATCH_SLOT])
+        pool.allocator.free([SCRATCH_SLOT])
 
 
 def test_flat_slots_pads_with_the_scratch_slot():

@@ -84,4 +84,4 @@ def kv_idle(engine) -> tuple[int, list[int]]:
     cache = engine.kv.cache
     if cache is not None:
         assert cache.locked_slots == 0, "an idle engine's cached prefixes are still locked"
-    return engine.pool.free_slots + (cache.cached_slots if cache is not None else 0), sorted(engine.pool._free_rows)
+    return engine.pool.free_slots + (cache.cached_slots if cache is not None else 0), engine.pool.free_row_ids()

@@ -53,21 +53,20 @@ def main(argv=None):
 
         def prefill():
             # What the scheduler does for one prefill group, by hand: checked requests, a row and the
-            # slots of the decoder's layout for each, the (batch, length) bucket, the decoder's dispatch.
+            # prompt's slots for each (no cached prefix), the (batch, length) bucket, the decoder's dispatch.
             dec = eng.decoder
             reqs = [eng.check(pr, SamplingParams(max_new_tokens=512, ignore_eos=True), i)
                     for i, pr in enumerate(prompts)]
             for r in reqs:
-                got = eng.pool.admit(dec.layout.slots_needed(len(r.prompt), r.max_new, eng.max_context))
-                assert got is not None, "the pool has no room for the batch"
-                r.row, r.slots = got
+                lay = dec.layout
+                assert eng.kv.admit(r, len(r.prompt), lay.tree + lay.scratch), "the pool has no room for the batch"
             t0 = time.perf_counter()
             b, t = eng.buckets.prefill(len(reqs), max(len(r.prompt) for r in reqs))
             res = dec.prefill(reqs, b, t)
             np.asarray(res)
             dt = time.perf_counter() - t0
             for r in reqs:
-                eng.pool.release(r.row, r.slots)
+                eng.kv.release(r)
             return dt
 
         prefill()  # compile

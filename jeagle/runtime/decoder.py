@@ -164,6 +164,7 @@ class SlotTables:
 
         from jeagle.kernels.assign_req_to_token_pool import (assign_req_to_token_pool,
                                                              assign_req_to_token_pool_reference)
+        from jeagle.kernels.settings import use
 
         # Under tensor parallelism the table is replicated over the mesh: the jnp form partitions
         # without a custom call (the kernel runs inside the prefill executables only).
@@ -178,8 +179,13 @@ class SlotTables:
             seq_len = getattr(state.rows, "seq_len", None)
             return state.cache.req_to_token[rows], (seq_len[rows] if seq_len is not None else rows * 0)
 
-        self._assign_fn = jax.jit(assign, donate_argnums=0)
-        self._read_fn = jax.jit(read)
+        # Compiled here, once, for their one shape each: nothing compiles for them while serving.
+        n, per, rows = self.max_reqs, self.EXTEND_ROWS_SLOTS, self.max_reqs + 1
+        i32 = jax.ShapeDtypeStruct((n,), np.int32)
+        with use(self.config.kernels):  # the engine's kernel backend, as every step's trace has it
+            self._assign_fn = jax.jit(assign, donate_argnums=0).lower(
+                self.state, i32, i32, i32, jax.ShapeDtypeStruct((n * per,), np.int32)).compile()
+            self._read_fn = jax.jit(read).lower(self.state, jax.ShapeDtypeStruct((rows,), np.int32)).compile()
 
     def assign_slots(self, entries) -> None:
         """Write slot-table entries [(row, first position, slots)] (in as few fixed-shape calls as fit)."""
@@ -199,10 +205,7 @@ class SlotTables:
     def read_tables(self, rows):
         """Dispatch a read of slot-table rows `rows` and their committed lengths (speculative: the rows'
         seq_len; target-only: 0, the host knows); returns a handle for `tables_of`."""
-        size = 1
-        while size < len(rows):
-            size *= 2
-        tables, lengths = self._read_fn(self.state, pad(list(rows), size, self.scratch_row, np.int32))
+        tables, lengths = self._read_fn(self.state, pad(list(rows), self.max_reqs + 1, self.scratch_row, np.int32))
         tables.copy_to_host_async()
         lengths.copy_to_host_async()
         return len(rows), tables, lengths

@@ -114,7 +114,7 @@ class KVManager:
             if node is not None:
                 self.cache.unlock(node)
             return False
-        r.row = self.pool._free_rows.pop()
+        r.row = self.pool.take_row()
         own = self.pool.allocator.alloc(need)
         r.table = np.concatenate([cached, own[: need - extra]]).astype(np.int32)
         r.extra = own[need - extra:]
@@ -191,7 +191,7 @@ class KVManager:
             self.pool.allocator.free(own)
         if r.node is not None:
             self.cache.unlock(r.node)
-        self.pool._free_rows.append(r.row)
+        self.pool.give_row(r.row)
         r.table, r.extra, r.node, r.cached = None, None, None, 0
 
     def flush(self) -> int:
@@ -207,7 +207,7 @@ class KVManager:
     def check(self, running) -> None:
         """Every slot is free, cached once, or owned once by one running request; refcounts >= 0."""
         owner = np.zeros(self.pool.num_slots, np.int32)
-        owner[np.asarray(self.pool.allocator._free, np.int64)] += 1
+        owner[self.pool.allocator.free_ids()] += 1
         if self.cache is not None:
             for n in self.cache.nodes():
                 if n.ref < 0:

@@ -77,6 +77,10 @@ class SlotAllocator:
             raise ValueError("freeing an invalid slot id")
         self._free.extend(slots)
 
+    def free_ids(self) -> np.ndarray:
+        """The free slot ids (for ownership checks)."""
+        return np.asarray(self._free, np.int64)
+
 
 class SlotPool:
     """Request rows 0..max_reqs-1 (row max_reqs is the scratch row) and the slot allocator."""
@@ -99,14 +103,16 @@ class SlotPool:
     def free_rows(self) -> int:
         return len(self._free_rows)
 
-    def admit(self, need: int) -> tuple[int, np.ndarray] | None:
-        """A row and `need` slots, or None when either is short (nothing taken)."""
-        if not self._free_rows or self.allocator.free_count < need:
-            return None
-        return self._free_rows.pop(), self.allocator.alloc(need)
+    def free_row_ids(self) -> list[int]:
+        return sorted(self._free_rows)
 
-    def release(self, row: int, slots) -> None:
-        self.allocator.free(slots)
+    def take_row(self) -> int:
+        """A free request row (the caller checked `free_rows`)."""
+        return self._free_rows.pop()
+
+    def give_row(self, row: int) -> None:
+        if row in self._free_rows or not 0 <= row < self.max_reqs:
+            raise ValueError(f"giving back request row {row}, which is free or not a row")
         self._free_rows.append(row)
 
 
