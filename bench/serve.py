@@ -1,8 +1,8 @@
 """The server under load on loopback: request throughput and latency percentiles per concurrency, with
 and without EAGLE.
 
-`jeagle.serve`'s app in this process (uvicorn on 127.0.0.1), the engine warmed up first. No trained
-head exists yet (issue 8), so the models are bench/adaptive.py's (`common.phased_models`): a
+`jeagle.serve`'s app in this process (uvicorn on 127.0.0.1), the engine warmed up first. By default
+(`--model phased`) the models are bench/adaptive.py's (`common.phased_models`): a
 SmolLM2-shaped target whose next token is a permutation of the current one (a step costs what
 SmolLM2's does) and EAGLE-1 heads that accept every draft ("oracle") or none ("rejecting"), bracketing what a real head does; a
 word-level tokenizer with one token per id (prompts are sent as token ids). Per configuration and
@@ -12,6 +12,16 @@ tokens/s, time to first token and end-to-end latency p50 / p90 / p99. Prints a t
 line.
 
     python bench/serve.py --concurrency 1,8,32
+
+`--model smollm2`: the real SmolLM2-135M-Instruct with the shipped EAGLE-3 head (configs
+`target-only` and `eagle`, tier (5,4,8)) and its tokenizer; `--prompts` (MT-bench first turns, a
+"prompt" per line) go as chat turns to /v1/chat/completions. With a grammar in `--extra`
+(`response_format`, `regex`, `ebnf`) requests end at EOS, so output tokens come from each stream's
+usage (`stream_options.include_usage`). Each concurrency gets an untimed pass first (one request
+per client: the batch shapes it reaches compile there), then the timed one.
+
+    python bench/serve.py --model smollm2 --prompts .data/mtbench.jsonl --concurrency 1,16 \
+        --extra '{"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {...}}}}'
 """
 
 from __future__ import annotations
@@ -43,25 +53,35 @@ def pct(xs, q):
     return float(np.percentile(xs, q)) if xs else None
 
 
-async def load(url, prompts, max_tokens, concurrency, per_client, extra=None):
+GRAMMAR_FIELDS = ("response_format", "regex", "ebnf")
+
+
+async def load(url, prompts, max_tokens, concurrency, per_client, extra=None, chat=False):
+    """Streamed requests, `concurrency` clients of `per_client` each: [(TTFT s, latency s, output
+    tokens)], wall s. chat: prompts are texts sent as one user turn; else token id lists."""
     import httpx
 
     results = []
+    constrained = any(k in (extra or {}) for k in GRAMMAR_FIELDS)
 
     async def client(c, k):
         for i in range(per_client):
-            body = {"prompt": prompts[(k * per_client + i) % len(prompts)], "max_tokens": max_tokens,
-                    "temperature": 0, "ignore_eos": True, "stream": True} | (extra or {})
+            p = prompts[(k * per_client + i) % len(prompts)]
+            body = ({"messages": [{"role": "user", "content": p}]} if chat else {"prompt": p}) | {
+                "max_tokens": max_tokens, "temperature": 0, "ignore_eos": not constrained, "stream": True,
+                "stream_options": {"include_usage": True}} | (extra or {})
             t0 = time.perf_counter()
-            first, n = None, 0
-            async with c.stream("POST", "/v1/completions", json=body) as r:
+            first, n = None, None
+            async with c.stream("POST", "/v1/chat/completions" if chat else "/v1/completions", json=body) as r:
                 assert r.status_code == 200, await r.aread()
                 async for line in r.aiter_lines():
                     if line.startswith("data: ") and line != "data: [DONE]":
-                        if first is None:
+                        event = json.loads(line[6:])
+                        if event.get("usage"):
+                            n = event["usage"]["completion_tokens"]
+                        elif first is None:
                             first = time.perf_counter() - t0
-                        n += 1
-            results.append((first, time.perf_counter() - t0))
+            results.append((first, time.perf_counter() - t0, n))
 
     async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=concurrency + 4)) as c:
         t0 = time.perf_counter()
@@ -70,21 +90,42 @@ async def load(url, prompts, max_tokens, concurrency, per_client, extra=None):
     return results, wall
 
 
+def real_models(prompts_path):
+    """SmolLM2 with the shipped head, its tokenizer, and the prompts' texts."""
+    from common import read_prompts
+
+    from jeagle.checkpoint import load_draft, load_model
+    from jeagle.fetch import resolve_draft, resolve_target
+    from jeagle.heads import default_head_dir
+    from jeagle.tokenizer import Tokenizer
+
+    target_dir = resolve_target(None, quiet=True)
+    head_dir = resolve_draft(str(default_head_dir()), target_dir, quiet=True)
+    model = load_model(target_dir)
+    texts = read_prompts(prompts_path, "Write a short story about a robot who learns to paint.")
+    return model, load_draft(head_dir, target=model.cfg), Tokenizer.from_dir(target_dir), texts
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="phased", choices=["phased", "smollm2"],
+                   help="phased: random SmolLM2-shaped models, oracle/rejecting heads; smollm2: the real one")
+    p.add_argument("--prompts", default=None, help="--model smollm2: .jsonl prompts (MT-bench first turns)")
     p.add_argument("--shape", default="smollm2")
     p.add_argument("--concurrency", default="1,8,32")
     p.add_argument("--requests-per-client", type=int, default=4)
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--configs", default="target-only,eagle-oracle,eagle-rejecting")
+    p.add_argument("--configs", default=None,
+                   help="default: target-only,eagle-oracle,eagle-rejecting (phased); target-only,eagle (smollm2)")
     p.add_argument("--extra", default=None, metavar="JSON",
                    help='more request fields, e.g. {"logprobs": 5} or {"frequency_penalty": 0.5} (rows say so)')
     args = p.parse_args(argv)
     extra = json.loads(args.extra) if args.extra else {}
     modes = dict(greedy=(True,), logprobs=(extra.get("logprobs") is not None,),
                  penalties=(any(k in extra for k in ("frequency_penalty", "presence_penalty", "repetition_penalty",
-                                                     "min_tokens", "logit_bias")),))
+                                                     "min_tokens", "logit_bias")),),
+                 grammar=(any(k in extra for k in GRAMMAR_FIELDS),))
 
     import numpy as np
     import uvicorn
@@ -95,24 +136,36 @@ def main(argv=None):
     from jeagle.spec.round import SpecConfig
 
     levels = [int(c) for c in args.concurrency.split(",")]
-    target, head_params, head = phased_models(args.shape, 0.04)
-    tok = id_tokenizer(target.cfg.vocab_size)
-    rng = np.random.default_rng(0)
-    prompts = [[int(x) for x in rng.integers(10, target.cfg.vocab_size, args.prompt_len)] for _ in range(64)]
+    real = args.model == "smollm2"
+    if real:
+        target, head, tok, prompts = real_models(args.prompts)
+        lengths = [len(tok.encode_chat([{"role": "user", "content": t}])) for t in prompts]
+        configs = (args.configs or "target-only,eagle").split(",")
+        if bad := sorted(set(configs) - {"target-only", "eagle"}):
+            p.error(f"--configs {bad}: --model smollm2 runs target-only and eagle")
+    else:
+        target, head_params, head = phased_models(args.shape, 0.04)
+        tok = id_tokenizer(target.cfg.vocab_size)
+        rng = np.random.default_rng(0)
+        prompts = [[int(x) for x in rng.integers(10, target.cfg.vocab_size, args.prompt_len)] for _ in range(64)]
+        lengths = [args.prompt_len]
+        configs = (args.configs or "target-only,eagle-oracle,eagle-rejecting").split(",")
     top = max(levels)
     buckets = tuple(sorted({1, 2, 4, 8, 16, 32, top} & set(range(1, top + 1))))
-    cfg = EngineConfig(max_batch_size=top, max_context=args.prompt_len + args.max_tokens + 64, batch_buckets=buckets,
+    cfg = EngineConfig(max_batch_size=top, max_context=max(lengths) + args.max_tokens + 64, batch_buckets=buckets,
                        kernels=KernelSettings.from_env())
     rows = []
-    for name in args.configs.split(","):
+    for name in configs:
         if name == "target-only":
             engine = target_only(target, cfg)
+        elif real:
+            engine = speculative(target, head, cfg, SpecConfig(5, 4, 8))
         else:
             engine = speculative(target, head, cfg, SpecConfig(5, 4, 8))
             dec = engine.decoder  # its params: (target params, draft params); the same graph, new draft weights
             dec.params = (dec.params[0], head_params["high" if name == "eagle-oracle" else "low"])
         t0 = time.perf_counter()
-        engine.warmup(prefill_lengths=[args.prompt_len], progress=False, **modes)
+        engine.warmup(prefill_lengths=sorted(set(lengths)), prefix=(False, True), progress=False, **modes)
         warm = time.perf_counter() - t0
         app = create_app(engine, tok, "bench")
         with socket.socket() as s:
@@ -124,19 +177,22 @@ def main(argv=None):
         while not server.started:
             time.sleep(0.05)
         url = f"http://127.0.0.1:{port}"
-        asyncio.run(load(url, prompts, args.max_tokens, 2, 1, extra))  # first requests through every path
         for c in levels:
-            res, wall = asyncio.run(load(url, prompts, args.max_tokens, c, args.requests_per_client, extra))
+            compiled = engine.num_compiled
+            asyncio.run(load(url, prompts, args.max_tokens, c, 1, extra, real))  # untimed: this level's shapes
+            warm_compiled = engine.num_compiled - compiled
+            engine.flush_cache()  # the timed pass starts with no prefix cached
+            res, wall = asyncio.run(load(url, prompts, args.max_tokens, c, args.requests_per_client, extra, real))
             ttft = [r[0] for r in res]
             lat = [r[1] for r in res]
-            n = len(res)
+            n, tokens = len(res), sum(r[2] for r in res)
             rows.append({"config": name, "concurrency": c, "requests": n, "wall_s": wall, "extra": extra,
-                         "requests_per_s": n / wall, "output_tokens_per_s": n * args.max_tokens / wall,
+                         "model": args.model, "output_tokens": tokens, "compiled_in_untimed_pass": warm_compiled,
+                         "requests_per_s": n / wall, "output_tokens_per_s": tokens / wall,
                          "ttft_ms": {q: 1e3 * pct(ttft, q) for q in (50, 90, 99)},
                          "latency_ms": {q: 1e3 * pct(lat, q) for q in (50, 90, 99)},
                          "warmup_s": round(warm, 1),
-                         "compilations_after_warmup": engine.num_compiled - len(engine.warmup_plan(
-                             prefill_lengths=[args.prompt_len], **modes))})
+                         "compiled_in_timed_pass": engine.num_compiled - compiled - warm_compiled})
         server.should_exit = True
         th.join(timeout=30)
     print(f"{'config':>16} {'conc':>4} {'req/s':>7} {'tok/s':>8} {'TTFT p50/p90/p99 ms':>22} "
@@ -145,7 +201,7 @@ def main(argv=None):
         t, lt = r["ttft_ms"], r["latency_ms"]
         print(f"{r['config']:>16} {r['concurrency']:>4} {r['requests_per_s']:>7.2f} {r['output_tokens_per_s']:>8.0f} "
               f"{t[50]:>7.1f}/{t[90]:>6.1f}/{t[99]:>7.1f} {lt[50]:>8.1f}/{lt[90]:>7.1f}/{lt[99]:>7.1f}")
-    print(json.dumps({"bench": "serve", "shape": args.shape, "device": device_kind(),
+    print(json.dumps({"bench": "serve", "model": args.model, "shape": args.shape, "device": device_kind(),
                       "commit": git_commit(), "prompt_len": args.prompt_len,
                       "max_tokens": args.max_tokens, "rows": rows}))
 

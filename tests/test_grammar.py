@@ -149,6 +149,22 @@ def test_eagle_equals_the_reference(tok, target, head, workload, expected, tier)
     assert kv_idle(eng)[0] == eng.pool.num_slots - 1
 
 
+@pytest.mark.parametrize("spec", [False, True])
+def test_warmup_compiles_the_grammar_executables(tok, backend, target, head, spec):
+    """warmup(grammar=(False, True)) compiles what grammar batches run (target-only: one-step decodes;
+    EAGLE: the draft, the verify's forward and its masked accept): a grammar request compiles nothing
+    after it, and its stats report the host's mask time."""
+    cfg = EngineConfig(max_batch_size=2, max_context=MAX_CONTEXT, batch_buckets=(1, 2))
+    eng = speculative(target, head, cfg, SpecConfig(3, 2, 5)) if spec else target_only(target, cfg)
+    prompt = tok.encode("pet:", add_special_tokens=False)
+    eng.warmup(prefill_lengths=[len(prompt)], greedy=(True,), grammar=(False, True), progress=False)
+    sp = SamplingParams(max_new_tokens=60, grammar=backend.compile("json_schema", SCHEMAS[0]))
+    out = eng.generate([prompt, prompt[:-1]], [sp, SamplingParams(max_new_tokens=8, ignore_eos=True)])
+    json.loads(text_of(tok, out[0].token_ids))
+    stats = eng.last_stats
+    assert stats.compilations_after_warmup == 0 and stats.grammar_mask_ms > 0
+
+
 def test_bad_grammars_are_refused(backend):
     for kind, src in [("regex", "a(b"), ("json_schema", {"type": 5}), ("json_schema", "[1, 2]"),
                       ("ebnf", "root ::= missing"), ("json_schema", "{not json")]:
@@ -156,54 +172,158 @@ def test_bad_grammars_are_refused(backend):
             backend.compile(kind, src)
 
 
+def _random_tree(rng, n: int, path: list[int]):
+    """A draft tree of n nodes (parents before children) whose tokens follow `path` (a valid
+    continuation: the root is its first token) along some branches and are random elsewhere."""
+    parents, depth, tokens = [-1], [0], [path[0]]
+    for j in range(1, n):
+        p = int(rng.integers(0, j)) if rng.random() < 0.5 else j - 1
+        parents.append(p)
+        depth.append(depth[p] + 1)
+        d = depth[-1]
+        tokens.append(path[d] if d < len(path) and rng.random() < 0.7 else int(rng.integers(4, VOCAB)))
+    return np.array(tokens, np.int32), np.array(parents, np.int32)
+
+
+def test_batched_tree_masks_equal_the_one_request_walk(tok, backend):
+    """`grammar.tree_masks` (chains in waves on llguidance's threads) gives every node the mask
+    `Matcher.tree_masks` (each path consumed alone) gives it, over random trees at every position of
+    valid outputs, with requests without a grammar (all allowed) mixed in; the matchers are left as
+    they were (the next mask unchanged)."""
+    from jeagle.grammar import tree_masks
+
+    rng = np.random.default_rng(0)
+    docs = [json.dumps({"name": "rex", "kind": "dog"}, separators=(",", ":")),
+            json.dumps({"id": 42, "tags": ["a", "ccc"], "owner": {"ok": True, "level": 2}}, separators=(",", ":"))]
+    for round_ in range(6):
+        matchers, trees = [], []
+        for i in range(7):
+            if i == 3:
+                matchers.append(None)  # an unconstrained request in the batch
+                trees.append(_random_tree(rng, 8, [5, 6]))
+                continue
+            k = int(rng.integers(0, 2))
+            ids = tok.encode(docs[k], add_special_tokens=False)
+            m = backend.compile("json_schema", SCHEMAS[k]).matcher()
+            pos = int(rng.integers(1, len(ids) - 1))
+            for t in ids[:pos]:
+                m.consume(t)
+            matchers.append(m)
+            trees.append(_random_tree(rng, int(rng.choice([2, 5, 8, 12])) if i else 8, ids[pos - 1:]))
+        n = max(len(t) for t, _ in trees)  # pad the trees to one N with nodes off the tree (parent -1)
+        tokens = np.stack([np.pad(t, (0, n - len(t))) for t, _ in trees])
+        parents = np.stack([np.pad(p, (0, n - len(p)), constant_values=-1) for _, p in trees])
+        before = [m.mask() if m is not None else None for m in matchers]
+        got = tree_masks(matchers, tokens, parents, VOCAB)
+        for i, m in enumerate(matchers):
+            want = m.tree_masks(tokens[i], parents[i]) if m is not None else np.full_like(got[i], -1)
+            np.testing.assert_array_equal(got[i], want, err_msg=f"round {round_} request {i}")
+            if m is not None:
+                np.testing.assert_array_equal(m.mask(), before[i])
+
+
+def test_compiled_grammars_are_reused(tok, backend):
+    """The same schema compiles once (its requests' matchers share one template), a different one anew."""
+    a = backend.compile("json_schema", SCHEMAS[0])
+    assert backend.compile("json_schema", json.loads(json.dumps(SCHEMAS[0]))) is a
+    assert backend.compile("json_schema", SCHEMAS[1]) is not a
+    m1, m2 = a.matcher(), a.matcher()
+    m1.consume(tok.encode("{", add_special_tokens=False)[0])
+    assert not np.array_equal(m1.mask(), m2.mask())  # copies: one advancing leaves the other at the start
+
+
 @pytest.fixture(scope="module")
 def server(tok, target, head):
     from jeagle.serve import create_app
     from tests.test_serve import start_server
 
-    engine = speculative(target, head, EngineConfig(max_batch_size=8, max_context=MAX_CONTEXT), SpecConfig(3, 2, 5))
+    engine = speculative(target, head, EngineConfig(max_batch_size=32, batch_buckets=(1, 8, 32),
+                                                    max_context=MAX_CONTEXT), SpecConfig(3, 2, 5))
     srv, thread, url = start_server(create_app(engine, tok, "tiny"))
     yield url
     srv.should_exit = True
     thread.join(timeout=30)
 
 
-def test_server_structured_outputs(server, tok):
-    """response_format (json_schema, json_object) and SGLang's regex / ebnf over HTTP with the openai
-    client, EAGLE on, eight at once: every output parses, validates and matches; streamed too."""
+def test_server_features_under_32_concurrent_requests(server, tok):
+    """Every structured-output form (json_schema, json_object, regex, EBNF) mixed with logprobs, n > 1,
+    penalties, streaming with usage and plain requests: 32 at once over HTTP with the openai client,
+    EAGLE on, one batch of up to 32 rows. Every output parses, validates and matches; each greedy
+    request answers what it answers alone (masks, penalties and logprobs stay with their rows)."""
     import concurrent.futures
 
     import jsonschema
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{server}/v1", api_key="unused")
-    messages = [{"role": "user", "content": "Describe a pet."}]
+    email = r"[a-z]{2,5}@(x|yy)\.com"
+    ebnf = 'root ::= "(" item ("," item)* ")"\nitem ::= [0-9] | "z"'
 
     def ask(i):
-        kind = i % 4
-        if kind < 2:
+        kind = i % 8
+        if kind < 2:  # sampled, seeded
             fmt = {"type": "json_schema", "json_schema": {"name": f"s{kind}", "schema": SCHEMAS[kind]}}
             r = client.completions.create(model="tiny", prompt=f"pet {i}:", max_tokens=80, temperature=0.7, seed=i,
                                           extra_body={"response_format": fmt})
             jsonschema.validate(json.loads(r.choices[0].text), SCHEMAS[kind])
-        elif kind == 2:
-            # Greedy: free-form keys sampled from this random target can outrun max_tokens (finish "length").
-            r = client.completions.create(model="tiny", prompt=f"obj {i}:", max_tokens=80, temperature=0, seed=i,
-                                          extra_body={"response_format": {"type": "json_object"}})
-            assert isinstance(json.loads(r.choices[0].text), dict)
-        else:
-            r = client.completions.create(model="tiny", prompt=f"mail {i}:", max_tokens=40, temperature=0, seed=i,
-                                          extra_body={"regex": r"[a-z]{2,5}@(x|yy)\.com"})
-            assert re.fullmatch(r"[a-z]{2,5}@(x|yy)\.com", r.choices[0].text), r.choices[0].text
-        return r.choices[0].finish_reason
+            return r.choices[0].finish_reason, None
+        if kind == 2:  # greedy, with logprobs
+            # Free-form keys sampled from this random target can outrun max_tokens (finish "length").
+            r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": f"obj {i}"}],
+                                               max_tokens=80, temperature=0, logprobs=True, top_logprobs=3,
+                                               response_format={"type": "json_object"})
+            text = r.choices[0].message.content
+            assert isinstance(json.loads(text), dict)
+            lps = r.choices[0].logprobs.content
+            assert "".join(t.token for t in lps) == text and all(len(t.top_logprobs) == 3 for t in lps)
+            return r.choices[0].finish_reason, (text, [round(t.logprob, 4) for t in lps])
+        if kind == 3:  # greedy, penalized
+            r = client.completions.create(model="tiny", prompt=f"mail {i}:", max_tokens=40, temperature=0,
+                                          frequency_penalty=0.8, extra_body={"regex": email})
+            assert re.fullmatch(email, r.choices[0].text), r.choices[0].text
+            return r.choices[0].finish_reason, r.choices[0].text
+        if kind == 4:  # streamed chat under an EBNF grammar, usage in the last event
+            chunks = list(client.chat.completions.create(
+                model="tiny", messages=[{"role": "user", "content": f"list {i}"}], max_tokens=40, temperature=0,
+                stream=True, stream_options={"include_usage": True}, extra_body={"ebnf": ebnf}))
+            text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            assert re.fullmatch(r"\(([0-9]|z)(,([0-9]|z))*\)", text), text
+            assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens >= len(text)
+            return [c.choices[0].finish_reason for c in chunks if c.choices][-1], text
+        if kind == 5:  # n = 2 sampled choices under a schema
+            fmt = {"type": "json_schema", "json_schema": {"name": "s0", "schema": SCHEMAS[0]}}
+            r = client.completions.create(model="tiny", prompt=f"two pets {i}:", max_tokens=80, temperature=1.0, n=2,
+                                          seed=i, extra_body={"response_format": fmt})
+            assert sorted(c.index for c in r.choices) == [0, 1]
+            for c in r.choices:
+                jsonschema.validate(json.loads(c.text), SCHEMAS[0])
+            assert r.usage.completion_tokens == sum(len(tok.encode(c.text)) + 1 for c in r.choices)  # + EOS each
+            return r.choices[0].finish_reason, None
+        # plain requests (greedy, with logprobs, or sampled) beside the constrained ones
+        r = client.completions.create(model="tiny", prompt=f"text {i}:", max_tokens=12, temperature=0 if kind == 6 else 0.9,
+                                      seed=i, logprobs=2 if kind == 6 else None, extra_body={"ignore_eos": True})
+        return "stop" if kind == 6 else r.choices[0].finish_reason, r.choices[0].text if kind == 6 else None
 
-    with concurrent.futures.ThreadPoolExecutor(8) as pool:
-        assert list(pool.map(ask, range(8))) == ["stop"] * 8
-    # Chat, streamed, under an EBNF grammar.
-    chunks = client.chat.completions.create(model="tiny", messages=messages, max_tokens=40, temperature=0, stream=True,
-                                            extra_body={"ebnf": 'root ::= "(" item ("," item)* ")"\nitem ::= [0-9] | "z"'})
-    text = "".join(c.choices[0].delta.content or "" for c in chunks)
-    assert re.fullmatch(r"\(([0-9]|z)(,([0-9]|z))*\)", text), text
+    with concurrent.futures.ThreadPoolExecutor(32) as pool:
+        together = list(pool.map(ask, range(32)))
+    assert all(f in ("stop", "length") for f, _ in together)
+    assert [f for i, (f, _) in enumerate(together) if i % 8 not in (2, 6, 7)] == ["stop"] * 20
+    for i in (2, 3, 4, 6):  # greedy ones: alone, the same answer (logprobs to 1e-4)
+        alone = ask(i)[1]
+        if i == 2:
+            assert alone[0] == together[i][1][0]
+            np.testing.assert_allclose(alone[1], together[i][1][1], atol=1e-4)
+        else:
+            assert alone == together[i][1], i
+
+
+def test_stream_options_need_a_stream(server):
+    import httpx
+
+    for body in ({"stream_options": {"include_usage": True}}, {"stream": True, "stream_options": {"usage": True}},
+                 {"stream": True, "stream_options": {"include_usage": "yes"}}):
+        r = httpx.post(f"{server}/v1/completions", json={"prompt": "abc", "max_tokens": 4} | body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options", r.text
 
 
 @pytest.mark.parametrize("body,param", [

@@ -28,9 +28,11 @@ device state, the step functions and their executables. The scheduler calls:
 
 from __future__ import annotations
 
+import time
 from typing import NamedTuple, Protocol
 
 import jax
+
 import numpy as np
 
 from jeagle.runtime.buckets import pad
@@ -47,6 +49,7 @@ class Delivery(NamedTuple):
 class Decoder(Protocol):
     speculative: bool
     context_reserve: int
+    grammar_mask_s: float  # `GrammarMasks`
 
     def prefill(self, reqs, b: int, t: int): ...
 
@@ -123,15 +126,33 @@ def wants_grammar(reqs) -> bool:
     return any(r.matcher is not None for r in reqs)
 
 
-def token_masks(reqs, b: int, vocab: int) -> np.ndarray:
-    """Each request's next-token mask [b, W] (its grammar's, else every token allowed), padded to b."""
-    from jeagle.grammar import allow_all
+class GrammarMasks:
+    """Grammar masks for a decoder's batches (jeagle/grammar.py), computed on llguidance's threads;
+    `grammar_mask_s` sums the host time they took (the stats' `grammar_mask_ms`)."""
 
-    out = allow_all(b, vocab)
-    for i, r in enumerate(reqs):
-        if r.matcher is not None:
-            out[i] = r.matcher.mask()
-    return out
+    grammar_mask_s = 0.0
+
+    def token_masks(self, reqs, b: int) -> np.ndarray:
+        """Each request's next-token mask [b, W] (its grammar's, else every token allowed), padded to b."""
+        from jeagle.grammar import next_masks
+
+        t0 = time.perf_counter()
+        out = next_masks([r.matcher for r in reqs], b, self.model_cfg.vocab_size)
+        if wants_grammar(reqs):
+            self.grammar_mask_s += time.perf_counter() - t0
+        return out
+
+    def tree_masks(self, reqs, b: int, tree) -> np.ndarray:
+        """Each draft-tree node's grammar mask [b, N, W] (`jeagle.grammar.tree_masks`), from the tree
+        read back to the host."""
+        from jeagle.grammar import tree_masks
+
+        tokens, parents = np.asarray(tree.tokens), np.asarray(tree.parent)  # their copies started at the draft
+        t0 = time.perf_counter()
+        out = tree_masks([r.matcher for r in reqs] + [None] * (b - len(reqs)), tokens, parents,
+                         self.model_cfg.vocab_size)
+        self.grammar_mask_s += time.perf_counter() - t0
+        return out
 
 
 def prefill_batch(reqs, b: int, t: int, max_ctx: int):

@@ -391,18 +391,17 @@ class Engine:
 
     # ---- warm-up -------------------------------------------------------------------------------------------
     def warmup(self, batch_sizes=None, prefill_lengths=None, kv_lengths=None, greedy=(True, False),
-               progress: bool = True, logprobs=(False,), penalties=(False,), prefix=(False,)) -> float:
+               progress: bool = True, **modes) -> float:
         """Compile ahead of time every executable `generate()` can dispatch for the given sizes (None:
         all of them): prefill for every (batch, length) bucket pair within max_prefill_tokens, decode
         steps / rounds (every tier's) for every (batch, prefix) bucket pair in each mode of `greedy`;
         all of them in each mode of `logprobs` (True: the executables that also return logprobs) and
         the decode steps / rounds in each mode of `penalties` (True: those that apply penalties), and
         the prefills in each mode of `prefix` (True: those that continue a cached prefix, every context
-        bucket; a server with the prefix cache on wants both). Afterwards generate() compiles nothing
-        for those shapes (its stats count any compilation as `compilations_after_warmup`). Returns the
-        seconds taken."""
-        return self._warmup(self.warmup_plan(batch_sizes, prefill_lengths, kv_lengths, greedy, logprobs, penalties,
-                                             prefix), progress)
+        bucket; a server with the prefix cache on wants both), the decode steps / rounds in each mode
+        of `grammar` (True: those grammar batches run). Afterwards generate() compiles nothing for those
+        shapes (its stats count any compilation as `compilations_after_warmup`). Returns the seconds."""
+        return self._warmup(self.warmup_plan(batch_sizes, prefill_lengths, kv_lengths, greedy, **modes), progress)
 
     def _warmup(self, keys, progress: bool) -> float:
         """Compile `keys`, then let the decoder time what it times (the adaptive tiers' rounds; counted
@@ -412,12 +411,11 @@ class Engine:
         return self.executables.warmup_seconds
 
     def warmup_plan(self, batch_sizes=None, prefill_lengths=None, kv_lengths=None, greedy=(True, False),
-                    logprobs=(False,), penalties=(False,), prefix=(False,)) -> list:
-        """The step keys `warmup` compiles for these sizes (see there)."""
-        if self.kv.cache is None:
-            prefix = (False,)
-        prefill, decode = self.buckets.warmup_plan(batch_sizes, prefill_lengths, kv_lengths, prefix)
-        return self.decoder.warmup_keys(prefill, decode, greedy, logprobs, penalties)
+                    prefix=(False,), **modes) -> list:
+        """The step keys `warmup` compiles for these sizes (see there; modes: logprobs, penalties, grammar)."""
+        prefill, decode = self.buckets.warmup_plan(batch_sizes, prefill_lengths, kv_lengths,
+                                                   prefix if self.kv.cache is not None else (False,))
+        return self.decoder.warmup_keys(prefill, decode, greedy, **modes)
 
     def plan_for(self, prompt_lengths, max_new_tokens: int, greedy=(True, False), logprobs=(False,), penalties=(False,)) -> list:
         """The step keys these prompts can dispatch: batch sizes up to their number (capped by the
@@ -451,7 +449,7 @@ class Engine:
         """Start a new accounting window for `stats()`."""
         self._acct = {"t0": time.perf_counter(), "compile0": self.compile_seconds, "compiled0": self.num_compiled,
                       "blocked_per_step": deque(maxlen=HISTORY), "buckets_used": set(),
-                      "retractions0": self.retractions,
+                      "retractions0": self.retractions, "mask0": self.decoder.grammar_mask_s,
                       "decoder": self.decoder.stats_window()}
 
     def stats(self, reqs: list[Request]) -> Stats:
@@ -469,6 +467,7 @@ class Engine:
                      verify_done_wait=self.verify_done.mode, executables_from_store=exes.loaded_from_store,
                      cached_tokens=sum(r.cached_tokens for r in reqs),
                      retractions=self.retractions - acct["retractions0"],
+                     grammar_mask_ms=(self.decoder.grammar_mask_s - acct["mask0"]) * 1e3,
                      speculative=self.decoder.stats(acct["decoder"]))
 
     # ---- all at once ----------------------------------------------------------------------------------------

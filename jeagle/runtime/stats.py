@@ -51,6 +51,9 @@ class Stats:
     executables_from_store: int | None  # engine lifetime; None without a store
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache instead of prefilled
     retractions: int = 0  # requests retracted to make room (and resumed), in the window
+    # Host time computing grammar masks (jeagle/grammar.py); a speculative round computes its tree's
+    # while the device runs the verify's forward, so only what outlasts that forward stalls the device.
+    grammar_mask_ms: float = 0.0
     speculative: SpecStats | None = None
 
     @property

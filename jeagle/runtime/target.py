@@ -16,8 +16,8 @@ from flax import nnx
 from jeagle.runtime.buckets import Buckets, pad
 from jeagle import logprobs
 from jeagle.penalties import penalty_inputs, wants_penalties
-from jeagle.runtime.decoder import (Delivery, SlotTables, context_size, place_cache, prefill_batch, sampling_inputs,
-                                    split_prompt_logprobs, token_masks, wants_grammar, wants_logprobs,
+from jeagle.runtime.decoder import (Delivery, GrammarMasks, SlotTables, context_size, place_cache, prefill_batch,
+                                    sampling_inputs, split_prompt_logprobs, wants_grammar, wants_logprobs,
                                     wants_prompt_logprobs, weight_bytes)
 from jeagle.runtime.executables import DeviceShapes, Executables
 from jeagle.runtime.slots import SlotLayout, pool_size
@@ -25,7 +25,7 @@ from jeagle.runtime.steps import (DecodeInputs, DecodeKey, PrefillInputs, Prefil
                                   TargetStatic, init_state, layer_unroll)
 
 
-class TargetDecoder(SlotTables):
+class TargetDecoder(SlotTables, GrammarMasks):
     speculative = False
     swaps_slots = False  # the host's slot tables are the device's (nothing swaps positions' slots)
 
@@ -72,13 +72,14 @@ class TargetDecoder(SlotTables):
         steps = 1 if grammar else self.config.decode_steps  # the host computes each next token's mask
         return DecodeKey(self.static, b, kv, steps, greedy, logprobs, penalties, grammar)
 
-    def warmup_keys(self, prefill, decode, greedy=(True, False), logprobs=(False,), penalties=(False,)) -> list:
+    def warmup_keys(self, prefill, decode, greedy=(True, False), logprobs=(False,), penalties=(False,),
+                    grammar=(False,)) -> list:
         """Prefill keys for the (b, t) pairs (greedy and sampled rows share them; every prefill applies
-        penalties), decode keys for the (b, kv) pairs in each mode of `greedy` and `penalties`; each in
-        each mode of `logprobs`."""
+        penalties and masks), decode keys for the (b, kv) pairs in each mode of `greedy`, `penalties`
+        and `grammar`; each in each mode of `logprobs`."""
         return ([self.prefill_key(b, t, lp, context=c) for lp in logprobs for b, t, c in prefill]
-                + [self.decode_key(b, kv, g, lp, pen) for lp in logprobs for pen in penalties for g in greedy
-                   for b, kv in decode])
+                + [self.decode_key(b, kv, g, lp, pen, gr) for lp in logprobs for pen in penalties for gr in grammar
+                   for g in greedy for b, kv in decode])
 
     def prefix_bound(self, prompt_len: int, max_new: int, overlap: bool) -> int:
         """The longest prefix a decode call for such a request can attend over."""
@@ -104,7 +105,7 @@ class TargetDecoder(SlotTables):
                                slot_count=count, slot_flat=flat,
                                sampling=Sampling(*sampling_inputs(reqs, b, self._rng)),
                                penalties=penalty_inputs(reqs, b),
-                               token_mask=token_masks(reqs, b, self.model_cfg.vocab_size))
+                               token_mask=self.token_masks(reqs, b))
         return self._run(self.executables.get(self.prefill_key(b, t, lp, plp, context)), inputs)
 
     def prime(self, key) -> None:
@@ -140,7 +141,7 @@ class TargetDecoder(SlotTables):
         inputs = DecodeInputs(row_ids=pad([r.row for r in reqs], b, self.scratch_row, np.int32),
                               positions=pad([r.length for r in reqs], b, 0, np.int32))
         if grammar:  # the masks after each request's tokens so far (the scheduler read them all)
-            inputs = (inputs, token_masks(reqs, b, self.model_cfg.vocab_size))
+            inputs = (inputs, self.token_masks(reqs, b))
         for r in reqs:
             r.length += steps
             r.dispatched += steps

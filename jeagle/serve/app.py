@@ -28,7 +28,7 @@ from jeagle.serve.engine_loop import EngineLoop, Job
 from jeagle.serve.protocol import (CHAT_KEYS, COMPLETION_KEYS, BadRequest, StopMatcher, chat_logprobs,
                                    chat_prompt_ids, check_model, choice_body, completion_body, completion_logprobs,
                                    completion_prompt_ids, error_body, grammar_request, parse_common, sampling_params,
-                                   stream_chunk)
+                                   stream_chunk, usage_body, usage_chunk)
 from jeagle.tokenizer import StreamDecoder
 
 
@@ -291,7 +291,7 @@ async def sse(s: Served, jobs: list[Job], ask: Ask):
 
     out = [LogprobsOut(s, ask) for _ in jobs]
     echo = not ask.chat and ask.opts["echo"]
-    started = [False] * len(jobs)
+    started, counts = [False] * len(jobs), [0] * len(jobs)
     try:
         if ask.chat:
             for i in range(len(jobs)):
@@ -302,9 +302,13 @@ async def sse(s: Served, jobs: list[Job], ask: Ask):
             text, pairs = piece.text, piece.pairs
             if echo and not started[i]:  # the prompt first, with its logprobs (they came with the prefill)
                 text, pairs = ask.prompt_text + text, (echo_pairs(ask, jobs[i]) if out[i].k is not None else []) + pairs
-            started[i] = True
+            started[i], counts[i] = True, piece.n_tokens
             if text or piece.finish or pairs:
                 yield event(text, piece.finish, i, logprobs=out[i](pairs) if pairs or out[i].k is not None else None)
+        if ask.opts["include_usage"]:
+            cached = jobs[0].request.cached_tokens if jobs[0].request is not None else 0
+            usage = usage_body(len(ask.prompt_ids), sum(counts), cached)
+            yield f"data: {json.dumps(usage_chunk(ask.rid, s.model_name, ask.chat, usage))}\n\n"
         yield "data: [DONE]\n\n"
     except (asyncio.CancelledError, GeneratorExit):
         for job in jobs:

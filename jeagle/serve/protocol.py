@@ -93,6 +93,13 @@ def parse_common(body: dict, allowed: set[str]) -> dict:
     ignore_eos = body.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise BadRequest("'ignore_eos' must be a boolean", "ignore_eos")
+    options = body.get("stream_options")
+    if options is not None:  # OpenAI's: only {"include_usage": bool}, only with streaming
+        if not stream:
+            raise BadRequest("'stream_options' is only allowed when 'stream' is true", "stream_options")
+        if (not isinstance(options, dict) or set(options) - {"include_usage"}
+                or not isinstance(options.get("include_usage", False), bool)):
+            raise BadRequest("'stream_options' must be an object {\"include_usage\": boolean}", "stream_options")
     return {
         "max_tokens": _number(body, "max_completion_tokens", 1, integer=True) or _number(body, "max_tokens", 1,
                                                                                            integer=True),
@@ -101,6 +108,7 @@ def parse_common(body: dict, allowed: set[str]) -> dict:
         "top_k": _number(body, "top_k", -1, integer=True, default=0),
         "seed": _number(body, "seed", 0, 2**32 - 1, integer=True),
         "stop": stop, "stream": stream, "ignore_eos": ignore_eos, "n": n, "logprobs": logprobs, "echo": echo,
+        "include_usage": bool((options or {}).get("include_usage", False)),
         "frequency_penalty": _number(body, "frequency_penalty", -2.0, 2.0, default=0.0),
         "presence_penalty": _number(body, "presence_penalty", -2.0, 2.0, default=0.0),
         "repetition_penalty": _number(body, "repetition_penalty", 0.0, 10.0, default=1.0, lo_open=True),
@@ -267,6 +275,12 @@ def stream_chunk(rid: str, model_name: str, chat: bool, text: str, finish: str |
         choice = {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": int(time.time()), "model": model_name, "choices": [choice]}
+
+
+def usage_chunk(rid: str, model_name: str, chat: bool, usage: dict) -> dict:
+    """The last event of a stream asked with `stream_options.include_usage`: no choices, the usage."""
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": model_name, "choices": [], "usage": usage}
 
 
 def usage_body(n_prompt: int, n_completion: int, cached: int = 0) -> dict:

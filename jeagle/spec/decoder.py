@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import time
 from collections import deque
 
@@ -33,8 +34,8 @@ from jeagle.adaptive import AdaptiveConfig, AdaptiveConfigError, AdaptiveControl
 from jeagle.runtime.buckets import Buckets, pad
 from jeagle import logprobs
 from jeagle.penalties import penalty_inputs, wants_penalties
-from jeagle.runtime.decoder import (Delivery, SlotTables, context_size, place_cache, prefill_batch, sampling_inputs,
-                                    split_prompt_logprobs, token_masks, wants_grammar, wants_logprobs,
+from jeagle.runtime.decoder import (Delivery, GrammarMasks, SlotTables, context_size, place_cache, prefill_batch,
+                                    sampling_inputs, split_prompt_logprobs, wants_grammar, wants_logprobs,
                                     wants_prompt_logprobs, weight_bytes)
 from jeagle.runtime.executables import DeviceShapes, Executables
 from jeagle.runtime.slots import SlotLayout, pool_size
@@ -46,7 +47,7 @@ from jeagle.spec.steps import DraftKey, RoundKey, SpecPrefillInputs, SpecPrefill
 ACCEPT_HISTORY = 100_000  # accept lengths kept between stats windows (a server runs for days)
 
 
-class SpecDecoder(SlotTables):
+class SpecDecoder(SlotTables, GrammarMasks):
     speculative = True
     swaps_slots = True  # a round's commit swaps tree slots into positions: read the tables back to know them
 
@@ -151,13 +152,22 @@ class SpecDecoder(SlotTables):
         return RoundKey(self.static, tier, b, kv, greedy, rounds=self.rounds_per_dispatch, logprobs=logprobs,
                         penalties=penalties)
 
-    def warmup_keys(self, prefill, decode, greedy=(True, False), logprobs=(False,), penalties=(False,)) -> list:
-        """Prefill keys for the (b, t) pairs (every prefill applies penalties), then every tier's fused
-        rounds for the (b, kv) pairs in each mode of `greedy` and `penalties`; each in each mode of
-        `logprobs` (the split round is a measurement mode: compiled on first use)."""
-        return ([self.prefill_key(b, t, lp, context=c) for lp in logprobs for b, t, c in prefill]
-                + [self.round_key(tier, b, kv, g, lp, pen) for lp in logprobs for pen in penalties
-                   for tier in self.tiers for g in greedy for b, kv in decode])
+    def warmup_keys(self, prefill, decode, greedy=(True, False), logprobs=(False,), penalties=(False,),
+                    grammar=(False,)) -> list:
+        """Prefill keys for the (b, t) pairs (every prefill applies penalties and masks), then every
+        tier's fused rounds for the (b, kv) pairs in each mode of `greedy` and `penalties`; each in
+        each mode of `logprobs`. With `grammar` True, the rounds grammar batches run too (draft, the
+        verify's forward, its masked accept). (The split round without grammar is a measurement
+        mode: compiled on first use.)"""
+        keys = [self.prefill_key(b, t, lp, context=c) for lp in logprobs for b, t, c in prefill]
+        for lp, pen, tier, g, (b, kv) in itertools.product(logprobs, penalties, self.tiers, greedy, decode):
+            if False in grammar:
+                keys.append(self.round_key(tier, b, kv, g, lp, pen))
+            if True in grammar:
+                accept = dataclasses.replace(self.round_key(tier, b, kv, g, lp, pen), phase="accept", rounds=1,
+                                             grammar=True)
+                keys += [DraftKey(self.static, tier, b, kv), accept.forward_key(), accept]
+        return list(dict.fromkeys(keys))  # the draft and forward keys repeat across modes
 
     def prefix_bound(self, prompt_len: int, max_new: int, overlap: bool) -> int:
         # Dispatch bounds L by tokens received + (S+1) per unread round: two dispatches' rounds with
@@ -195,7 +205,7 @@ class SpecDecoder(SlotTables):
             sampling=Sampling(*sampling_inputs(reqs, b, self._rng)),
             max_new=pad([r.max_new - len(r.out.token_ids) for r in reqs], b, 1, np.int32),  # a resumed one's rest
             stop_ids=pad(np.reshape(stops, (len(reqs), MAX_STOP)), b, -1, np.int32),
-            penalties=penalty_inputs(reqs, b), token_mask=token_masks(reqs, b, self.model_cfg.vocab_size))
+            penalties=penalty_inputs(reqs, b), token_mask=self.token_masks(reqs, b))
         lp = wants_logprobs(reqs) if logprobs is None else logprobs
         plp = wants_prompt_logprobs(reqs) if logprobs is None else prompt_logprobs
         return self._run(self.executables.get(self.prefill_key(b, t, lp, plp, context)), inputs)
@@ -249,23 +259,17 @@ class SpecDecoder(SlotTables):
         if self.fused_round and not grammar:
             return self._run(self._round_exe(self._state, b, kv, greedy, lp, pen), row_ids)
         tree = self._run_draft(self.executables.get(DraftKey(self.static, tier, b, kv)), row_ids)
-        verify = dataclasses.replace(self.round_key(tier, b, kv, greedy, lp, pen), phase="verify", rounds=1,
-                                     grammar=grammar)
+        verify = dataclasses.replace(self.round_key(tier, b, kv, greedy, lp, pen), phase="verify", rounds=1)
         if not grammar:
             return self._run(self.executables.get(verify), (row_ids, tree))
-        return self._run(self.executables.get(verify), (row_ids, tree, self._tree_masks(reqs, b, tree)))
-
-    def _tree_masks(self, reqs, b: int, tree) -> np.ndarray:
-        """Each tree node's grammar mask [b, N, W], from the draft's tree read back to the host (the
-        GPU waits while the host walks it: the price of structured output with speculation)."""
-        from jeagle.grammar import mask_words
-
-        tokens, parents = np.asarray(tree.tokens), np.asarray(tree.parent)
-        out = np.full((b, tokens.shape[1], mask_words(self.model_cfg.vocab_size)), -1, np.int32)
-        for i, r in enumerate(reqs):
-            if r.matcher is not None:
-                out[i] = r.matcher.tree_masks(tokens[i], parents[i])
-        return out
+        # Grammar: the device runs the verify's forward while the host computes the tree's masks
+        # (the draft's tree read back as soon as the draft is done), then the accept applies them.
+        accept = dataclasses.replace(verify, phase="accept", grammar=True)
+        tree.tokens.copy_to_host_async()
+        tree.parent.copy_to_host_async()
+        fwd, self.state = self.executables.get(accept.forward_key())(self.params, self.state, (row_ids, tree))
+        masks = self.tree_masks(reqs, b, tree)
+        return self._run(self.executables.get(accept), (row_ids, tree, fwd, masks))
 
     def calibrate(self, b: int, kv: int, greedy: bool, runs: int = 5, warm: int = 2) -> None:
         """Time one round of every tier at bucket (b, kv, greedy) on padding rows (the scratch row,

@@ -275,10 +275,29 @@ def draft_tree(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, row
     return tree, dk, dv
 
 
+def _tree_attn(cfg: SpecConfig, cache, r: SpecRows, row_ids, tree, kv_len: int) -> AttnInputs:
+    """The verify's attention inputs: the N tree tokens at L + depth, over the prefix and their ancestors."""
+    node_slots = r.tree_slots[:, :cfg.num_draft_tokens]  # the rows may own more (a larger tier's N)
+    return AttnInputs(positions=r.seq_len[:, None] + tree.depth, write_slots=node_slots,
+                      kv_slots=_prefix(cache, row_ids, kv_len), kv_len=r.seq_len, extra_slots=node_slots,
+                      extra_mask=tree.mask)
+
+
+def verify_forward(target, cfg: SpecConfig, cache, rows: SpecRows, row_ids, tree, *, kv_len: int,
+                   aux_layers: tuple[int, ...], unroll: bool | int = False):
+    """The verify's target forward over the B·N tree tokens (their KV written to the tree slots):
+    the first half of `verify_commit`, an executable of its own where grammar masks are computed on
+    the host meanwhile (`spec/steps.py` `verify_forward_step`). Returns the target's ForwardOut."""
+    with jax.named_scope("verify_forward"):
+        return target(tree.tokens, _tree_attn(cfg, cache, rows.gather(row_ids), row_ids, tree, kv_len), cache.k,
+                      cache.v, aux_layers=aux_layers, unroll=unroll)
+
+
 def verify_commit(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, row_ids, tree, *, kv_len: int,
                   greedy: bool, aux_layers: tuple[int, ...], unroll: bool | int = False, simulate_accept: float = 0.0,
-                  logprobs: bool = False, penalties: PenaltyRows | None = None, token_masks=None):
+                  logprobs: bool = False, penalties: PenaltyRows | None = None, token_masks=None, tout=None):
     """Verify the tree with the target, accept, check finishes, extend the draft, commit.
+    tout: the verify forward's output computed already (`verify_forward`; else computed here).
     token_masks [B, N, W]: each node's grammar mask (jeagle/grammar.py), applied to its logits.
     logprobs: append the emitted tokens' logprobs from the target's logits at the accepted nodes.
     penalties: the rows' penalties, applied to every tree node's logits with the node's path counted
@@ -291,15 +310,14 @@ def verify_commit(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, 
     b = row_ids.shape[0]
     ar = jnp.arange(b)
     L = r.seq_len
-    prefix_slots = _prefix(cache, row_ids, kv_len)
     embed, lm_head_t = _heads(target)
+    tree_attn = _tree_attn(cfg, cache, r, row_ids, tree, kv_len)
+    node_slots = tree_attn.write_slots
 
     # ---- verify: one target forward over the B·N tree tokens ------------------------------
-    with jax.named_scope("verify_forward"):
-        node_slots = r.tree_slots[:, :N]  # the rows may own more (a larger tier's N)
-        tree_attn = AttnInputs(positions=L[:, None] + tree.depth, write_slots=node_slots, kv_slots=prefix_slots,
-                               kv_len=L, extra_slots=node_slots, extra_mask=tree.mask)
-        tout = target(tree.tokens, tree_attn, cache.k, cache.v, aux_layers=aux_layers, unroll=unroll)
+    if tout is None:
+        tout = verify_forward(target, cfg, cache, rows, row_ids, tree, kv_len=kv_len, aux_layers=aux_layers,
+                              unroll=unroll)
 
     logits = tout.logits
     if penalties is not None:

@@ -5,6 +5,8 @@
                         the draft's top-K and feature for the first round
     round_step          one `spec_round` (draft → tree → verify → accept → commit → extend)
     draft_step, verify_step   the same round as two executables (a measurement mode)
+    draft_step, verify_forward_step, accept_step   the round as three executables: the host computes
+                        the tree's grammar masks while the device runs the verify's forward
 
 Each returns (result, state); a result is `round.pack_result`'s [B, W + 2] array (the split round's
 draft step returns the tree), with a key's `logprobs` followed by the W tokens' packed logprobs
@@ -26,13 +28,14 @@ from jeagle.config import DraftConfig, ModelConfig
 from jeagle.kernels.settings import KernelSettings
 from jeagle.grammar import apply_token_mask, mask_words
 from jeagle.logprobs import pack, prompt_logprobs, token_logprobs
+from jeagle.models.llama import ForwardOut
 from jeagle.penalties import (PenaltyInputs, PenaltyRows, add_tokens, apply as apply_penalties,
                               gather as gather_penalties, init_penalty_rows, penalty_shapes, prefill_rows)
 from jeagle.runtime.executables import DeviceShapes, StepBuild, compiler_options
 from jeagle.runtime.steps import Sampling, prefill_attn, sampling_shapes
 from jeagle.sampling import sample
 from jeagle.spec.round import (MAX_STOP, RowLayout, SpecConfig, SpecRows, draft_topk, draft_tree, draft_vocab_ids, init_rows,
-                               pack_result, spec_round, verify_commit)
+                               pack_result, spec_round, verify_commit, verify_forward)
 
 
 @jax.tree_util.register_dataclass
@@ -154,15 +157,23 @@ class RoundKey(_SpecKey):
     batch: int
     kv_len: int
     greedy: bool
-    phase: str = "round"  # "round" (fused) | "verify" (the split round's second half)
+    # "round" (fused) | "verify" (the split round's second half) | the verify in two halves, for
+    # grammar masks computed on the host while the device runs the first: "verify_forward" (the
+    # target over the tree; inputs (row_ids, tree), result `VerifyForward`) and "accept" (inputs
+    # (row_ids, tree, VerifyForward, token masks [B, N, W]))
+    phase: str = "round"
     rounds: int = 1  # rounds per dispatch, looped on the device (fused rounds only)
     logprobs: bool = False  # the emitted tokens' logprobs appended to the result
     penalties: bool = False  # the rows' penalties applied in the verify (jeagle/penalties.py)
-    grammar: bool = False  # verify only: inputs (row_ids, tree, token masks [B, N, W]) (jeagle/grammar.py)
+    grammar: bool = False  # accept only: token masks among the inputs (jeagle/grammar.py)
 
     def __post_init__(self):
-        if self.grammar and (self.phase != "verify" or self.rounds != 1):
-            raise ValueError("grammar masks come between the draft and the verify: a split round, one per dispatch")
+        if self.phase not in ("round", "verify", "verify_forward", "accept"):
+            raise ValueError(f"unknown round phase {self.phase!r}")
+        if self.phase != "round" and self.rounds != 1:
+            raise ValueError("a split round runs one round per dispatch")
+        if self.grammar != (self.phase == "accept"):
+            raise ValueError("grammar masks come between the verify's forward and its accept (phase 'accept')")
 
     @property
     def label(self) -> str:
@@ -178,9 +189,18 @@ class RoundKey(_SpecKey):
                                                 *shapes.graphdefs), shapes.params, shapes.state,
                               _abstract((self.batch,)))[0]
         inputs = (_abstract((self.batch,)), tree)
-        if self.grammar:
-            inputs += (_abstract((self.batch, self.tier.num_draft_tokens, mask_words(self.static.model.vocab_size))),)
-        return self._build(verify_step, shapes, inputs)
+        if self.phase == "verify":
+            return self._build(verify_step, shapes, inputs)
+        if self.phase == "verify_forward":
+            return self._build(verify_forward_step, shapes, inputs)
+        fwd = jax.eval_shape(functools.partial(verify_forward_step, self.forward_key(), *shapes.graphdefs),
+                             shapes.params, shapes.state, inputs)[0]
+        masks = _abstract((self.batch, self.tier.num_draft_tokens, mask_words(self.static.model.vocab_size)))
+        return self._build(accept_step, shapes, inputs + (fwd, masks))
+
+    def forward_key(self) -> "RoundKey":
+        """The "verify_forward" key an "accept" key follows (one executable for every sampling mode)."""
+        return RoundKey(self.static, self.tier, self.batch, self.kv_len, True, phase="verify_forward")
 
 
 @dataclass(frozen=True)
@@ -291,13 +311,43 @@ def draft_step(key: DraftKey, graphdef, draft_graphdef, params, state: SpecState
     return tree, SpecState(state.cache, dk, dv, state.rows, state.penalties)
 
 
-def verify_step(key: RoundKey, graphdef, draft_graphdef, params, state: SpecState, inputs):
+def verify_step(key: RoundKey, graphdef, draft_graphdef, params, state: SpecState, inputs, fwd=None, masks=None):
     target, head = nnx.merge(graphdef, params[0]), nnx.merge(draft_graphdef, params[1])
-    row_ids, tree, masks = inputs if key.grammar else (*inputs, None)
+    row_ids, tree = inputs[:2]
     s = key.static
+    tout = None
+    if fwd is not None:  # the forward ran as its own executable: its KV is in the state's pools already
+        tout = ForwardOut(fwd.logits, fwd.hidden, fwd.aux_hidden, state.cache.k, state.cache.v)
     res, cache, dk, dv, rows, pen = verify_commit(
         target, head, key.tier, state.cache, state.draft_k, state.draft_v, state.rows, row_ids, tree,
         kv_len=key.kv_len, greedy=key.greedy, aux_layers=s.aux_layers, unroll=s.unroll_round,
         simulate_accept=s.simulate_accept, logprobs=key.logprobs, penalties=state.penalties if key.penalties else None,
-        token_masks=masks)
+        token_masks=masks, tout=tout)
     return res, SpecState(cache, dk, dv, rows, pen if key.penalties else state.penalties)
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class VerifyForward:
+    """What the verify's forward hands its accept: the target's logits at the tree nodes and the
+    draft's features (the final hidden for EAGLE-1, the aux layers' for EAGLE-3; the other None)."""
+    logits: jax.Array  # [B, N, V] fp32
+    hidden: jax.Array | None
+    aux_hidden: jax.Array | None
+
+
+def verify_forward_step(key: RoundKey, graphdef, draft_graphdef, params, state: SpecState, inputs):
+    target, head = nnx.merge(graphdef, params[0]), nnx.merge(draft_graphdef, params[1])
+    row_ids, tree = inputs
+    out = verify_forward(target, key.tier, state.cache, state.rows, row_ids, tree, kv_len=key.kv_len,
+                         aux_layers=key.static.aux_layers, unroll=key.static.unroll_round)
+    eagle1 = head.cfg.kind == "eagle1"
+    fwd = VerifyForward(out.logits, out.hidden if eagle1 else None, None if eagle1 else out.aux_hidden)
+    cache = KVCache(k=out.k, v=out.v, req_to_token=state.cache.req_to_token)
+    return fwd, SpecState(cache, state.draft_k, state.draft_v, state.rows, state.penalties)
+
+
+def accept_step(key: RoundKey, graphdef, draft_graphdef, params, state: SpecState, inputs):
+    """The verify's second half after `verify_forward_step`: masks, accept, finish, draft extend, commit."""
+    row_ids, tree, fwd, masks = inputs
+    return verify_step(key, graphdef, draft_graphdef, params, state, (row_ids, tree), fwd, masks)
