@@ -6,7 +6,7 @@
 #   carry .stage1: `bash bench/gpu_session.sh stage`; carry .stage2: `bash bench/gpu_session.sh stage`;
 #   carry .stage3 + .whl: `bash bench/gpu_session.sh run STEPS...` (later calls: carry .whl only).
 # startup (issue 27: first and second start of the README command) needs the staged GGUF like bench.
-# Random-weight steps (tp, profile, phases, kerneltests, kernelbench, kernelround, specbench, overhead, warmup, cmdbuf, adaptive, autotune) need no staging: `bash bench/gpu_session.sh run kerneltests kernelbench kernelround`.
+# masks needs the staged GGUF (its tokenizer). Random-weight steps (tp, profile, phases, kerneltests, kernelbench, kernelround, specbench, overhead, warmup, cmdbuf, adaptive, autotune) need no staging: `bash bench/gpu_session.sh run kerneltests kernelbench kernelround`.
 set -uo pipefail
 mode="${1:-run}"
 stage_in() {  # whatever staged parts this call carries -> $HOME/stage; unpack the data archives once
@@ -239,12 +239,22 @@ if [[ "$steps" == *" features "* ]]; then  # issue 24: logprobs, penalties, gram
     decode_variant decode_features "sampling $name ${samplings[$name]}" --batch-sizes "${FEATURE_BATCHES:-1,16,48}" \
       --sampling "${samplings[$name]}" --max-new-tokens "${FEATURE_TOKENS:-256}" --repeats "${FEATURE_REPEATS:-3}"
   done
-  if [ "${FEATURE_SERVE:-1}" = 1 ]; then
-    for extra in '{}' '{"logprobs": 5}'; do
-      python3 bench/serve.py --concurrency "${FEATURE_CONC:-1,32}" --configs target-only,eagle-oracle --extra "$extra" \
-        2>&1 | tee -a "$OUT/serve_features.log"
+  if [ "${FEATURE_SERVE:-1}" = 1 ]; then  # the real model over HTTP: plain, logprobs, a JSON schema (chat)
+    declare -A extras=(
+      [plain]='{}'
+      [logprobs]='{"logprobs": true, "top_logprobs": 5}'
+      [grammar]='{"response_format": {"type": "json_schema", "json_schema": {"name": "outline", "schema": {"type": "object", "properties": {"title": {"type": "string", "maxLength": 60}, "points": {"type": "array", "items": {"type": "string", "maxLength": 80}, "minItems": 3, "maxItems": 5}}, "required": ["title", "points"]}}}}'
+    )
+    for name in ${SERVE_SET:-plain logprobs grammar}; do
+      echo "serve $name ${extras[$name]}" | tee -a "$OUT/serve_features.log"
+      python3 bench/serve.py --model smollm2 --prompts .data/mtbench.jsonl --concurrency "${FEATURE_CONC:-1,16}" \
+        --max-tokens "${SERVE_TOKENS:-256}" --requests-per-client "${SERVE_PER_CLIENT:-4}" --extra "${extras[$name]}" \
+        2>&1 | grep -v "Converting\|Loading" | tee -a "$OUT/serve_features.log"
     done
   fi
+fi
+if [[ "$steps" == *" masks "* ]]; then  # issue 24: grammar masks on the host, one by one vs batched on llguidance's threads
+  python3 bench/probes/grammar_masks.py --batch-sizes 1,16,48 2>&1 | tee "$OUT/grammar_masks.log"
 fi
 if [[ "$steps" == *" startup "* ]]; then  # issue 27: the README command, first and second start in a fresh cache
   # Run 1 converts the staged GGUF and compiles (no fetch: the GGUF is linked in), run 2 is the second start
