@@ -223,7 +223,8 @@ if [[ "$steps" == *" partings "* ]]; then  # issue 27: where bf16 EAGLE parts fr
     2>&1 | grep -v '^{"probe"' | tee -a "$OUT/partings.log"
 fi
 if [[ "$steps" == *" features "* ]]; then  # issue 24: logprobs, penalties, grammars: their tests on the GPU and their cost
-  # FEATURE_TESTS=0 skips the tests; FEATURE_SET picks the decode rows; FEATURE_SERVE=0 skips bench/serve.py.
+  # FEATURE_TESTS=0 skips the tests; FEATURE_SET picks the decode rows (FEATURE_ARGS: more decode.py arguments,
+  # e.g. --tier 3,1,4); FEATURE_SERVE=0 skips bench/serve.py (SERVE_SET picks its rows).
   if [ "${FEATURE_TESTS:-1}" = 1 ]; then
     python3 -c "import openai, starlette, uvicorn, httpx, llguidance, jsonschema" 2>&1 | tee "$OUT/features_imports.log"
     python3 -m pytest -q -x tests/test_logprobs.py tests/test_penalties.py tests/test_grammar.py \
@@ -237,7 +238,8 @@ if [[ "$steps" == *" features "* ]]; then  # issue 24: logprobs, penalties, gram
   )
   for name in ${FEATURE_SET:-plain logprobs penalties grammar}; do
     decode_variant decode_features "sampling $name ${samplings[$name]}" --batch-sizes "${FEATURE_BATCHES:-1,16,48}" \
-      --sampling "${samplings[$name]}" --max-new-tokens "${FEATURE_TOKENS:-256}" --repeats "${FEATURE_REPEATS:-3}"
+      --sampling "${samplings[$name]}" --max-new-tokens "${FEATURE_TOKENS:-256}" --repeats "${FEATURE_REPEATS:-3}" \
+      ${FEATURE_ARGS:-}
   done
   if [ "${FEATURE_SERVE:-1}" = 1 ]; then  # the real model over HTTP: plain, logprobs, a JSON schema (chat)
     declare -A extras=(
@@ -254,7 +256,7 @@ if [[ "$steps" == *" features "* ]]; then  # issue 24: logprobs, penalties, gram
   fi
 fi
 if [[ "$steps" == *" masks "* ]]; then  # issue 24: grammar masks on the host, one by one vs batched on llguidance's threads
-  python3 bench/probes/grammar_masks.py --batch-sizes 1,16,48 2>&1 | tee "$OUT/grammar_masks.log"
+  for a in "" "--copies" "--threads 4"; do python3 bench/probes/grammar_masks.py --batch-sizes 1,16,48 $a 2>&1 | tee -a "$OUT/grammar_masks.log"; done
 fi
 if [[ "$steps" == *" startup "* ]]; then  # issue 27: the README command, first and second start in a fresh cache
   # Run 1 converts the staged GGUF and compiles (no fetch: the GGUF is linked in), run 2 is the second start

@@ -223,13 +223,13 @@ def test_batched_tree_masks_equal_the_one_request_walk(tok, backend):
 
 
 def test_compiled_grammars_are_reused(tok, backend):
-    """The same schema compiles once (its requests' matchers share one template), a different one anew."""
+    """The same schema compiles once, a different one anew; each request's matcher is its own."""
     a = backend.compile("json_schema", SCHEMAS[0])
     assert backend.compile("json_schema", json.loads(json.dumps(SCHEMAS[0]))) is a
     assert backend.compile("json_schema", SCHEMAS[1]) is not a
     m1, m2 = a.matcher(), a.matcher()
     m1.consume(tok.encode("{", add_special_tokens=False)[0])
-    assert not np.array_equal(m1.mask(), m2.mask())  # copies: one advancing leaves the other at the start
+    assert not np.array_equal(m1.mask(), m2.mask())  # one advancing leaves the other at the start
 
 
 @pytest.fixture(scope="module")

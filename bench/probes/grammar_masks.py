@@ -37,6 +37,8 @@ def main(argv=None):
     p.add_argument("--nodes", type=int, default=8)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--threads", type=int, default=None, help="llguidance's pool (default: 80%% of the cores)")
+    p.add_argument("--copies", action="store_true",
+                   help="each request's matcher a copy of one template's (`deep_copy`), not built anew")
     args = p.parse_args(argv)
 
     import llguidance
@@ -51,13 +53,19 @@ def main(argv=None):
     if args.threads:
         grammar._EXECUTOR = llguidance.LLExecutor(num_threads=args.threads)
     g = backend.compile("json_schema", SCHEMA)
+    template = g.matcher()
     ids = tok.encode(json.dumps(DOC, separators=(",", ":")), add_special_tokens=False)
     rng = np.random.default_rng(0)
+    import concurrent.futures
+
+    pool = concurrent.futures.ThreadPoolExecutor(args.threads or max(1, (os.cpu_count() or 1) * 4 // 5))
     rows = []
     for b in [int(x) for x in args.batch_sizes.split(",")]:
         matchers, trees = [], []
         for _ in range(b):
             m, pos = g.matcher(), int(rng.integers(1, len(ids) - 6))
+            if args.copies:
+                m._ll = template._ll.deep_copy()
             for t in ids[:pos]:
                 m.consume(t)
             parents, depth, tokens = [-1], [0], [ids[pos - 1]]
@@ -86,12 +94,14 @@ def main(argv=None):
         row = {"batch": b, "nodes": args.nodes,
                "tree_one_by_one_ms": timed(lambda: [m.tree_masks(tokens[i], parents[i]) for i, m in enumerate(matchers)]),
                "tree_batched_ms": timed(lambda: grammar.tree_masks(matchers, tokens, parents, vocab)),
+               "tree_python_threads_ms": timed(lambda: list(pool.map(
+                   lambda i: matchers[i].tree_masks(tokens[i], parents[i]), range(b)))),
                "next_masks_ms": timed(lambda: grammar.next_masks(matchers, b, vocab))}
         rows.append(row)
         print(f"batch {b:>3}: tree masks one by one {row['tree_one_by_one_ms']:7.2f} ms, batched "
-              f"{row['tree_batched_ms']:7.2f} ms; next-token masks {row['next_masks_ms']:6.2f} ms", flush=True)
+              f"{row['tree_batched_ms']:7.2f} ms, python threads {row['tree_python_threads_ms']:7.2f} ms; next-token masks {row['next_masks_ms']:6.2f} ms", flush=True)
     print(json.dumps({"probe": "grammar_masks", "device": device_kind(), "cpus": os.cpu_count(),
-                      "threads": args.threads, "commit": git_commit(), "rows": rows}))
+                      "threads": args.threads, "copies": args.copies, "commit": git_commit(), "rows": rows}))
 
 
 if __name__ == "__main__":
