@@ -133,6 +133,11 @@ def jeagle_rows(target_dir, head_dir, prompts_ids, batches, max_new, repeats, ti
             tps, stats = median_run(once, repeats)
             row = {"system": name, "batch": batch, "tokens_per_s": round(tps, 1)} | (
                 {"sampling": report} if report else {})
+            if "grammar" in report:  # where a grammar batch's time goes (the median run's stats)
+                hb = stats["host_blocked_ms"] or {}
+                row |= {"steps": stats["steps"], "wall_s": round(stats["wall_s"], 3),
+                        "grammar_mask_ms": round(stats["grammar_mask_ms"], 1),
+                        "host_blocked_ms_p50": round(hb.get("p50", 0.0), 3)}
             tokens[name] = stats["tokens"]
             if name == "jeagle-eagle":
                 row |= {"accept_length": round(stats["accept_length"], 3), "tier": list(tier)}

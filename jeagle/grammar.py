@@ -79,7 +79,7 @@ class GrammarBackend:
     def __init__(self, tokenizer, vocab_size: int, eos_token_id: int):
         import llguidance
 
-        self.vocab_size = vocab_size
+        self.vocab_size, self.eos_token_id = vocab_size, eos_token_id
         self._compiled: collections.OrderedDict = collections.OrderedDict()  # (kind, source text) -> Grammar
         self._lock = threading.Lock()
         self.tokenizer = llguidance.LLTokenizer(llguidance.TokenizerWrapper(
@@ -162,6 +162,7 @@ class Matcher:
         if self._ll.is_error():
             raise GrammarError(self._ll.get_error())
         self.words = mask_words(grammar.backend.vocab_size)
+        self.eos = grammar.backend.eos_token_id
 
     def consume(self, token: int) -> None:
         if not self._ll.consume_token(int(token)):
@@ -293,3 +294,66 @@ def tree_masks(matchers, tokens: np.ndarray, parents: np.ndarray, vocab: int) ->
         for ll, took in advanced:
             ll.rollback(took)
     return out
+
+
+# ---- greedy rows: check the target's choices instead of computing masks ---------------------------------
+CANDIDATES = 8  # the verify's top tokens per tree node the host checks (`walk_masks`)
+
+
+def _allows(ll, path: list[int], token: int) -> bool:
+    return ll.validate_tokens(path + [token]) == len(path) + 1  # checks; the matcher does not move
+
+
+def walk_masks(matcher: Matcher, tokens: np.ndarray, parents: np.ndarray, top_ids: np.ndarray,
+               top_vals: np.ndarray, out: np.ndarray) -> bool:
+    """A greedy row's masks [N, W] in `out`, from the target's top CANDIDATES tokens at every tree node
+    (ids and logits, [N, C], best first) instead of a mask per node: what a node's masked argmax is,
+    a few token checks say (~4 µs each where a mask costs 20-150 µs).
+
+    The accept walk visits one node per depth: at node n it emits the grammar's best token c* (the
+    masked argmax) and moves to the child whose token is c*, if any. So the host walks the same path:
+    at each node the first candidate the grammar allows is c* — provided its logit is above the last
+    candidate's (a token outside the candidates may tie it otherwise) — and the node's mask allows c*
+    and any allowed candidate tied with it (the device's argmax then picks among them as it would
+    under the full mask). Nodes off the path keep every token allowed: the walk never reaches them.
+
+    Returns False where the candidates cannot decide a node on the path (none allowed, a tie at the
+    last candidate, EOS, or a grammar that has stopped): the row then needs `tree_masks`."""
+    if matcher.stopped:
+        return False
+    ll, eos = matcher._ll, matcher.eos
+    children: dict[tuple[int, int], int] = {}
+    for j in range(1, tokens.shape[0]):
+        if parents[j] >= 0:
+            key = (int(parents[j]), int(tokens[j]))
+            if key in children:  # siblings with one token (top-K gives none): which one the walk takes is the device's
+                return False
+            children[key] = j
+    node, path, last = 0, [], top_vals.shape[1] - 1
+    out[:] = -1
+    while True:
+        ids, vals = top_ids[node], top_vals[node]
+        best = None
+        for k in range(last + 1):
+            if ids[k] == eos:  # EOS is the grammar's to judge (its end): undecided here
+                return False
+            if _allows(ll, path, int(ids[k])):
+                best = k
+                break
+        if best is None or not vals[best] > vals[last]:
+            return False
+        tied = [int(ids[k]) for k in range(best + 1, last + 1) if vals[k] == vals[best]]
+        if any(t == eos for t in tied):
+            return False
+        allowed = [int(ids[best])] + [t for t in tied if _allows(ll, path, t)]
+        row = out[node].view(np.uint32)
+        row[:] = 0
+        for t in allowed:
+            row[t // 32] |= np.uint32(1 << (t % 32))
+        c = int(ids[best]) if len(allowed) == 1 else None
+        nxt = children.get((node, c)) if c is not None else None
+        if nxt is None:
+            if c is None and any((node, t) in children for t in allowed):
+                return False  # a tie the device breaks: the host cannot tell which child it walks to
+            return True
+        node, path = nxt, path + [c]

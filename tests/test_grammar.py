@@ -222,6 +222,102 @@ def test_batched_tree_masks_equal_the_one_request_walk(tok, backend):
                 np.testing.assert_array_equal(m.mask(), before[i])
 
 
+def _greedy_walk(logits, masks, tokens, parents):
+    """The verify's greedy accept walk under per-node masks: the tokens it emits."""
+    ids = np.arange(logits.shape[1])
+    node, out = 0, []
+    while True:
+        allowed = ((masks[node][ids // 32] >> (ids % 32)) & 1).astype(bool)
+        c = int(np.argmax(np.where(allowed, logits[node], -np.inf)))
+        out.append(c)
+        nxt = [j for j in range(1, len(tokens)) if parents[j] == node and tokens[j] == c]
+        if not nxt:
+            return out
+        node = nxt[0]
+
+
+def test_walk_masks_give_the_full_masks_walk(tok, backend):
+    """`grammar.walk_masks` (greedy rows: the verify's top tokens checked, not a mask per node) makes
+    the accept walk emit what it emits under every node's full mask, over random logits with planted
+    ties, trees that follow the grammar's own choices, and every position of valid documents; where
+    it cannot decide (EOS, none of the candidates allowed, a tie at the last one) it says so."""
+    from jeagle.grammar import CANDIDATES, walk_masks
+
+    rng = np.random.default_rng(1)
+    docs = [json.dumps({"name": "rex", "kind": "dog"}, separators=(",", ":")),
+            json.dumps({"id": 42, "tags": ["a", "ccc"], "owner": {"ok": True, "level": 2}}, separators=(",", ":"))]
+    decided = undecided = 0
+    for trial in range(300):
+        k = trial % 2
+        ids = tok.encode(docs[k], add_special_tokens=False)
+        m = backend.compile("json_schema", SCHEMAS[k]).matcher()
+        pos = int(rng.integers(1, len(ids)))
+        for t in ids[:pos]:
+            m.consume(t)
+        n = 8
+        logits = rng.normal(size=(n, VOCAB)).astype(np.float32)
+        follow = ids[pos:] + [EOS]
+        for j in range(min(n, len(follow))):  # the document's next tokens often lead
+            if rng.random() < 0.6:
+                logits[j, follow[j]] = 4.0
+                if rng.random() < 0.3:  # tied with another token (allowed or not)
+                    logits[j, int(rng.integers(4, VOCAB))] = 4.0
+        if rng.random() < 0.3:  # ties, some at the candidates' boundary
+            row = int(rng.integers(0, n))
+            top = np.argsort(-logits[row])[: CANDIDATES + 2]
+            logits[row, top[int(rng.integers(1, len(top)))]] = logits[row, top[0]]
+        parents, depth, tokens = [-1], [0], [ids[pos - 1]]
+        for j in range(1, n):
+            p = int(rng.integers(0, j)) if rng.random() < 0.4 else j - 1
+            parents.append(p)
+            depth.append(depth[p] + 1)
+            d = depth[-1] - 1  # node j at depth d + 1 follows the document's token d
+            t = follow[d] if d < len(follow) and rng.random() < 0.7 else int(rng.integers(4, VOCAB))
+            while any(parents[i] == p and tokens[i] == t for i in range(1, j)):  # siblings differ, as top-K's do
+                t = int(rng.integers(4, VOCAB))
+            tokens.append(t)
+        tokens, parents = np.array(tokens, np.int32), np.array(parents, np.int32)
+        # The device's top-k may order tied logits either way: here lower ids first or last.
+        ix = np.broadcast_to(np.arange(VOCAB), logits.shape)
+        order = np.lexsort((ix if trial % 3 else -ix, -logits), axis=1)[:, :CANDIDATES]
+        top_ids = order.astype(np.int32)
+        top_vals = np.take_along_axis(logits, order, 1)
+        full = m.tree_masks(tokens, parents)
+        want = _greedy_walk(logits, full, tokens, parents)
+        out = np.empty_like(full)
+        before = m.mask()
+        if walk_masks(m, tokens, parents, top_ids, top_vals, out):
+            decided += 1
+            assert _greedy_walk(logits, out, tokens, parents) == want, trial
+        else:
+            undecided += 1
+        np.testing.assert_array_equal(m.mask(), before)  # the matcher did not move
+    assert decided > 60 and undecided > 10, (decided, undecided)
+
+
+def test_walk_masks_leave_a_tie_at_the_last_candidate_undecided(tok, backend):
+    """After '{"id":' only digits may follow. The candidates are C-1 letters and then '5'; '3', no
+    candidate, may tie '5' (the masked argmax would then be '3', the lower id): the walk must not
+    decide '5' at the last candidate."""
+    from jeagle.grammar import CANDIDATES, walk_masks
+
+    m = backend.compile("json_schema", SCHEMAS[1]).matcher()
+    for t in tok.encode('{"id":', add_special_tokens=False):
+        m.consume(t)
+    letters = tok.encode("abcdefghijklm", add_special_tokens=False)[: CANDIDATES - 1]
+    five, three = tok.encode("5", add_special_tokens=False)[0], tok.encode("3", add_special_tokens=False)[0]
+    top_ids = np.array([letters + [five]], np.int32)
+    top_vals = np.array([[9.0 - i for i in range(CANDIDATES - 1)] + [1.0]], np.float32)
+    out = np.empty((1, (VOCAB + 31) // 32), np.int32)
+    tokens, parents = np.array([tok.encode(":", add_special_tokens=False)[0]], np.int32), np.array([-1], np.int32)
+    assert not walk_masks(m, tokens, parents, top_ids, top_vals, out)
+    assert three < five
+    # '5' one place up, above the last candidate (a letter): every other token is below it, decided.
+    top_ids[0, -2:] = [five, letters[-1]]
+    top_vals[0, -2:] = [1.5, 1.0]
+    assert walk_masks(m, tokens, parents, top_ids, top_vals, out) and allowed(out[0]).nonzero()[0].tolist() == [five]
+
+
 def test_compiled_grammars_are_reused(tok, backend):
     """The same schema compiles once, a different one anew; each request's matcher is its own."""
     a = backend.compile("json_schema", SCHEMAS[0])

@@ -142,15 +142,30 @@ class GrammarMasks:
             self.grammar_mask_s += time.perf_counter() - t0
         return out
 
-    def tree_masks(self, reqs, b: int, tree) -> np.ndarray:
-        """Each draft-tree node's grammar mask [b, N, W] (`jeagle.grammar.tree_masks`), from the tree
-        read back to the host."""
-        from jeagle.grammar import tree_masks
+    def tree_masks(self, reqs, b: int, tree, fwd=None, walk=None) -> np.ndarray:
+        """Each draft-tree node's grammar mask [b, N, W], from the tree read back to the host: rows
+        with `walk` True from the verify forward's best tokens `fwd` (`jeagle.grammar.walk_masks`,
+        greedy rows; those it cannot decide, and the other rows, with `jeagle.grammar.tree_masks`)."""
+        from jeagle.grammar import tree_masks, walk_masks
 
         tokens, parents = np.asarray(tree.tokens), np.asarray(tree.parent)  # their copies started at the draft
+        walk = walk or [False] * len(reqs)
         t0 = time.perf_counter()
-        out = tree_masks([r.matcher for r in reqs] + [None] * (b - len(reqs)), tokens, parents,
-                         self.model_cfg.vocab_size)
+        full = [r.matcher if not w else None for r, w in zip(reqs, walk)]
+        out = tree_masks(full + [None] * (b - len(reqs)), tokens, parents, self.model_cfg.vocab_size)
+        if any(walk):
+            self.grammar_mask_s += time.perf_counter() - t0
+            ids, vals = np.asarray(fwd.top_ids), np.asarray(fwd.top_vals)  # waits for the forward
+            t0 = time.perf_counter()
+            undecided = [None] * b
+            for i, (r, w) in enumerate(zip(reqs, walk)):
+                if w and not walk_masks(r.matcher, tokens[i], parents[i], ids[i], vals[i], out[i]):
+                    undecided[i] = r.matcher
+            if any(m is not None for m in undecided):
+                rest = tree_masks(undecided, tokens, parents, self.model_cfg.vocab_size)
+                for i, m in enumerate(undecided):
+                    if m is not None:
+                        out[i] = rest[i]
         self.grammar_mask_s += time.perf_counter() - t0
         return out
 

@@ -268,7 +268,13 @@ class SpecDecoder(SlotTables, GrammarMasks):
         tree.tokens.copy_to_host_async()
         tree.parent.copy_to_host_async()
         fwd, self.state = self.executables.get(accept.forward_key())(self.params, self.state, (row_ids, tree))
-        masks = self.tree_masks(reqs, b, tree)
+        # Greedy rows without penalties check the forward's best tokens (`grammar.walk_masks`); the
+        # others get a mask per tree node, computed while the device runs the forward.
+        walk = [r.matcher is not None and r.params.greedy and not pen for r in reqs]
+        if any(walk):
+            fwd.top_ids.copy_to_host_async()
+            fwd.top_vals.copy_to_host_async()
+        masks = self.tree_masks(reqs, b, tree, fwd, walk)
         return self._run(self.executables.get(accept), (row_ids, tree, fwd, masks))
 
     def calibrate(self, b: int, kv: int, greedy: bool, runs: int = 5, warm: int = 2) -> None:

@@ -26,8 +26,8 @@ from flax import nnx
 from jeagle.cache import KVCache, assign_rows, init_cache, init_pools
 from jeagle.config import DraftConfig, ModelConfig
 from jeagle.kernels.settings import KernelSettings
-from jeagle.grammar import apply_token_mask, mask_words
-from jeagle.logprobs import pack, prompt_logprobs, token_logprobs
+from jeagle.grammar import CANDIDATES, apply_token_mask, mask_words
+from jeagle.logprobs import pack, prompt_logprobs, token_logprobs, top_k_blocked
 from jeagle.models.llama import ForwardOut
 from jeagle.penalties import (PenaltyInputs, PenaltyRows, add_tokens, apply as apply_penalties,
                               gather as gather_penalties, init_penalty_rows, penalty_shapes, prefill_rows)
@@ -330,10 +330,13 @@ def verify_step(key: RoundKey, graphdef, draft_graphdef, params, state: SpecStat
 @dataclass
 class VerifyForward:
     """What the verify's forward hands its accept: the target's logits at the tree nodes and the
-    draft's features (the final hidden for EAGLE-1, the aux layers' for EAGLE-3; the other None)."""
+    draft's features (the final hidden for EAGLE-1, the aux layers' for EAGLE-3; the other None);
+    and for the host, each node's best tokens (`jeagle.grammar.walk_masks`: greedy grammar rows)."""
     logits: jax.Array  # [B, N, V] fp32
     hidden: jax.Array | None
     aux_hidden: jax.Array | None
+    top_ids: jax.Array  # [B, N, grammar.CANDIDATES] int32, best first
+    top_vals: jax.Array  # [B, N, grammar.CANDIDATES] fp32: their logits
 
 
 def verify_forward_step(key: RoundKey, graphdef, draft_graphdef, params, state: SpecState, inputs):
@@ -342,7 +345,9 @@ def verify_forward_step(key: RoundKey, graphdef, draft_graphdef, params, state: 
     out = verify_forward(target, key.tier, state.cache, state.rows, row_ids, tree, kv_len=key.kv_len,
                          aux_layers=key.static.aux_layers, unroll=key.static.unroll_round)
     eagle1 = head.cfg.kind == "eagle1"
-    fwd = VerifyForward(out.logits, out.hidden if eagle1 else None, None if eagle1 else out.aux_hidden)
+    vals, ids = top_k_blocked(out.logits, CANDIDATES)
+    fwd = VerifyForward(out.logits, out.hidden if eagle1 else None, None if eagle1 else out.aux_hidden,
+                        ids.astype(jnp.int32), vals)
     cache = KVCache(k=out.k, v=out.v, req_to_token=state.cache.req_to_token)
     return fwd, SpecState(cache, state.draft_k, state.draft_v, state.rows, state.penalties)
 
