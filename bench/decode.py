@@ -137,7 +137,9 @@ def jeagle_rows(target_dir, head_dir, prompts_ids, batches, max_new, repeats, ti
                 hb = stats["host_blocked_ms"] or {}
                 row |= {"steps": stats["steps"], "wall_s": round(stats["wall_s"], 3),
                         "grammar_mask_ms": round(stats["grammar_mask_ms"], 1),
-                        "host_blocked_ms_p50": round(hb.get("p50", 0.0), 3)}
+                        "host_blocked_ms_p50": round(hb.get("p50", 0.0), 3),
+                        "grammar_rows_walked": stats["grammar_rows_walked"],
+                        "grammar_rows_masked": stats["grammar_rows_masked"]}
             tokens[name] = stats["tokens"]
             if name == "jeagle-eagle":
                 row |= {"accept_length": round(stats["accept_length"], 3), "tier": list(tier)}

@@ -57,7 +57,9 @@ class Decoder(Protocol):
 
     def prefix_needed(self, r) -> int: ...
 
-    def step(self, reqs, b: int, kv: int): ...
+    def step(self, reqs, b: int, kv: int, drain=None):
+        """Dispatch one decode step / round over `reqs`. drain(): reads every result in flight (a
+        grammar round calls it once its forward is dispatched: its masks need those tokens)."""
 
     def unpack(self, kind: str, reqs, host: np.ndarray) -> list["Delivery"]: ...
 
@@ -131,6 +133,8 @@ class GrammarMasks:
     `grammar_mask_s` sums the host time they took (the stats' `grammar_mask_ms`)."""
 
     grammar_mask_s = 0.0
+    grammar_rows_walked = 0  # speculative rows whose masks came from `walk_masks` ...
+    grammar_rows_masked = 0  # ... and from a mask per tree node
 
     def token_masks(self, reqs, b: int) -> np.ndarray:
         """Each request's next-token mask [b, W] (its grammar's, else every token allowed), padded to b."""
@@ -149,9 +153,9 @@ class GrammarMasks:
         from jeagle.grammar import tree_masks, walk_masks
 
         tokens, parents = np.asarray(tree.tokens), np.asarray(tree.parent)  # their copies started at the draft
-        walk = walk or [False] * len(reqs)
+        walk, walked = walk or [False] * len(reqs), 0
         t0 = time.perf_counter()
-        full = [r.matcher if not w else None for r, w in zip(reqs, walk)]
+        full = [r.matcher if not (w or r.done) else None for r, w in zip(reqs, walk)]
         out = tree_masks(full + [None] * (b - len(reqs)), tokens, parents, self.model_cfg.vocab_size)
         if any(walk):
             self.grammar_mask_s += time.perf_counter() - t0
@@ -161,12 +165,15 @@ class GrammarMasks:
             for i, (r, w) in enumerate(zip(reqs, walk)):
                 if w and not walk_masks(r.matcher, tokens[i], parents[i], ids[i], vals[i], out[i]):
                     undecided[i] = r.matcher
+            walked = sum(walk) - sum(m is not None for m in undecided)
+            self.grammar_rows_walked += walked
             if any(m is not None for m in undecided):
                 rest = tree_masks(undecided, tokens, parents, self.model_cfg.vocab_size)
                 for i, m in enumerate(undecided):
                     if m is not None:
                         out[i] = rest[i]
         self.grammar_mask_s += time.perf_counter() - t0
+        self.grammar_rows_masked += sum(r.matcher is not None and not r.done for r in reqs) - walked
         return out
 
 

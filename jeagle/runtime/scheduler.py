@@ -287,25 +287,29 @@ class Engine:
             live, waited = self._reserve(live)
             blocked += waited
         grammar = wants_grammar(live)
-        if grammar and pending:  # the grammars' masks need every token in flight first
+
+        def drain():  # grammar masks need every token in flight: target-only first, EAGLE inside its round
+            nonlocal blocked
             t1 = time.perf_counter()
             while pending:
                 self._process(*pending.popleft())
             blocked += time.perf_counter() - t1
+        if grammar and pending and not dec.speculative:
+            drain()
             self._running = [r for r in self._running if not r.done]
             live = [r for r in self._running if dec.wants_step(r)]
         if live:
             b, kv = self.buckets.decode(len(live), max(dec.prefix_needed(r) for r in live))
             acct["buckets_used"].add(b)
-            result = dec.step(live, b, kv)
+            result = dec.step(live, b, kv, drain)
             pending.append(("step", live, result))
             handle = dec.verify_handle(result)
             if handle is not None:
                 self.verify_done.record(handle)
         # Overlap: keep this step in flight while the host processes the previous one; without
         # overlap (or with nothing more to dispatch) process everything now.
-        # A grammar step is processed at once: its requests' next masks need its tokens.
-        keep = 1 if live and self.config.overlap and not grammar else 0
+        # A target-only grammar step is processed at once: its requests' next masks need its tokens.
+        keep = 1 if live and self.config.overlap and (dec.speculative or not grammar) else 0
         while len(pending) > keep:
             blocked += self._process(*pending.popleft())
         self._ask_tables()

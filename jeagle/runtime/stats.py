@@ -28,6 +28,10 @@ class SpecStats:
     tier_history: dict[str, list[int]] = field(default_factory=dict)  # round index (from 0) -> tier from then on
     tier_switches: int = 0
     rounds_per_dispatch: int = 1  # rounds one dispatch loops on the device (at most; fewer once all rows finish)
+    # Grammar rows' rounds whose tree masks came from checking the verify's best tokens (greedy rows,
+    # `jeagle.grammar.walk_masks`) and from a mask per tree node (the rest, and what the walk left undecided).
+    grammar_rows_walked: int = 0
+    grammar_rows_masked: int = 0
     # Adaptive: the policy's view at the end of the window (`AdaptiveController.report`): policy, active
     # tier, and for "throughput" each tier's expected accept length, round ms at the last bucket and
     # expected tokens per ms; None when not adaptive.

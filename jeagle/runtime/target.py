@@ -135,7 +135,7 @@ class TargetDecoder(SlotTables, GrammarMasks):
     def prefix_needed(self, r) -> int:
         return r.length + self.config.decode_steps
 
-    def step(self, reqs, b: int, kv: int):
+    def step(self, reqs, b: int, kv: int, drain=None):  # grammar steps: the scheduler drained first
         grammar = wants_grammar(reqs)
         steps = 1 if grammar else self.config.decode_steps
         inputs = DecodeInputs(row_ids=pad([r.row for r in reqs], b, self.scratch_row, np.int32),

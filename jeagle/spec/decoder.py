@@ -240,7 +240,7 @@ class SpecDecoder(SlotTables, GrammarMasks):
                 self.round_key(state.tier, b, kv, greedy, logprobs, penalties))
         return exe
 
-    def step(self, reqs, b: int, kv: int):
+    def step(self, reqs, b: int, kv: int, drain=None):
         row_ids = pad([r.row for r in reqs], b, self.scratch_row, np.int32)
         for r in reqs:
             r.dispatched += 1  # rounds in flight bound how far L can have moved
@@ -268,12 +268,13 @@ class SpecDecoder(SlotTables, GrammarMasks):
         tree.tokens.copy_to_host_async()
         tree.parent.copy_to_host_async()
         fwd, self.state = self.executables.get(accept.forward_key())(self.params, self.state, (row_ids, tree))
+        fwd.top_ids.copy_to_host_async()
+        fwd.top_vals.copy_to_host_async()
+        if drain is not None:  # the last round's tokens, read while this one's draft and forward run
+            drain()
         # Greedy rows without penalties check the forward's best tokens (`grammar.walk_masks`); the
-        # others get a mask per tree node, computed while the device runs the forward.
-        walk = [r.matcher is not None and r.params.greedy and not pen for r in reqs]
-        if any(walk):
-            fwd.top_ids.copy_to_host_async()
-            fwd.top_vals.copy_to_host_async()
+        # others get a mask per tree node (those that finished in the round just read: none).
+        walk = [r.matcher is not None and not r.done and r.params.greedy and not pen for r in reqs]
         masks = self.tree_masks(reqs, b, tree, fwd, walk)
         return self._run(self.executables.get(accept), (row_ids, tree, fwd, masks))
 
@@ -364,10 +365,11 @@ class SpecDecoder(SlotTables, GrammarMasks):
     # ---- stats -------------------------------------------------------------------------------------------
     def stats_window(self):
         """Where a stats window starts."""
-        return (len(self.accept_lengths), self.rounds_dispatched, len(self.tier_log), self.spec)
+        return (len(self.accept_lengths), self.rounds_dispatched, len(self.tier_log), self.spec,
+                self.grammar_rows_walked, self.grammar_rows_masked)
 
     def stats(self, window) -> SpecStats:
-        acc0, round0, log0, start_tier = window
+        acc0, round0, log0, start_tier, walked0, masked0 = window
         acc = self.accept_lengths[acc0:]
         history = {0: start_tier} | {i - round0: t for i, t in self.tier_log[log0:]}
         return SpecStats(rounds=len(acc), round_dispatches=self.rounds_dispatched - round0,
@@ -376,6 +378,8 @@ class SpecDecoder(SlotTables, GrammarMasks):
                          adaptive=self.controller is not None, tiers=[list(t.shape) for t in self.tiers],
                          tier_history={str(i): list(t.shape) for i, t in sorted(history.items())},
                          tier_switches=len(history) - 1, rounds_per_dispatch=self.rounds_per_dispatch,
+                         grammar_rows_walked=self.grammar_rows_walked - walked0,
+                         grammar_rows_masked=self.grammar_rows_masked - masked0,
                          adaptive_state=self.adaptive_state())
 
     def adaptive_state(self) -> dict | None:
