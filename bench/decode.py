@@ -78,7 +78,7 @@ def token_agreement(got: list[list[int]], want: list[list[int]]) -> dict:
 
 def jeagle_rows(target_dir, head_dir, prompts_ids, batches, max_new, repeats, tier, systems=JEAGLE_SYSTEMS,
                 adaptive_config=None, engine_config: dict | None = None, sampling: dict | None = None,
-                tokenizer=None) -> list[dict]:
+                tokenizer=None, kv_chunk: int | None = None) -> list[dict]:
     from jeagle.adaptive import AdaptiveConfig
     from jeagle.checkpoint import load_draft, load_model
     from jeagle.engine import EngineConfig, speculative, target_only
@@ -97,6 +97,9 @@ def jeagle_rows(target_dir, head_dir, prompts_ids, batches, max_new, repeats, ti
             "jeagle-eagle": lambda: speculative(model, head, ec, SpecConfig(*tier)),
             "jeagle-adaptive": lambda: speculative(model, head, ec, SpecConfig(*tier), adaptive=adaptive)}
     engines = {name: make[name]() for name in systems}
+    if kv_chunk:
+        for eng in engines.values():
+            eng.kv.chunk = kv_chunk  # positions a request's slots grow by ahead of need (runtime/kv.py)
     report = dict(sampling or {})
     sampling = dict(report)
     if "logit_bias" in sampling:
@@ -244,6 +247,8 @@ def main(argv=None) -> dict:
                         '{"frequency_penalty": 0.5} or {"grammar": ["json_schema", {...}]} (structured output: '
                         'requests end at EOS, tokens/s counts the tokens made): their rows say so')
     p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--kv-chunk", type=int, default=None,
+                   help="positions a request's KV slots grow by ahead of need (default: runtime/kv.py's CHUNK)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--json-out", default=None)
     p.add_argument("--plot", default=None, help="PNG path")
@@ -292,7 +297,8 @@ def main(argv=None) -> dict:
         p.error(f"--systems: unknown {unknown} (known: {', '.join(JEAGLE_SYSTEMS)})")
     doc["rows"] += jeagle_rows(target_dir, head_dir, prompts_ids, batches, args.max_new_tokens, args.repeats, tier,
                                systems, args.adaptive_config, engine_config,
-                               json.loads(args.sampling) if args.sampling else None, tok)
+                               json.loads(args.sampling) if args.sampling else None, tok,
+                               args.kv_chunk)
     hf_batches = [int(b) for b in args.hf_batch_sizes.split(",") if b.strip()]
     if hf_batches:
         if args.target is not None:
