@@ -111,7 +111,7 @@ class TokenLogprob:
         return self._row[1 + LOGPROB_TOP:].view(np.float32)
 
     def top(self, k: int) -> list[tuple[int, float]]:
-        return [(int(i), float(p)) for i, p in zip(self.top_ids[:k], self.top_logprobs[:k])]
+        return list(zip(self.top_ids[:k].tolist(), self.top_logprobs[:k].tolist()))  # Python ints and floats
 
     def __repr__(self) -> str:
         return f"TokenLogprob({self.logprob:.4f}, top={self.top(3)}...)"

@@ -210,6 +210,19 @@ class Tokenizer:
         """The bytes one token stands for (OpenAI logprobs' `bytes`): a byte-level BPE token's bytes, a
         byte-fallback token's one byte (`<0xE2>`), else the token's text with SentencePiece's `▁` as a
         space. A token may be part of a UTF-8 character: its bytes need not decode alone."""
+        return self.token_piece(token_id)[0]
+
+    def token_piece(self, token_id: int) -> tuple[bytes, str, list[int]]:
+        """(`token_bytes`, `token_text`, the bytes as a list of ints) of one token, cached: a streamed
+        response with `top_logprobs` asks for six tokens' pieces per token it emits."""
+        cache = self.__dict__.setdefault("_pieces", {})
+        piece = cache.get(token_id)
+        if piece is None:
+            raw = self._token_bytes(token_id)
+            piece = cache[int(token_id)] = (raw, raw.decode("utf-8", errors="replace"), list(raw))
+        return piece
+
+    def _token_bytes(self, token_id: int) -> bytes:
         tok = self._fast.id_to_token(int(token_id))
         if tok is None:
             return b""
@@ -226,7 +239,7 @@ class Tokenizer:
 
     def token_text(self, token_id: int) -> str:
         """One token's text (invalid UTF-8 of a partial character shown as U+FFFD)."""
-        return self.token_bytes(token_id).decode("utf-8", errors="replace")
+        return self.token_piece(token_id)[1]
 
     @property
     def has_chat_template(self) -> bool:

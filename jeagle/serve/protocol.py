@@ -307,7 +307,8 @@ def completion_body(rid: str, model_name: str, chat: bool, choices: list[dict], 
 def chat_logprobs(tokenizer, pairs, k: int) -> dict:
     """Chat's `logprobs` object for (token id, TokenLogprob) pairs: {"content": [...], "refusal": None}."""
     def entry(tid, lp):
-        return {"token": tokenizer.token_text(tid), "logprob": lp, "bytes": list(tokenizer.token_bytes(tid))}
+        _, text, raw = tokenizer.token_piece(tid)
+        return {"token": text, "logprob": lp, "bytes": raw}
     return {"content": [entry(t, lp.logprob) | {"top_logprobs": [entry(i, p) for i, p in lp.top(k)]}
                         for t, lp in pairs], "refusal": None}
 
