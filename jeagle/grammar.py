@@ -317,8 +317,12 @@ def walk_masks(matcher: Matcher, tokens: np.ndarray, parents: np.ndarray, top_id
     and any allowed candidate tied with it (the device's argmax then picks among them as it would
     under the full mask). Nodes off the path keep every token allowed: the walk never reaches them.
 
-    Returns False where the candidates cannot decide a node on the path (none allowed, a tie at the
-    last candidate, EOS, or a grammar that has stopped): the row then needs `tree_masks`."""
+    Where EOS comes before any allowed candidate, or no candidate is allowed, the node's full mask
+    decides (one mask, not a tree of them): it says whether EOS and the candidates are allowed, and a
+    grammar that allows a single token there (a closing quote, a comma) has chosen it, whatever the
+    logits. Returns False where that cannot decide a node on the path either (several tokens allowed,
+    none of them a candidate; a tie at the last candidate; a grammar that has stopped): the row then
+    needs `tree_masks`."""
     if matcher.stopped:
         return False
     ll, eos = matcher._ll, matcher.eos
@@ -333,27 +337,55 @@ def walk_masks(matcher: Matcher, tokens: np.ndarray, parents: np.ndarray, top_id
     out[:] = -1
     while True:
         ids, vals = top_ids[node], top_vals[node]
-        best = None
+        row = out[node].view(np.uint32)
+        best, full = None, None
         for k in range(last + 1):
-            if ids[k] == eos:  # EOS is the grammar's to judge (its end): undecided here
-                return False
+            if ids[k] == eos:  # EOS is the grammar's to judge (its end): the full mask
+                break
             if _allows(ll, path, int(ids[k])):
                 best = k
                 break
-        if best is None or not vals[best] > vals[last]:
+        if best is None:
+            full = _node_mask(ll, path, out.shape[1])
+            ok = [(full[int(t) // 32] >> np.uint32(int(t) % 32)) & 1 for t in ids]
+            best = next((k for k in range(last + 1) if ok[k]), None)
+            if best is None:  # no candidate allowed: decided only if the grammar allows one token
+                single = np.flatnonzero(np.unpackbits(full.view(np.uint8), bitorder="little"))
+                if single.size != 1:
+                    return False
+                row[:] = full
+                c = int(single[0])
+                if c == eos or (node, c) not in children:  # the row ends at EOS: what follows is cut
+                    return True
+                node, path = children[node, c], path + [c]
+                continue
+        if not vals[best] > vals[last]:
             return False
-        tied = [int(ids[k]) for k in range(best + 1, last + 1) if vals[k] == vals[best]]
-        if any(t == eos for t in tied):
+        tied = [k for k in range(best + 1, last + 1) if vals[k] == vals[best]]
+        if full is None and any(ids[k] == eos for k in tied):
             return False
-        allowed = [int(ids[best])] + [t for t in tied if _allows(ll, path, t)]
-        row = out[node].view(np.uint32)
+        allowed = [int(ids[best])] + [int(ids[k]) for k in tied
+                                      if (ok[k] if full is not None else _allows(ll, path, int(ids[k])))]
         row[:] = 0
         for t in allowed:
             row[t // 32] |= np.uint32(1 << (t % 32))
         c = int(ids[best]) if len(allowed) == 1 else None
+        if c == eos:
+            return True  # the row ends at EOS: what follows it is cut
         nxt = children.get((node, c)) if c is not None else None
         if nxt is None:
             if c is None and any((node, t) in children for t in allowed):
                 return False  # a tie the device breaks: the host cannot tell which child it walks to
             return True
         node, path = nxt, path + [c]
+
+
+def _node_mask(ll, path: list[int], words: int) -> np.ndarray:
+    """[W] uint32: the mask after `path` (a path the grammar allows), the matcher moved back after."""
+    out = np.zeros(words, np.uint32)
+    took = ll.try_consume_tokens(path) if path else 0
+    assert took == len(path), "the walk's path left the grammar"
+    ll.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
+    if took:
+        ll.rollback(took)
+    return out

@@ -239,8 +239,9 @@ def _greedy_walk(logits, masks, tokens, parents):
 def test_walk_masks_give_the_full_masks_walk(tok, backend):
     """`grammar.walk_masks` (greedy rows: the verify's top tokens checked, not a mask per node) makes
     the accept walk emit what it emits under every node's full mask, over random logits with planted
-    ties, trees that follow the grammar's own choices, and every position of valid documents; where
-    it cannot decide (EOS, none of the candidates allowed, a tie at the last one) it says so."""
+    ties, trees that follow the grammar's own choices, and every position of valid documents (EOS
+    and nodes where no candidate is allowed decided by the node's own mask); where it cannot decide
+    (several tokens allowed, none a candidate; a tie at the last candidate) it says so."""
     from jeagle.grammar import CANDIDATES, walk_masks
 
     rng = np.random.default_rng(1)
@@ -292,7 +293,7 @@ def test_walk_masks_give_the_full_masks_walk(tok, backend):
         else:
             undecided += 1
         np.testing.assert_array_equal(m.mask(), before)  # the matcher did not move
-    assert decided > 60 and undecided > 10, (decided, undecided)
+    assert decided > 200 and undecided > 10, (decided, undecided)
 
 
 def test_walk_masks_leave_a_tie_at_the_last_candidate_undecided(tok, backend):
