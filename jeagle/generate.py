@@ -90,14 +90,16 @@ def run(args: argparse.Namespace) -> dict:
                              frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
                              repetition_penalty=args.repetition_penalty, min_tokens=args.min_tokens, grammar=grammar)
               for i in range(len(ids))]
+    # The executables these requests run (with logprobs, penalties or a grammar: those compiled for them).
+    modes = dict(logprobs=(args.logprobs is not None,), penalties=(params[0].penalized,),
+                 grammar=(grammar is not None,))
     if not args.warmup:
         for i, (x, sp) in enumerate(zip(ids, params)):
             engine.check(x, sp, i)  # a request generate() refuses is refused before the preload, as there
         # A warm start: what these prompts can dispatch loads from the executable store now, in parallel,
         # and runs once on padding rows, so the first token waits for neither (nothing compiles here).
         t0 = time.perf_counter()
-        engine.preload_for([len(x) for x in ids], args.max_new_tokens, greedy=(args.temperature == 0.0,),
-                           logprobs=(args.logprobs is not None,))
+        engine.preload_for([len(x) for x in ids], args.max_new_tokens, greedy=(args.temperature == 0.0,), **modes)
         load_s += time.perf_counter() - t0
     if not args.json:
         print(f"[jeagle] {target_dir.name}, {spec.describe_dtype()}, {describe_decoding(spec)}, "
@@ -105,7 +107,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.warmup:
         # Only what these prompts can dispatch; every request shares the temperature: greedy or sampled.
         engine.warmup_for([len(x) for x in ids], args.max_new_tokens, greedy=(args.temperature == 0.0,),
-                          progress=not args.json, logprobs=(args.logprobs is not None,))
+                          progress=not args.json, **modes)
 
     stream = StreamDecoder(tokenizer)
 

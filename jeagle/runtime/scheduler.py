@@ -421,29 +421,29 @@ class Engine:
                                                    prefix if self.kv.cache is not None else (False,))
         return self.decoder.warmup_keys(prefill, decode, greedy, **modes)
 
-    def plan_for(self, prompt_lengths, max_new_tokens: int, greedy=(True, False), logprobs=(False,), penalties=(False,)) -> list:
+    def plan_for(self, prompt_lengths, max_new_tokens: int, greedy=(True, False), **modes) -> list:
         """The step keys these prompts can dispatch: batch sizes up to their number (capped by the
         running batch), their prompt-length buckets, the prefix buckets up to the longest context
-        they can reach."""
+        they can reach; in the modes asked (logprobs, penalties, grammar: `warmup`)."""
         lengths = list(prompt_lengths)
         n = min(len(lengths), self.max_running)
         longest = max(self.decoder.prefix_bound(x, max_new_tokens, self.config.overlap) for x in lengths)
         kv = [k for k in self.buckets.kv if k < longest] + [longest]
         return self.warmup_plan(batch_sizes=range(1, n + 1), prefill_lengths=lengths, kv_lengths=kv, greedy=greedy,
-                                logprobs=logprobs, penalties=penalties)
+                                **modes)
 
     def warmup_for(self, prompt_lengths, max_new_tokens: int, greedy=(True, False), progress: bool = True,
-                   logprobs=(False,), penalties=(False,)) -> float:
+                   **modes) -> float:
         """Warm up only what these prompts can dispatch (`plan_for`)."""
-        return self._warmup(self.plan_for(prompt_lengths, max_new_tokens, greedy, logprobs, penalties), progress)
+        return self._warmup(self.plan_for(prompt_lengths, max_new_tokens, greedy, **modes), progress)
 
-    def preload_for(self, prompt_lengths, max_new_tokens: int, greedy=(True, False), logprobs=(False,), penalties=(False,)) -> int:
+    def preload_for(self, prompt_lengths, max_new_tokens: int, greedy=(True, False), **modes) -> int:
         """A warm start's warm-up, which compiles nothing: of what these prompts can dispatch
         (`plan_for`), what the executable store holds loads now, in parallel, and each runs once on
         padding rows (`decoder.prime`), so that neither its loading nor its first run on the device
         (~0.2 s for a prefill on an H100) falls in a request's time to first token. The rest still
         compiles on first use. Counted as compile time; returns how many loaded."""
-        keys = self.plan_for(prompt_lengths, max_new_tokens, greedy, logprobs, penalties)
+        keys = self.plan_for(prompt_lengths, max_new_tokens, greedy, **modes)
         loaded = self.executables.preload(keys, self.decoder.prime)
         self.decoder.calibrate_keys(keys, compile=False)
         return loaded
