@@ -158,12 +158,11 @@ def main(argv=None):
     for name in configs:
         if name == "target-only":
             engine = target_only(target, cfg)
-        elif real:
-            engine = speculative(target, head, cfg, SpecConfig(5, 4, 8))
         else:
             engine = speculative(target, head, cfg, SpecConfig(5, 4, 8))
-            dec = engine.decoder  # its params: (target params, draft params); the same graph, new draft weights
-            dec.params = (dec.params[0], head_params["high" if name == "eagle-oracle" else "low"])
+            if not real:  # its params: (target params, draft params); the same graph, new draft weights
+                dec = engine.decoder
+                dec.params = (dec.params[0], head_params["high" if name == "eagle-oracle" else "low"])
         t0 = time.perf_counter()
         engine.warmup(prefill_lengths=sorted(set(lengths)), prefix=(False, True), progress=False, **modes)
         warm = time.perf_counter() - t0

@@ -5,19 +5,21 @@ Why llguidance (not xgrammar, SGLang's default): it is a self-contained Rust lib
 dependencies, where xgrammar's wheel requires torch, transformers and triton at import — jeagle's
 runtime has no torch. Both compute a mask for a 49k vocabulary in tens of microseconds.
 
-A request's `Grammar` (compiled once per request, `SamplingParams.grammar`) makes a `Matcher` per
-request; the host keeps it in step with the emitted tokens and hands the device one bitmask per
-position to decode from ([W] int32, bit v % 32 of word v // 32 allows token v):
+A `Grammar` (compiled once per schema: `GrammarBackend.compile` keeps the last ones) makes a
+`Matcher` per request; the host keeps it in step with the emitted tokens and hands the device one
+bitmask per position to decode from ([W] int32, bit v % 32 of word v // 32 allows token v):
 
     prefill         the mask of the grammar's start
-    decode step     the mask after the request's tokens so far
-    speculative     the draft tree's tokens come to the host between the draft and the verify; each
-                    tree node gets the mask after its path (root excluded: emitted already), so the
-                    verify accepts only tokens the grammar allows and emits what constrained
-                    target-only decoding emits (`Matcher.tree_masks`)
+    decode step     the mask after the request's tokens so far (`next_masks`: the batch's at once)
+    speculative     the draft tree's tokens come to the host while the device runs the verify's
+                    forward; each tree node gets the mask after its path (root excluded: emitted
+                    already: `tree_masks`), or for a greedy row the mask of the one path the accept
+                    walks (`walk_masks`, from the forward's best tokens), so the accept takes only
+                    tokens the grammar allows and emits what constrained target-only decoding emits
 
-Grammar batches therefore decode synchronously: the host reads each step's tokens before the next
-dispatch (the scheduler drains what is in flight first; `runtime/scheduler.py`).
+A target-only grammar step needs the previous step's tokens first (the scheduler drains what is in
+flight before it); a speculative one reads them while its draft and forward run
+(`runtime/scheduler.py`, `spec/decoder.py`). Masks are computed on llguidance's thread pool.
 """
 
 from __future__ import annotations
@@ -195,6 +197,12 @@ class Matcher:
                 self._ll.rollback(took)
         return out
 
+    def copy(self) -> "Matcher":
+        """A matcher in this one's state, sharing its lexer cache (behind a lock: the class docstring)."""
+        twin = object.__new__(Matcher)
+        twin._ll, twin.words, twin.eos = self._ll.deep_copy(), self.words, self.eos
+        return twin
+
     @property
     def stopped(self) -> bool:
         return self._ll.is_stopped()
@@ -213,6 +221,14 @@ def _executor():
 
         _EXECUTOR = llguidance.LLExecutor()
     return _EXECUTOR
+
+
+def set_threads(n: int) -> None:
+    """Size llguidance's thread pool (default: 80% of the cores; bench/probes/grammar_masks.py)."""
+    import llguidance
+
+    global _EXECUTOR
+    _EXECUTOR = llguidance.LLExecutor(num_threads=n)
 
 
 def next_masks(matchers, rows: int, vocab: int) -> np.ndarray:
@@ -279,11 +295,8 @@ def tree_masks(matchers, tokens: np.ndarray, parents: np.ndarray, vocab: int) ->
                     advanced.append((ll, took))
                 if took < len(prefix):  # the grammar refuses the branch node: nothing past it is reachable
                     continue
-            nodes = [head[-1]] + new
-            if new:
-                entries.append((ll, rows, [int(t) for t in tokens[i, new]]))
-            else:  # a leaf the earlier chains end at already (cannot happen) — nothing new to compute
-                continue
+            nodes = [head[-1]] + new  # `new` holds at least the chain's leaf, which no earlier chain covers
+            entries.append((ll, rows, [int(t) for t in tokens[i, new]]))
             placed.append((i, nodes, rows))
             rows += len(nodes)
         if entries:

@@ -116,6 +116,7 @@ class Tokenizer:
         self.add_bos_token = bool(config.get("add_bos_token", False))
         self.add_eos_token = bool(config.get("add_eos_token", False))
         self._byte_level: bool | None = None  # a byte-level BPE decoder (token_bytes), found on first use
+        self._pieces: dict[int, tuple[bytes, str, list[int]]] = {}  # `token_piece`'s cache
 
         self.bos_token_id = self._id_of(self.special_tokens["bos_token"])
         if self.bos_token_id is None and self.special_tokens["bos_token"] is None:
@@ -215,11 +216,10 @@ class Tokenizer:
     def token_piece(self, token_id: int) -> tuple[bytes, str, list[int]]:
         """(`token_bytes`, `token_text`, the bytes as a list of ints) of one token, cached: a streamed
         response with `top_logprobs` asks for six tokens' pieces per token it emits."""
-        cache = self.__dict__.setdefault("_pieces", {})
-        piece = cache.get(token_id)
+        piece = self._pieces.get(token_id)
         if piece is None:
             raw = self._token_bytes(token_id)
-            piece = cache[int(token_id)] = (raw, raw.decode("utf-8", errors="replace"), list(raw))
+            piece = self._pieces[int(token_id)] = (raw, raw.decode("utf-8", errors="replace"), list(raw))
         return piece
 
     def _token_bytes(self, token_id: int) -> bytes:

@@ -41,8 +41,6 @@ def main(argv=None):
                    help="each request's matcher a copy of one template's (`deep_copy`), not built anew")
     args = p.parse_args(argv)
 
-    import llguidance
-
     import jeagle.grammar as grammar
     from jeagle.fetch import resolve_target
     from jeagle.tokenizer import Tokenizer
@@ -51,7 +49,7 @@ def main(argv=None):
     vocab = 49152
     backend = grammar.GrammarBackend(tok, vocab, tok.eos_token_ids[0])
     if args.threads:
-        grammar._EXECUTOR = llguidance.LLExecutor(num_threads=args.threads)
+        grammar.set_threads(args.threads)
     g = backend.compile("json_schema", SCHEMA)
     template = g.matcher()
     ids = tok.encode(json.dumps(DOC, separators=(",", ":")), add_special_tokens=False)
@@ -65,7 +63,7 @@ def main(argv=None):
         for _ in range(b):
             m, pos = g.matcher(), int(rng.integers(1, len(ids) - 6))
             if args.copies:
-                m._ll = template._ll.deep_copy()
+                m = template.copy()
             for t in ids[:pos]:
                 m.consume(t)
             parents, depth, tokens = [-1], [0], [ids[pos - 1]]

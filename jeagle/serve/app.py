@@ -283,6 +283,11 @@ def echo_pairs(ask: Ask, job: Job) -> list:
     return list(zip(ask.prompt_ids, job.request.out.prompt_logprobs or [None] * len(ask.prompt_ids)))
 
 
+def cached_tokens(jobs: list[Job]) -> int:
+    """The prompt's cached tokens as its first sample saw them (the others fork from its prefill)."""
+    return jobs[0].request.cached_tokens if jobs[0].request is not None else 0
+
+
 async def sse(s: Served, jobs: list[Job], ask: Ask):
     """The streamed response's events; the jobs are aborted if the client goes away."""
     def event(text, finish, index, first=False, logprobs=None):
@@ -306,8 +311,7 @@ async def sse(s: Served, jobs: list[Job], ask: Ask):
             if text or piece.finish or pairs:
                 yield event(text, piece.finish, i, logprobs=out[i](pairs) if pairs or out[i].k is not None else None)
         if ask.opts["include_usage"]:
-            cached = jobs[0].request.cached_tokens if jobs[0].request is not None else 0
-            usage = usage_body(len(ask.prompt_ids), sum(counts), cached)
+            usage = usage_body(len(ask.prompt_ids), sum(counts), cached_tokens(jobs))
             yield f"data: {json.dumps(usage_chunk(ask.rid, s.model_name, ask.chat, usage))}\n\n"
         yield "data: [DONE]\n\n"
     except (asyncio.CancelledError, GeneratorExit):
@@ -347,7 +351,5 @@ async def whole(s: Served, jobs: list[Job], ask: Ask):
             text = ask.prompt_text + text
             p = (echo_pairs(ask, jobs[i]) if ask.opts["logprobs"] is not None else []) + p
         choices.append(choice_body(ask.chat, i, text, finishes[i], LogprobsOut(s, ask)(p)))
-    # The prompt's cached tokens as its first sample saw them (the others fork from its prefill).
-    cached = jobs[0].request.cached_tokens if jobs[0].request is not None else 0
     return JSONResponse(completion_body(ask.rid, s.model_name, ask.chat, choices, len(ask.prompt_ids), sum(counts),
-                                        cached))
+                                        cached_tokens(jobs)))

@@ -283,14 +283,15 @@ def _tree_attn(cfg: SpecConfig, cache, r: SpecRows, row_ids, tree, kv_len: int) 
                       extra_mask=tree.mask)
 
 
-def verify_forward(target, cfg: SpecConfig, cache, rows: SpecRows, row_ids, tree, *, kv_len: int,
+def verify_forward(target, cfg: SpecConfig, cache, r: SpecRows, row_ids, tree, *, kv_len: int,
                    aux_layers: tuple[int, ...], unroll: bool | int = False):
-    """The verify's target forward over the B·N tree tokens (their KV written to the tree slots):
-    the first half of `verify_commit`, an executable of its own where grammar masks are computed on
-    the host meanwhile (`spec/steps.py` `verify_forward_step`). Returns the target's ForwardOut."""
+    """The verify's target forward over the B·N tree tokens of the gathered rows `r` (their KV written
+    to the tree slots): the first half of `verify_commit`, an executable of its own where grammar
+    masks are computed on the host meanwhile (`spec/steps.py` `verify_forward_step`). Returns the
+    target's ForwardOut."""
     with jax.named_scope("verify_forward"):
-        return target(tree.tokens, _tree_attn(cfg, cache, rows.gather(row_ids), row_ids, tree, kv_len), cache.k,
-                      cache.v, aux_layers=aux_layers, unroll=unroll)
+        return target(tree.tokens, _tree_attn(cfg, cache, r, row_ids, tree, kv_len), cache.k, cache.v,
+                      aux_layers=aux_layers, unroll=unroll)
 
 
 def verify_commit(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, row_ids, tree, *, kv_len: int,
@@ -316,7 +317,7 @@ def verify_commit(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, 
 
     # ---- verify: one target forward over the B·N tree tokens ------------------------------
     if tout is None:
-        tout = verify_forward(target, cfg, cache, rows, row_ids, tree, kv_len=kv_len, aux_layers=aux_layers,
+        tout = verify_forward(target, cfg, cache, r, row_ids, tree, kv_len=kv_len, aux_layers=aux_layers,
                               unroll=unroll)
 
     logits = tout.logits

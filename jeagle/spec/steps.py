@@ -342,8 +342,8 @@ class VerifyForward:
 def verify_forward_step(key: RoundKey, graphdef, draft_graphdef, params, state: SpecState, inputs):
     target, head = nnx.merge(graphdef, params[0]), nnx.merge(draft_graphdef, params[1])
     row_ids, tree = inputs
-    out = verify_forward(target, key.tier, state.cache, state.rows, row_ids, tree, kv_len=key.kv_len,
-                         aux_layers=key.static.aux_layers, unroll=key.static.unroll_round)
+    out = verify_forward(target, key.tier, state.cache, state.rows.gather(row_ids), row_ids, tree,
+                         kv_len=key.kv_len, aux_layers=key.static.aux_layers, unroll=key.static.unroll_round)
     eagle1 = head.cfg.kind == "eagle1"
     vals, ids = top_k_blocked(out.logits, CANDIDATES)
     fwd = VerifyForward(out.logits, out.hidden if eagle1 else None, None if eagle1 else out.aux_hidden,
