@@ -249,12 +249,16 @@ if [[ "$steps" == *" features "* ]]; then  # issue 24: logprobs, penalties, gram
       [logprobs]='{"logprobs": true, "top_logprobs": 5}'
       [grammar]='{"response_format": {"type": "json_schema", "json_schema": {"name": "outline", "schema": {"type": "object", "properties": {"title": {"type": "string", "maxLength": 60}, "points": {"type": "array", "items": {"type": "string", "maxLength": 80}, "minItems": 3, "maxItems": 5}}, "required": ["title", "points"]}}}}'
     )
-    for name in ${SERVE_SET:-plain logprobs grammar}; do
-      echo "serve $name ${extras[$name]}" | tee -a "$OUT/serve_features.log"
-      python3 bench/serve.py --model smollm2 --prompts .data/mtbench.jsonl --concurrency "${FEATURE_CONC:-1,16}" \
-        --max-tokens "${SERVE_TOKENS:-256}" --requests-per-client "${SERVE_PER_CLIENT:-4}" --extra "${extras[$name]}" \
-        2>&1 | grep -v "Converting\|Loading" | tee -a "$OUT/serve_features.log"
-    done
+    # One process for every row of SERVE_SET (one warm-up per engine); SERVE_CLIENTS=own,in adds rows with the
+    # clients in the server's process, SERVE_SWITCH=0.005,0.0005 rows per GIL switch interval.
+    serve_args=()
+    for name in ${SERVE_SET:-plain logprobs grammar}; do serve_args+=(--extra "${extras[$name]}"); done
+    echo "serve ${SERVE_SET:-plain logprobs grammar} clients ${SERVE_CLIENTS:-own} switch ${SERVE_SWITCH:-default}" \
+      | tee -a "$OUT/serve_features.log"
+    python3 bench/serve.py --model smollm2 --prompts .data/mtbench.jsonl --concurrency "${FEATURE_CONC:-1,16}" \
+      --max-tokens "${SERVE_TOKENS:-256}" --requests-per-client "${SERVE_PER_CLIENT:-4}" "${serve_args[@]}" \
+      --clients "${SERVE_CLIENTS:-own}" ${SERVE_SWITCH:+--switch-intervals "$SERVE_SWITCH"} 2>&1 \
+      | grep -v "Converting\|Loading" | tee -a "$OUT/serve_features.log"
   fi
 fi
 if [[ "$steps" == *" masks "* ]]; then  # issue 24: grammar masks on the host, one by one vs batched on llguidance's threads

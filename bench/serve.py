@@ -9,7 +9,9 @@ word-level tokenizer with one token per id (prompts are sent as token ids). Per 
 concurrency c: `--requests-per-client` × c streamed completions of `--prompt-len` random token ids
 and `--max-tokens` new tokens (greedy, EOS ignored), c clients at a time. Reports request/s, output
 tokens/s, time to first token and end-to-end latency p50 / p90 / p99. Prints a table, then one JSON
-line.
+line. The clients run in a process of their own (as a load generator on another machine would): in
+the server's process their JSON parsing would take the GIL from the engine thread (`--in-process-clients`
+puts them back there, to see what that costs).
 
     python bench/serve.py --concurrency 1,8,32
 
@@ -28,8 +30,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import socket
+import sys
 import threading
 import time
 
@@ -54,6 +58,7 @@ def pct(xs, q):
 
 
 GRAMMAR_FIELDS = ("response_format", "regex", "ebnf")
+PENALTY_FIELDS = ("frequency_penalty", "presence_penalty", "repetition_penalty", "min_tokens", "logit_bias")
 
 
 async def load(url, prompts, max_tokens, concurrency, per_client, extra=None, chat=False):
@@ -90,6 +95,27 @@ async def load(url, prompts, max_tokens, concurrency, per_client, extra=None, ch
     return results, wall
 
 
+def run_load(*args):
+    """`load` to completion (a client process's entry point)."""
+    return asyncio.run(load(*args))
+
+
+class Clients:
+    """Where the load runs: one spawned process, kept for the whole bench (or this one)."""
+
+    def __init__(self, in_process: bool):
+        self.pool = None
+        if not in_process:
+            import multiprocessing as mp
+            from concurrent.futures import ProcessPoolExecutor
+
+            self.pool = ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"))
+            self.pool.submit(int).result()  # started (and idle) before anything is timed
+
+    def __call__(self, *args):
+        return run_load(*args) if self.pool is None else self.pool.submit(run_load, *args).result()
+
+
 def real_models(prompts_path):
     """SmolLM2 with the shipped head, its tokenizer, and the prompts' texts."""
     from common import read_prompts
@@ -118,14 +144,23 @@ def main(argv=None):
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--configs", default=None,
                    help="default: target-only,eagle-oracle,eagle-rejecting (phased); target-only,eagle (smollm2)")
-    p.add_argument("--extra", default=None, metavar="JSON",
-                   help='more request fields, e.g. {"logprobs": 5} or {"frequency_penalty": 0.5} (rows say so)')
+    p.add_argument("--clients", default="own", help="own: the clients in a process of their own (a load "
+                   "generator elsewhere); in: in the server's process, sharing its GIL; own,in: both, rows say which")
+    p.add_argument("--switch-intervals", default=None, metavar="S,...",
+                   help="sys.setswitchinterval values for the server's process, a row each (default: Python's 0.005)")
+    p.add_argument("--extra", default=None, action="append", metavar="JSON",
+                   help='more request fields, e.g. {"logprobs": 5} or {"frequency_penalty": 0.5}; repeat it for '
+                   'rows of each (one warm-up covers them all)')
     args = p.parse_args(argv)
-    extra = json.loads(args.extra) if args.extra else {}
-    modes = dict(greedy=(True,), logprobs=(extra.get("logprobs") is not None,),
-                 penalties=(any(k in extra for k in ("frequency_penalty", "presence_penalty", "repetition_penalty",
-                                                     "min_tokens", "logit_bias")),),
-                 grammar=(any(k in extra for k in GRAMMAR_FIELDS),))
+    extras = [json.loads(e) for e in args.extra or ["{}"]]
+    modes = dict(greedy=(True,), logprobs=tuple({e.get("logprobs") is not None for e in extras}),
+                 penalties=tuple({any(k in e for k in PENALTY_FIELDS) for e in extras}),
+                 grammar=tuple({any(k in e for k in GRAMMAR_FIELDS) for e in extras}))
+    places = args.clients.split(",")
+    if bad := sorted(set(places) - {"own", "in"}):
+        p.error(f"--clients {bad}: own or in")
+    intervals = [float(x) for x in args.switch_intervals.split(",")] if args.switch_intervals else [
+        sys.getswitchinterval()]
 
     import numpy as np
     import uvicorn
@@ -136,6 +171,7 @@ def main(argv=None):
     from jeagle.spec.round import SpecConfig
 
     levels = [int(c) for c in args.concurrency.split(",")]
+    clients = {where: Clients(where == "in") for where in places}
     real = args.model == "smollm2"
     if real:
         target, head, tok, prompts = real_models(args.prompts)
@@ -176,29 +212,33 @@ def main(argv=None):
         while not server.started:
             time.sleep(0.05)
         url = f"http://127.0.0.1:{port}"
-        for c in levels:
+        for c, extra in itertools.product(levels, extras):
             compiled = engine.num_compiled
-            asyncio.run(load(url, prompts, args.max_tokens, c, 1, extra, real))  # untimed: this level's shapes
+            clients[places[0]](url, prompts, args.max_tokens, c, 1, extra, real)  # untimed: this level's shapes
             warm_compiled = engine.num_compiled - compiled
-            engine.flush_cache()  # the timed pass starts with no prefix cached
-            res, wall = asyncio.run(load(url, prompts, args.max_tokens, c, args.requests_per_client, extra, real))
-            ttft = [r[0] for r in res]
-            lat = [r[1] for r in res]
-            n, tokens = len(res), sum(r[2] for r in res)
-            rows.append({"config": name, "concurrency": c, "requests": n, "wall_s": wall, "extra": extra,
-                         "model": args.model, "output_tokens": tokens, "compiled_in_untimed_pass": warm_compiled,
-                         "requests_per_s": n / wall, "output_tokens_per_s": tokens / wall,
-                         "ttft_ms": {q: 1e3 * pct(ttft, q) for q in (50, 90, 99)},
-                         "latency_ms": {q: 1e3 * pct(lat, q) for q in (50, 90, 99)},
-                         "warmup_s": round(warm, 1),
-                         "compiled_in_timed_pass": engine.num_compiled - compiled - warm_compiled})
+            for where, interval in itertools.product(places, intervals):
+                sys.setswitchinterval(interval)
+                engine.flush_cache()  # the timed pass starts with no prefix cached
+                res, wall = clients[where](url, prompts, args.max_tokens, c, args.requests_per_client, extra, real)
+                ttft = [r[0] for r in res]
+                lat = [r[1] for r in res]
+                n, tokens = len(res), sum(r[2] for r in res)
+                rows.append({"config": name, "concurrency": c, "requests": n, "wall_s": wall, "extra": extra,
+                             "clients": where, "switch_interval": interval,
+                             "model": args.model, "output_tokens": tokens, "compiled_in_untimed_pass": warm_compiled,
+                             "requests_per_s": n / wall, "output_tokens_per_s": tokens / wall,
+                             "ttft_ms": {q: 1e3 * pct(ttft, q) for q in (50, 90, 99)},
+                             "latency_ms": {q: 1e3 * pct(lat, q) for q in (50, 90, 99)}, "warmup_s": round(warm, 1),
+                             "compiled_in_timed_pass": engine.num_compiled - compiled - warm_compiled})
+                compiled = engine.num_compiled
         server.should_exit = True
         th.join(timeout=30)
-    print(f"{'config':>16} {'conc':>4} {'req/s':>7} {'tok/s':>8} {'TTFT p50/p90/p99 ms':>22} "
+    print(f"{'config':>16} {'extra':>24} {'clients':>7} {'switch':>6} {'conc':>4} {'req/s':>7} {'tok/s':>8} {'TTFT p50/p90/p99 ms':>22} "
           f"{'latency p50/p90/p99 ms':>24}")
     for r in rows:
         t, lt = r["ttft_ms"], r["latency_ms"]
-        print(f"{r['config']:>16} {r['concurrency']:>4} {r['requests_per_s']:>7.2f} {r['output_tokens_per_s']:>8.0f} "
+        label = ",".join(r["extra"])[:24] or "-"
+        print(f"{r['config']:>16} {label:>24} {r['clients']:>7} {r['switch_interval']:>6.4f} {r['concurrency']:>4} {r['requests_per_s']:>7.2f} {r['output_tokens_per_s']:>8.0f} "
               f"{t[50]:>7.1f}/{t[90]:>6.1f}/{t[99]:>7.1f} {lt[50]:>8.1f}/{lt[90]:>7.1f}/{lt[99]:>7.1f}")
     print(json.dumps({"bench": "serve", "model": args.model, "shape": args.shape, "device": device_kind(),
                       "commit": git_commit(), "prompt_len": args.prompt_len,

@@ -200,3 +200,41 @@ def test_prefix_cache_shows_in_usage_and_server_info(client, server):
     assert texts[2] == texts[0]
     info = httpx.get(f"{server[0]}/server_info").json()
     assert info["prefix_cache"] and info["retractions"] == 0 and info["cached_tokens_total"] >= sum(cached)
+
+
+def test_chat_logprobs_pieces_encode_what_json_would():
+    """The pre-encoded chat logprobs (cached per-token pieces joined as bytes) parse to the object built
+    the plain way, for tokens needing JSON escapes and a partial UTF-8 character."""
+    import json
+
+    import orjson
+
+    from jeagle.logprobs import LOGPROB_COLUMNS, LOGPROB_TOP, TokenLogprob
+    from jeagle.serve.protocol import TokenJSON, chat_logprobs
+
+    raws = [b'say "hi"', b"back\\slash", b"new\nline\t", b"\xe2\x82", b"\xac", b"plain", b"\x00ctl"]
+
+    class Pieces:  # token_piece as jeagle.tokenizer.Tokenizer gives it
+        def token_piece(self, t):
+            raw = raws[t % len(raws)]
+            return raw, raw.decode("utf-8", errors="replace"), list(raw)
+
+    rng = np.random.default_rng(0)
+    pairs = []
+    for t in range(6):
+        row = np.zeros(LOGPROB_COLUMNS, np.int32)
+        row[:1] = np.float32([-rng.random()]).view(np.int32)
+        row[1:1 + LOGPROB_TOP] = rng.permutation(LOGPROB_TOP * 2)[:LOGPROB_TOP]
+        row[1 + LOGPROB_TOP:] = np.sort(-rng.random(LOGPROB_TOP).astype(np.float32))[::-1].view(np.int32)
+        pairs.append((t, TokenLogprob(row)))
+    pieces = Pieces()
+
+    def entry(t, lp):
+        _, text, raw = pieces.token_piece(t)
+        return {"token": text, "logprob": lp, "bytes": raw}
+
+    want = {"content": [entry(t, lp.logprob) | {"top_logprobs": [entry(i, p) for i, p in lp.top(5)]}
+                        for t, lp in pairs], "refusal": None}
+    got = chat_logprobs(TokenJSON(pieces), pairs, 5)
+    assert json.loads(orjson.dumps({"logprobs": got}))["logprobs"] == want
+    assert json.loads(orjson.dumps(chat_logprobs(TokenJSON(pieces), [], 5))) == {"content": [], "refusal": None}

@@ -18,6 +18,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import orjson
 from starlette.applications import Starlette
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, StreamingResponse
@@ -25,7 +26,7 @@ from starlette.routing import Route
 
 from jeagle.engine import PromptTooLong
 from jeagle.serve.engine_loop import EngineLoop, Job
-from jeagle.serve.protocol import (CHAT_KEYS, COMPLETION_KEYS, BadRequest, StopMatcher, chat_logprobs,
+from jeagle.serve.protocol import (CHAT_KEYS, COMPLETION_KEYS, BadRequest, StopMatcher, TokenJSON, chat_logprobs,
                                    chat_prompt_ids, check_model, choice_body, completion_body, completion_logprobs,
                                    completion_prompt_ids, error_body, grammar_request, parse_common, sampling_params,
                                    stream_chunk, usage_body, usage_chunk)
@@ -43,6 +44,11 @@ class Served:
     created: int
     aliases: tuple[str, ...] = ()  # other names requests may give as `model` (besides "default")
     grammars: dict = dataclasses.field(default_factory=dict)  # the GrammarBackend, built on first use
+    token_json: TokenJSON | None = None  # chat logprobs' per-token JSON pieces (made from `tokenizer`)
+
+    def __post_init__(self):
+        if self.token_json is None:
+            object.__setattr__(self, "token_json", TokenJSON(self.tokenizer))
 
     def grammar(self, kind: str, source):
         """A request's compiled grammar (a bad one is a BadRequest naming the field)."""
@@ -87,8 +93,19 @@ def create_app(engine, tokenizer, model_name: str, api_key: str | None = None, a
     return app
 
 
+class JSONBody(JSONResponse):
+    """A JSON response encoded with orjson (it splices the pre-encoded chat logprobs)."""
+
+    def render(self, content) -> bytes:
+        return orjson.dumps(content, option=orjson.OPT_NON_STR_KEYS | orjson.OPT_SERIALIZE_NUMPY)
+
+
+def sse_event(obj) -> bytes:
+    return b"data: " + orjson.dumps(obj) + b"\n\n"
+
+
 def error(status, message, kind="invalid_request_error", param=None, code=None) -> JSONResponse:
-    return JSONResponse(error_body(message, kind, param, code), status_code=status)
+    return JSONBody(error_body(message, kind, param, code), status_code=status)
 
 
 def keyed(handler):
@@ -114,19 +131,19 @@ async def chat_completions(request: Request):
 
 async def models(request: Request):
     s: Served = request.app.state.served
-    return JSONResponse({"object": "list", "data": [{"id": s.model_name, "object": "model", "created": s.created,
+    return JSONBody({"object": "list", "data": [{"id": s.model_name, "object": "model", "created": s.created,
                                                      "owned_by": "jeagle"}]})
 
 
 async def health(request: Request):
     alive = request.app.state.served.loop.is_alive()
-    return JSONResponse({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
+    return JSONBody({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
 
 
 async def server_info(request: Request):
     s: Served = request.app.state.served
     eng = s.engine
-    return JSONResponse(s.loop.info() | {
+    return JSONBody(s.loop.info() | {
         "model": s.model_name, "max_running_requests": eng.max_running, "max_context": eng.max_context,
         "batch_buckets": list(eng.batch_buckets), "overlap": eng.config.overlap,
         "verify_done_wait": eng.verify_done_mode, "speculative": eng.speculative, "adaptive": eng.adaptive})
@@ -266,13 +283,14 @@ class LogprobsOut:
     """The `logprobs` objects of one choice, piece by piece (completions: text offsets run on)."""
 
     def __init__(self, s: Served, ask: Ask):
-        self.tok, self.chat, self.k, self.offset = s.tokenizer, ask.chat, ask.opts["logprobs"], 0
+        self.tok, self.pieces, self.chat = s.tokenizer, s.token_json, ask.chat
+        self.k, self.offset = ask.opts["logprobs"], 0
 
     def __call__(self, pairs) -> dict | None:
         if self.k is None:
             return None
         if self.chat:
-            return chat_logprobs(self.tok, pairs, self.k)
+            return chat_logprobs(self.pieces, pairs, self.k)
         out = completion_logprobs(self.tok, pairs, self.k, self.offset)
         self.offset += sum(len(t) for t in out["tokens"])
         return out
@@ -292,7 +310,7 @@ async def sse(s: Served, jobs: list[Job], ask: Ask):
     """The streamed response's events; the jobs are aborted if the client goes away."""
     def event(text, finish, index, first=False, logprobs=None):
         chunk = stream_chunk(ask.rid, s.model_name, ask.chat, text, finish, first, index, logprobs)
-        return f"data: {json.dumps(chunk)}\n\n"
+        return sse_event(chunk)
 
     out = [LogprobsOut(s, ask) for _ in jobs]
     echo = not ask.chat and ask.opts["echo"]
@@ -312,14 +330,14 @@ async def sse(s: Served, jobs: list[Job], ask: Ask):
                 yield event(text, piece.finish, i, logprobs=out[i](pairs) if pairs or out[i].k is not None else None)
         if ask.opts["include_usage"]:
             usage = usage_body(len(ask.prompt_ids), sum(counts), cached_tokens(jobs))
-            yield f"data: {json.dumps(usage_chunk(ask.rid, s.model_name, ask.chat, usage))}\n\n"
-        yield "data: [DONE]\n\n"
+            yield sse_event(usage_chunk(ask.rid, s.model_name, ask.chat, usage))
+        yield b"data: [DONE]\n\n"
     except (asyncio.CancelledError, GeneratorExit):
         for job in jobs:
             s.loop.abort(job)  # the client went away: free its slots
         raise
     except RuntimeError as e:
-        yield f"data: {json.dumps(error_body(str(e), 'server_error'))}\n\n"
+        yield sse_event(error_body(str(e), 'server_error'))
     finally:
         for job in jobs:
             if job.request is None or not job.request.done:
@@ -351,5 +369,5 @@ async def whole(s: Served, jobs: list[Job], ask: Ask):
             text = ask.prompt_text + text
             p = (echo_pairs(ask, jobs[i]) if ask.opts["logprobs"] is not None else []) + p
         choices.append(choice_body(ask.chat, i, text, finishes[i], LogprobsOut(s, ask)(p)))
-    return JSONResponse(completion_body(ask.rid, s.model_name, ask.chat, choices, len(ask.prompt_ids), sum(counts),
+    return JSONBody(completion_body(ask.rid, s.model_name, ask.chat, choices, len(ask.prompt_ids), sum(counts),
                                         cached_tokens(jobs)))
