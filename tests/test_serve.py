@@ -250,3 +250,37 @@ def test_bad_input_is_400_and_the_server_keeps_serving(server, body, param):
         r = c.post("/v1/chat/completions", json={"messages": "hi"})
         assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
         assert c.post("/v1/completions", json={"prompt": "abc", "max_tokens": 3, "temperature": 0}).status_code == 200
+
+
+def test_a_handler_behind_the_engine_gets_one_piece_for_its_queued_steps():
+    """Steps' token events queued before the handler reads them become one piece (one event on the
+    wire); a stop string inside them still cuts there and aborts; done and errors keep their order."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from jeagle.serve.app import pieces
+    from jeagle.serve.engine_loop import Job
+
+    tok = char_tokenizer()
+    ids = lambda text: tok.encode(text, add_special_tokens=False)  # noqa: E731
+
+    async def run(events, stops=()):
+        aborted = []
+        s = SimpleNamespace(tokenizer=tok, engine=SimpleNamespace(model_cfg=SimpleNamespace(eos_token_ids=(3,))),
+                            loop=SimpleNamespace(abort=aborted.append))
+        job = Job([], SamplingParams(max_new_tokens=64), asyncio.get_running_loop())
+        for e in events:
+            job.events.put_nowait(e)
+        out = []
+        try:
+            async for p in pieces(s, job, list(stops)):
+                out.append((p.text, p.finish, p.n_tokens))
+        except RuntimeError as e:
+            out.append(str(e))
+        return out, len(aborted)
+
+    steps = [("tokens", (ids("Hello"), None)), ("tokens", (ids(", wor"), None)), ("tokens", (ids("ld"), None))]
+    assert asyncio.run(run(steps + [("done", "length")])) == ([("Hello, world", None, 12), ("", "length", 12)], 0)
+    assert asyncio.run(run(steps + [("done", "length")], stops=["o, w"])) == ([("Hell", "stop", 8)], 1)
+    assert asyncio.run(run(steps[:2] + [("error", "engine failure: x")])) == (
+        [("Hello, wor", None, 10), "engine failure: x"], 0)

@@ -225,11 +225,17 @@ async def pieces(s: Served, job: Job, stops: list[str]):
     the one that completed it are dropped, with their logprobs). An engine error raises RuntimeError."""
     decoder, matcher = StreamDecoder(s.tokenizer), StopMatcher(stops)
     eos = set(s.engine.model_cfg.eos_token_ids)
-    n_tokens = 0
+    n_tokens, pending = 0, None
     while True:
-        kind, value = await job.events.get()
+        kind, value = pending or await job.events.get()
+        pending = None
         if kind == "tokens":
             ids, lps = value
+            while not job.events.empty():  # the handler fell behind: one piece for every queued step's tokens
+                pending = job.events.get_nowait()
+                if pending[0] != "tokens":
+                    break
+                ids, lps, pending = ids + pending[1][0], None if lps is None else lps + pending[1][1], None
             text, pairs = "", []
             for i, t in enumerate(ids):
                 n_tokens += 1
@@ -254,6 +260,13 @@ async def pieces(s: Served, job: Job, stops: list[str]):
 
 async def merged(s: Served, jobs: list[Job], stops: list[str]):
     """(choice index, Piece or RuntimeError) from every job as they come."""
+    if len(jobs) == 1:  # no queue in between
+        try:
+            async for piece in pieces(s, jobs[0], stops):
+                yield 0, piece
+        except RuntimeError as e:
+            yield 0, e
+        return
     queue: asyncio.Queue = asyncio.Queue()
 
     async def pump(i, job):

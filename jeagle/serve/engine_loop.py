@@ -25,8 +25,13 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     request: Any = None  # the engine's request, once submitted
 
-    def emit(self, event) -> None:  # engine thread → handler
+    def emit(self, event) -> None:  # engine thread → handler, at once
         self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+
+def _put_all(events: list) -> None:  # on the handlers' loop: one wake-up for a whole step's events
+    for job, event in events:
+        job.events.put_nowait(event)
 
 
 class EngineLoop(threading.Thread):
@@ -39,6 +44,7 @@ class EngineLoop(threading.Thread):
         self.jobs: dict[int, Job] = {}  # engine request index → job
         self._lock = threading.Lock()  # guards _info, which /server_info reads
         self._info: dict = engine.info()  # the engine is idle until the thread starts
+        self._out: list = []  # (job, event) of this step, handed over together after it
         self.stopped = threading.Event()
 
     def submit(self, job: Job) -> None:
@@ -60,8 +66,8 @@ class EngineLoop(threading.Thread):
         eng = self.engine
         if cmd == "submit":
             try:
-                job.request = eng.submit(job.prompt, job.params, on_tokens=lambda _i, ids, j=job: j.emit(
-                    ("tokens", (ids, None if j.request.out.logprobs is None else j.request.out.logprobs[-len(ids):]))))
+                job.request = eng.submit(job.prompt, job.params, on_tokens=lambda _i, ids, j=job: self._out.append((
+                    j, ("tokens", (ids, None if j.request.out.logprobs is None else j.request.out.logprobs[-len(ids):])))))
             except Exception as e:  # checked before, so this is rare (e.g. the pool is smaller than asked)
                 job.emit(("error", str(e)))
                 return
@@ -87,9 +93,21 @@ class EngineLoop(threading.Thread):
         except Exception as e:  # the engine is left idle; every job in flight fails
             print(f"[jeagle.serve] engine step failed: {e!r}", file=sys.stderr, flush=True)
             self.engine.abort_all()
-            for j in self.jobs.values():
-                j.emit(("error", f"engine failure: {e}"))
+            for j in self.jobs.values():  # after the tokens the step had already handed out
+                self._out.append((j, ("error", f"engine failure: {e}")))
             self.jobs.clear()
+
+    def _hand_over(self) -> None:
+        """This step's events to their handlers: one cross-thread wake-up per event loop, not per job
+        (at batch 48 a wake-up per job and round cost the engine thread its GIL time)."""
+        if not self._out:
+            return
+        by_loop: dict = {}
+        for job, event in self._out:
+            by_loop.setdefault(job.loop, []).append((job, event))
+        self._out = []
+        for loop, events in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, events)
 
     def run(self) -> None:
         while not self.stopped.is_set():
@@ -99,7 +117,8 @@ class EngineLoop(threading.Thread):
                 self._step()
             for index, j in list(self.jobs.items()):
                 if j.request.done:
-                    j.emit(("done", j.request.out.finish_reason))
+                    self._out.append((j, ("done", j.request.out.finish_reason)))
                     del self.jobs[index]
+            self._hand_over()
             with self._lock:
                 self._info = self.engine.info()
