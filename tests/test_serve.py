@@ -266,8 +266,8 @@ def test_a_handler_behind_the_engine_gets_one_piece_for_its_queued_steps():
 
     async def run(events, stops=()):
         aborted = []
-        s = SimpleNamespace(tokenizer=tok, engine=SimpleNamespace(model_cfg=SimpleNamespace(eos_token_ids=(3,))),
-                            loop=SimpleNamespace(abort=aborted.append))
+        s = SimpleNamespace(tokenizer=tok, loop=SimpleNamespace(abort=aborted.append,
+                                                                facts=SimpleNamespace(eos_token_ids=(3,))))
         job = Job([], SamplingParams(max_new_tokens=64), asyncio.get_running_loop())
         for e in events:
             job.events.put_nowait(e)
@@ -279,7 +279,8 @@ def test_a_handler_behind_the_engine_gets_one_piece_for_its_queued_steps():
             out.append(str(e))
         return out, len(aborted)
 
-    steps = [("tokens", (ids("Hello"), None)), ("tokens", (ids(", wor"), None)), ("tokens", (ids("ld"), None))]
+    steps = [("tokens", (ids("Hello"), None, {"cached_tokens": 0, "prompt_logprobs": None})),
+             ("tokens", (ids(", wor"), None, None)), ("tokens", (ids("ld"), None, None))]
     assert asyncio.run(run(steps + [("done", "length")])) == ([("Hello, world", None, 12), ("", "length", 12)], 0)
     assert asyncio.run(run(steps + [("done", "length")], stops=["o, w"])) == ([("Hell", "stop", 8)], 1)
     assert asyncio.run(run(steps[:2] + [("error", "engine failure: x")])) == (

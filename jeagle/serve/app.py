@@ -36,11 +36,10 @@ from jeagle.tokenizer import StreamDecoder
 @dataclass(frozen=True)
 class Served:
     """What every handler reads (`request.app.state.served`)."""
-    engine: Any
+    loop: Any  # the engine's link: an EngineLoop (a thread here) or an EngineProcess
     tokenizer: Any
     model_name: str
     api_key: str | None
-    loop: EngineLoop
     created: int
     aliases: tuple[str, ...] = ()  # other names requests may give as `model` (besides "default")
     grammars: dict = dataclasses.field(default_factory=dict)  # the GrammarBackend, built on first use
@@ -56,8 +55,8 @@ class Served:
 
         if "backend" not in self.grammars:
             try:
-                self.grammars["backend"] = GrammarBackend(self.tokenizer, self.engine.model_cfg.vocab_size,
-                                                          self.engine.model_cfg.eos_token_ids[0])
+                facts = self.loop.facts
+                self.grammars["backend"] = GrammarBackend(self.tokenizer, facts.vocab_size, facts.eos_token_ids[0])
             except ImportError:
                 raise BadRequest("structured outputs need llguidance: pip install 'jeagle[serve]'",
                                  "response_format" if kind.startswith("json") else kind) from None
@@ -69,10 +68,11 @@ class Served:
 
 def create_app(engine, tokenizer, model_name: str, api_key: str | None = None, aliases: tuple[str, ...] = ()
                ) -> Starlette:
-    """aliases: names besides `model_name` and "default" that requests may give as `model` (the
-    server passes the target's path as given and as resolved)."""
-    served = Served(engine, tokenizer, model_name, api_key, EngineLoop(engine), int(time.time()),
-                    tuple(a for a in aliases if a))
+    """engine: an `Engine` (run by a thread of this process) or an `EngineProcess` (its own process).
+    aliases: names besides `model_name` and "default" that requests may give as `model` (the server
+    passes the target's path as given and as resolved)."""
+    link = engine if hasattr(engine, "facts") else EngineLoop(engine)
+    served = Served(link, tokenizer, model_name, api_key, int(time.time()), tuple(a for a in aliases if a))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -86,7 +86,8 @@ def create_app(engine, tokenizer, model_name: str, api_key: str | None = None, a
                             Route("/v1/chat/completions", keyed(chat_completions), methods=["POST"]),
                             Route("/v1/models", keyed(models), methods=["GET"]),
                             Route("/health", health, methods=["GET"]),
-                            Route("/server_info", keyed(server_info), methods=["GET"])],
+                            Route("/server_info", keyed(server_info), methods=["GET"]),
+                            Route("/flush_cache", keyed(flush_cache), methods=["POST"])],
                     lifespan=lifespan, exception_handlers={404: not_found, 405: bad_method})
     app.state.served = served
     app.state.engine_loop = served.loop
@@ -142,11 +143,18 @@ async def health(request: Request):
 
 async def server_info(request: Request):
     s: Served = request.app.state.served
-    eng = s.engine
+    f = s.loop.facts
     return JSONBody(s.loop.info() | {
-        "model": s.model_name, "max_running_requests": eng.max_running, "max_context": eng.max_context,
-        "batch_buckets": list(eng.batch_buckets), "overlap": eng.config.overlap,
-        "verify_done_wait": eng.verify_done_mode, "speculative": eng.speculative, "adaptive": eng.adaptive})
+        "model": s.model_name, "max_running_requests": f.max_running_requests, "max_context": f.max_context,
+        "batch_buckets": list(f.batch_buckets), "overlap": f.overlap, "verify_done_wait": f.verify_done_wait,
+        "speculative": f.speculative, "adaptive": f.adaptive})
+
+
+async def flush_cache(request: Request):
+    """SGLang's POST /flush_cache: evict every cached prefix no running request uses (applied before
+    any request sent after this answer)."""
+    request.app.state.served.loop.flush_cache()
+    return JSONBody({"message": "prefix cache flushed"})
 
 
 async def not_found(request: Request, exc):
@@ -176,14 +184,14 @@ async def complete(request: Request, chat: bool):
         opts = parse_common(body, CHAT_KEYS if chat else COMPLETION_KEYS)
         check_model(body, s.model_name, s.aliases)
         ids = chat_prompt_ids(body, s.tokenizer) if chat else completion_prompt_ids(body, s.tokenizer)
-        params = sampling_params(opts, len(ids), chat, s.engine.max_context, s.engine.context_reserve)
+        facts = s.loop.facts
+        params = sampling_params(opts, len(ids), chat, facts.max_context, facts.context_reserve)
         asked = grammar_request(body)
         if asked is not None:
             params = dataclasses.replace(params, grammar=s.grammar(*asked))
-        bad = [t for t, _ in params.logit_bias if not 0 <= t < s.engine.model_cfg.vocab_size]
+        bad = [t for t, _ in params.logit_bias if not 0 <= t < facts.vocab_size]
         if bad:
             raise BadRequest(f"'logit_bias' names token ids outside the vocabulary: {bad[:5]}", "logit_bias")
-        s.engine.check(ids, params)  # the engine's own checks (vocabulary, slots), nothing queued
     except BadRequest as e:
         return error(e.status, e.message, e.kind, e.param)
     except (PromptTooLong, ValueError) as e:
@@ -200,6 +208,14 @@ async def complete(request: Request, chat: bool):
                 dataclasses.replace(params, seed=(params.seed + i) % 2**32), loop) for i in range(opts["n"])]
     for job in jobs:
         s.loop.submit(job)
+    for job in jobs:  # the engine's own checks (prompt length, vocabulary, slots): a rejected request queued nothing
+        kind, value = await job.events.get()
+        if kind == "rejected":
+            for other in jobs:
+                s.loop.abort(other)
+            message, status = value
+            return error(status, message, *(("invalid_request_error", "messages" if chat else "prompt")
+                                            if status == 400 else ("server_error", None)))
     if opts["stream"]:
         return StreamingResponse(sse(s, jobs, ask), media_type="text/event-stream")
     return await whole(s, jobs, ask)
@@ -224,13 +240,15 @@ async def pieces(s: Served, job: Job, stops: list[str]):
     """Pieces of one choice as its tokens arrive; aborts the job on a stop string (the tokens after
     the one that completed it are dropped, with their logprobs). An engine error raises RuntimeError."""
     decoder, matcher = StreamDecoder(s.tokenizer), StopMatcher(stops)
-    eos = set(s.engine.model_cfg.eos_token_ids)
+    eos = set(s.loop.facts.eos_token_ids)
     n_tokens, pending = 0, None
     while True:
         kind, value = pending or await job.events.get()
         pending = None
         if kind == "tokens":
-            ids, lps = value
+            ids, lps, facts = value
+            if facts is not None:
+                job.cached_tokens, job.prompt_logprobs = facts["cached_tokens"], facts["prompt_logprobs"]
             while not job.events.empty():  # the handler fell behind: one piece for every queued step's tokens
                 pending = job.events.get_nowait()
                 if pending[0] != "tokens":
@@ -311,12 +329,12 @@ class LogprobsOut:
 
 def echo_pairs(ask: Ask, job: Job) -> list:
     """Completions' echo with logprobs: the prompt's (token, TokenLogprob or None) pairs."""
-    return list(zip(ask.prompt_ids, job.request.out.prompt_logprobs or [None] * len(ask.prompt_ids)))
+    return list(zip(ask.prompt_ids, job.prompt_logprobs or [None] * len(ask.prompt_ids)))
 
 
 def cached_tokens(jobs: list[Job]) -> int:
     """The prompt's cached tokens as its first sample saw them (the others fork from its prefill)."""
-    return jobs[0].request.cached_tokens if jobs[0].request is not None else 0
+    return jobs[0].cached_tokens
 
 
 async def sse(s: Served, jobs: list[Job], ask: Ask):

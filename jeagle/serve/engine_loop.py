@@ -1,6 +1,13 @@
 """The thread that owns the engine: it applies submit/abort commands between steps, steps while there
 is work, and hands each job its tokens and its end. HTTP handlers never touch the engine's queues;
 they talk to this thread through its command queue and hear back through their job's asyncio queue.
+`jeagle.serve.engine_process` runs the same loop in a process of its own (what `python -m
+jeagle.serve` does), so the handlers' host work never takes the engine's GIL.
+
+A job's events, in order: ("accepted", None) or ("rejected", (message, status)); then ("tokens",
+(ids, their TokenLogprobs or None, facts or None)) as steps emit them, the first carrying the
+request's facts ({"cached_tokens", "prompt_logprobs"}); then ("done", finish_reason) or ("error",
+message).
 """
 
 from __future__ import annotations
@@ -12,38 +19,79 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from jeagle.runtime.requests import PromptTooLong
+from jeagle.runtime.slots import OutOfSlots
 from jeagle.sampling import SamplingParams
 
 
 @dataclass
 class Job:
-    """One request's link between its HTTP handler and the engine thread. Events: ("tokens", (ids,
-    their TokenLogprobs or None)), ("done", finish_reason), ("error", message)."""
+    """One request's link between its HTTP handler and the engine (thread or process)."""
     prompt: list[int]
     params: SamplingParams
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    request: Any = None  # the engine's request, once submitted
+    request: Any = None  # the engine's request, once submitted (on the engine's side)
+    id: int = -1  # the engine process's name for it
+    cached_tokens: int = 0  # from the first tokens event: prompt tokens the prefix cache gave
+    prompt_logprobs: list | None = None  # from the first tokens event, when asked (echo)
+    told: bool = False  # (engine side) the first tokens event, with the request's facts, went out
 
-    def emit(self, event) -> None:  # engine thread → handler, at once
-        self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+
+@dataclass(frozen=True)
+class EngineFacts:
+    """What handlers need to know of the engine, fixed at its start (picklable)."""
+    eos_token_ids: tuple[int, ...]
+    vocab_size: int
+    max_context: int
+    context_reserve: int
+    max_running_requests: int
+    batch_buckets: tuple[int, ...]
+    overlap: bool
+    verify_done_wait: str
+    speculative: bool
+    adaptive: bool
+
+    @classmethod
+    def of(cls, engine) -> "EngineFacts":
+        return cls(tuple(engine.model_cfg.eos_token_ids), engine.model_cfg.vocab_size, engine.max_context,
+                   engine.context_reserve, engine.max_running, tuple(engine.batch_buckets), engine.config.overlap,
+                   engine.verify_done_mode, engine.speculative, engine.adaptive)
 
 
-def _put_all(events: list) -> None:  # on the handlers' loop: one wake-up for a whole step's events
+def rejection(e: Exception) -> tuple[str, int]:
+    """A submit's exception → (message, HTTP status): the request's fault (400) or the server's (500)."""
+    return str(e), 400 if isinstance(e, (PromptTooLong, ValueError, OutOfSlots)) else 500
+
+
+def put_all(events: list) -> None:
+    """On the handlers' event loop: a batch of (job, event), one wake-up for all of them."""
     for job, event in events:
         job.events.put_nowait(event)
 
 
-class EngineLoop(threading.Thread):
-    """Owns the engine (`submit`, `abort`, `abort_all`, `step`, `has_work`, `info`)."""
+def by_loop(events: list) -> None:
+    """Hand (job, event) pairs to their handlers: one cross-thread wake-up per event loop, not per job
+    (at batch 48 a wake-up per job and round cost the engine thread its GIL time)."""
+    loops: dict = {}
+    for job, event in events:
+        loops.setdefault(job.loop, []).append((job, event))
+    for loop, batch in loops.items():
+        loop.call_soon_threadsafe(put_all, batch)
 
-    def __init__(self, engine):
+
+class EngineLoop(threading.Thread):
+    """Owns the engine (`submit`, `abort`, `abort_all`, `step`, `has_work`, `info`, `flush_cache`).
+    deliver(events): where a step's (job, event) pairs go (default: their jobs' event loops)."""
+
+    def __init__(self, engine, deliver=by_loop):
         super().__init__(daemon=True, name="jeagle-engine")
-        self.engine = engine
+        self.engine, self.deliver = engine, deliver
+        self.facts = EngineFacts.of(engine)
         self.commands: queue.Queue = queue.Queue()
         self.jobs: dict[int, Job] = {}  # engine request index → job
         self._lock = threading.Lock()  # guards _info, which /server_info reads
-        self._info: dict = engine.info()  # the engine is idle until the thread starts
+        self._info: dict = self._read_info()  # the engine is idle until the thread starts
         self._out: list = []  # (job, event) of this step, handed over together after it
         self.stopped = threading.Event()
 
@@ -52,6 +100,10 @@ class EngineLoop(threading.Thread):
 
     def abort(self, job: Job) -> None:
         self.commands.put(("abort", job))
+
+    def flush_cache(self) -> None:
+        """Evict the cached prefixes no request uses, before the commands queued after this one."""
+        self.commands.put(("flush", None))
 
     def stop(self) -> None:
         self.stopped.set()
@@ -62,18 +114,30 @@ class EngineLoop(threading.Thread):
         with self._lock:
             return dict(self._info)
 
+    def _read_info(self) -> dict:
+        return self.engine.info() | {"compilations": self.engine.num_compiled}
+
+    def _tokens(self, job: Job, ids: list[int]) -> None:  # the engine's on_tokens, for one job
+        r, facts = job.request, None
+        if not job.told:
+            job.told, facts = True, {"cached_tokens": r.cached_tokens, "prompt_logprobs": r.out.prompt_logprobs}
+        self._out.append((job, ("tokens", (ids, None if r.out.logprobs is None else r.out.logprobs[-len(ids):],
+                                           facts))))
+
     def _apply(self, cmd, job) -> None:
         eng = self.engine
         if cmd == "submit":
             try:
-                job.request = eng.submit(job.prompt, job.params, on_tokens=lambda _i, ids, j=job: self._out.append((
-                    j, ("tokens", (ids, None if j.request.out.logprobs is None else j.request.out.logprobs[-len(ids):])))))
-            except Exception as e:  # checked before, so this is rare (e.g. the pool is smaller than asked)
-                job.emit(("error", str(e)))
+                job.request = eng.submit(job.prompt, job.params, on_tokens=lambda _i, ids, j=job: self._tokens(j, ids))
+            except Exception as e:  # the engine's checks (prompt length, vocabulary, slots): queued nothing
+                self._out.append((job, ("rejected", rejection(e))))
                 return
+            self._out.append((job, ("accepted", None)))
             self.jobs[job.request.index] = job
         elif cmd == "abort" and job.request is not None and not job.request.done:
             eng.abort(job.request)
+        elif cmd == "flush":
+            eng.flush_cache()
 
     def _take_commands(self) -> bool:
         """Apply the queued commands (waiting for one only when the engine is idle); False on stop."""
@@ -98,21 +162,15 @@ class EngineLoop(threading.Thread):
             self.jobs.clear()
 
     def _hand_over(self) -> None:
-        """This step's events to their handlers: one cross-thread wake-up per event loop, not per job
-        (at batch 48 a wake-up per job and round cost the engine thread its GIL time)."""
-        if not self._out:
-            return
-        by_loop: dict = {}
-        for job, event in self._out:
-            by_loop.setdefault(job.loop, []).append((job, event))
-        self._out = []
-        for loop, events in by_loop.items():
-            loop.call_soon_threadsafe(_put_all, events)
+        if self._out:
+            out, self._out = self._out, []
+            self.deliver(out)
 
     def run(self) -> None:
         while not self.stopped.is_set():
             if not self._take_commands():
                 return
+            self._hand_over()  # acceptances before the step's tokens
             if self.engine.has_work:
                 self._step()
             for index, j in list(self.jobs.items()):
@@ -121,4 +179,4 @@ class EngineLoop(threading.Thread):
                     del self.jobs[index]
             self._hand_over()
             with self._lock:
-                self._info = self.engine.info()
+                self._info = self._read_info()
