@@ -253,12 +253,15 @@ if [[ "$steps" == *" features "* ]]; then  # issue 24: logprobs, penalties, gram
     # clients in the server's process, SERVE_SWITCH=0.005,0.0005 rows per GIL switch interval.
     serve_args=()
     for name in ${SERVE_SET:-plain logprobs grammar}; do serve_args+=(--extra "${extras[$name]}"); done
-    echo "serve ${SERVE_SET:-plain logprobs grammar} clients ${SERVE_CLIENTS:-own} switch ${SERVE_SWITCH:-default}" \
-      | tee -a "$OUT/serve_features.log"
-    python3 bench/serve.py --model smollm2 --prompts .data/mtbench.jsonl --concurrency "${FEATURE_CONC:-1,16}" \
-      --max-tokens "${SERVE_TOKENS:-256}" --requests-per-client "${SERVE_PER_CLIENT:-4}" "${serve_args[@]}" \
-      --clients "${SERVE_CLIENTS:-own}" ${SERVE_SWITCH:+--switch-intervals "$SERVE_SWITCH"} 2>&1 \
-      | grep -v "Converting\|Loading" | tee -a "$OUT/serve_features.log"
+    # SERVE_ENGINES="process thread": the engine in its own process (the server's default) and in a thread.
+    for engine in ${SERVE_ENGINES:-process}; do
+      echo "serve ${SERVE_SET:-plain logprobs grammar} engine $engine clients ${SERVE_CLIENTS:-own}" \
+        "switch ${SERVE_SWITCH:-default}" | tee -a "$OUT/serve_features.log"
+      python3 bench/serve.py --model smollm2 --prompts .data/mtbench.jsonl --concurrency "${FEATURE_CONC:-1,16}" \
+        --max-tokens "${SERVE_TOKENS:-256}" --requests-per-client "${SERVE_PER_CLIENT:-4}" "${serve_args[@]}" \
+        --engine "$engine" --clients "${SERVE_CLIENTS:-own}" ${SERVE_SWITCH:+--switch-intervals "$SERVE_SWITCH"} 2>&1 \
+        | grep -v "Converting\|Loading\|Delay kernel" | tee -a "$OUT/serve_features.log"
+    done
   fi
 fi
 if [[ "$steps" == *" masks "* ]]; then  # issue 24: grammar masks on the host, one by one vs batched on llguidance's threads

@@ -37,7 +37,7 @@ import sys
 import threading
 import time
 
-from common import device_kind, git_commit, phased_models
+from common import SHAPES, device_kind, git_commit, phased_models
 
 
 def id_tokenizer(vocab: int):
@@ -116,20 +116,57 @@ class Clients:
         return run_load(*args) if self.pool is None else self.pool.submit(run_load, *args).result()
 
 
-def real_models(prompts_path):
-    """SmolLM2 with the shipped head, its tokenizer, and the prompts' texts."""
-    from common import read_prompts
+def workload(model, shape, prompts_path, prompt_len):
+    """(tokenizer, prompts, their lengths): chat texts of `prompts_path` for smollm2 (no model loaded),
+    random token id lists for phased."""
+    import numpy as np
 
-    from jeagle.checkpoint import load_draft, load_model
-    from jeagle.fetch import resolve_draft, resolve_target
-    from jeagle.heads import default_head_dir
     from jeagle.tokenizer import Tokenizer
 
-    target_dir = resolve_target(None, quiet=True)
-    head_dir = resolve_draft(str(default_head_dir()), target_dir, quiet=True)
-    model = load_model(target_dir)
-    texts = read_prompts(prompts_path, "Write a short story about a robot who learns to paint.")
-    return model, load_draft(head_dir, target=model.cfg), Tokenizer.from_dir(target_dir), texts
+    if model == "smollm2":
+        from common import read_prompts
+
+        from jeagle.fetch import resolve_target
+
+        tok = Tokenizer.from_dir(resolve_target(None, quiet=True))
+        texts = read_prompts(prompts_path, "Write a short story about a robot who learns to paint.")
+        return tok, texts, [len(tok.encode_chat([{"role": "user", "content": t}])) for t in texts]
+    vocab = SHAPES[shape]["vocab_size"]
+    rng = np.random.default_rng(0)
+    return id_tokenizer(vocab), [[int(x) for x in rng.integers(10, vocab, prompt_len)] for _ in range(64)], [prompt_len]
+
+
+def bench_engine(model, shape, name, prompts_path, prompt_len, top, max_tokens, modes):
+    """One configuration's engine, warmed up for the workload: (engine, tokenizer, {"warmup_s"}). Runs
+    in the server's process or in an engine process of its own (EngineProcess's build)."""
+    from jeagle.engine import EngineConfig, speculative, target_only
+    from jeagle.kernels.settings import KernelSettings
+    from jeagle.spec.round import SpecConfig
+
+    tok, _, lengths = workload(model, shape, prompts_path, prompt_len)
+    if model == "smollm2":
+        from jeagle.checkpoint import load_draft, load_model
+        from jeagle.fetch import resolve_draft, resolve_target
+        from jeagle.heads import default_head_dir
+
+        target_dir = resolve_target(None, quiet=True)
+        target = load_model(target_dir)
+        head = load_draft(resolve_draft(str(default_head_dir()), target_dir, quiet=True), target=target.cfg)
+    else:
+        target, head_params, head = phased_models(shape, 0.04)
+    buckets = tuple(sorted({1, 2, 4, 8, 16, 32, top} & set(range(1, top + 1))))
+    cfg = EngineConfig(max_batch_size=top, max_context=max(lengths) + max_tokens + 64, batch_buckets=buckets,
+                       kernels=KernelSettings.from_env())
+    if name == "target-only":
+        engine = target_only(target, cfg)
+    else:
+        engine = speculative(target, head, cfg, SpecConfig(5, 4, 8))
+        if model != "smollm2":  # its params: (target params, draft params); the same graph, new draft weights
+            dec = engine.decoder
+            dec.params = (dec.params[0], head_params["high" if name == "eagle-oracle" else "low"])
+    t0 = time.perf_counter()
+    engine.warmup(prefill_lengths=sorted(set(lengths)), prefix=(False, True), progress=False, **modes)
+    return engine, tok, {"warmup_s": round(time.perf_counter() - t0, 1)}
 
 
 def main(argv=None):
@@ -144,6 +181,9 @@ def main(argv=None):
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--configs", default=None,
                    help="default: target-only,eagle-oracle,eagle-rejecting (phased); target-only,eagle (smollm2)")
+    p.add_argument("--engine", default="process", choices=["process", "thread"],
+                   help="the engine in a process of its own (what python -m jeagle.serve runs) or in a thread of the "
+                   "server's process (--engine-thread)")
     p.add_argument("--clients", default="own", help="own: the clients in a process of their own (a load "
                    "generator elsewhere); in: in the server's process, sharing its GIL; own,in: both, rows say which")
     p.add_argument("--switch-intervals", default=None, metavar="S,...",
@@ -162,46 +202,28 @@ def main(argv=None):
     intervals = [float(x) for x in args.switch_intervals.split(",")] if args.switch_intervals else [
         sys.getswitchinterval()]
 
-    import numpy as np
+    import httpx
     import uvicorn
 
-    from jeagle.engine import EngineConfig, speculative, target_only
-    from jeagle.kernels.settings import KernelSettings
     from jeagle.serve import create_app
-    from jeagle.spec.round import SpecConfig
+    from jeagle.serve.engine_process import EngineProcess
 
     levels = [int(c) for c in args.concurrency.split(",")]
     clients = {where: Clients(where == "in") for where in places}
     real = args.model == "smollm2"
-    if real:
-        target, head, tok, prompts = real_models(args.prompts)
-        lengths = [len(tok.encode_chat([{"role": "user", "content": t}])) for t in prompts]
-        configs = (args.configs or "target-only,eagle").split(",")
-        if bad := sorted(set(configs) - {"target-only", "eagle"}):
-            p.error(f"--configs {bad}: --model smollm2 runs target-only and eagle")
-    else:
-        target, head_params, head = phased_models(args.shape, 0.04)
-        tok = id_tokenizer(target.cfg.vocab_size)
-        rng = np.random.default_rng(0)
-        prompts = [[int(x) for x in rng.integers(10, target.cfg.vocab_size, args.prompt_len)] for _ in range(64)]
-        lengths = [args.prompt_len]
-        configs = (args.configs or "target-only,eagle-oracle,eagle-rejecting").split(",")
-    top = max(levels)
-    buckets = tuple(sorted({1, 2, 4, 8, 16, 32, top} & set(range(1, top + 1))))
-    cfg = EngineConfig(max_batch_size=top, max_context=max(lengths) + args.max_tokens + 64, batch_buckets=buckets,
-                       kernels=KernelSettings.from_env())
+    tok, prompts, _ = workload(args.model, args.shape, args.prompts, args.prompt_len)
+    configs = (args.configs or ("target-only,eagle" if real else "target-only,eagle-oracle,eagle-rejecting")).split(",")
+    if real and (bad := sorted(set(configs) - {"target-only", "eagle"})):
+        p.error(f"--configs {bad}: --model smollm2 runs target-only and eagle")
     rows = []
     for name in configs:
-        if name == "target-only":
-            engine = target_only(target, cfg)
+        build = (args.model, args.shape, name, args.prompts, args.prompt_len, max(levels), args.max_tokens, modes)
+        if args.engine == "process":
+            engine = EngineProcess(bench_engine, build)
+            warm = engine.extra["warmup_s"]
         else:
-            engine = speculative(target, head, cfg, SpecConfig(5, 4, 8))
-            if not real:  # its params: (target params, draft params); the same graph, new draft weights
-                dec = engine.decoder
-                dec.params = (dec.params[0], head_params["high" if name == "eagle-oracle" else "low"])
-        t0 = time.perf_counter()
-        engine.warmup(prefill_lengths=sorted(set(lengths)), prefix=(False, True), progress=False, **modes)
-        warm = time.perf_counter() - t0
+            engine, _, facts = bench_engine(*build)
+            warm = facts["warmup_s"]
         app = create_app(engine, tok, "bench")
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -212,13 +234,14 @@ def main(argv=None):
         while not server.started:
             time.sleep(0.05)
         url = f"http://127.0.0.1:{port}"
+        num_compiled = lambda: httpx.get(f"{url}/server_info", timeout=60).json()["compilations"]  # noqa: E731
         for c, extra in itertools.product(levels, extras):
-            compiled = engine.num_compiled
+            compiled = num_compiled()
             clients[places[0]](url, prompts, args.max_tokens, c, 1, extra, real)  # untimed: this level's shapes
-            warm_compiled = engine.num_compiled - compiled
+            warm_compiled = num_compiled() - compiled
             for where, interval in itertools.product(places, intervals):
                 sys.setswitchinterval(interval)
-                engine.flush_cache()  # the timed pass starts with no prefix cached
+                httpx.post(f"{url}/flush_cache", timeout=60)  # the timed pass starts with no prefix cached
                 res, wall = clients[where](url, prompts, args.max_tokens, c, args.requests_per_client, extra, real)
                 ttft = [r[0] for r in res]
                 lat = [r[1] for r in res]
@@ -228,17 +251,17 @@ def main(argv=None):
                              "model": args.model, "output_tokens": tokens, "compiled_in_untimed_pass": warm_compiled,
                              "requests_per_s": n / wall, "output_tokens_per_s": tokens / wall,
                              "ttft_ms": {q: 1e3 * pct(ttft, q) for q in (50, 90, 99)},
-                             "latency_ms": {q: 1e3 * pct(lat, q) for q in (50, 90, 99)}, "warmup_s": round(warm, 1),
-                             "compiled_in_timed_pass": engine.num_compiled - compiled - warm_compiled})
-                compiled = engine.num_compiled
+                             "latency_ms": {q: 1e3 * pct(lat, q) for q in (50, 90, 99)}, "warmup_s": warm,
+                             "engine": args.engine, "compiled_in_timed_pass": num_compiled() - compiled - warm_compiled})
+                compiled = num_compiled()
         server.should_exit = True
         th.join(timeout=30)
-    print(f"{'config':>16} {'extra':>24} {'clients':>7} {'switch':>6} {'conc':>4} {'req/s':>7} {'tok/s':>8} {'TTFT p50/p90/p99 ms':>22} "
+    print(f"{'config':>16} {'engine':>7} {'extra':>24} {'clients':>7} {'switch':>6} {'conc':>4} {'req/s':>7} {'tok/s':>8} {'TTFT p50/p90/p99 ms':>22} "
           f"{'latency p50/p90/p99 ms':>24}")
     for r in rows:
         t, lt = r["ttft_ms"], r["latency_ms"]
         label = ",".join(r["extra"])[:24] or "-"
-        print(f"{r['config']:>16} {label:>24} {r['clients']:>7} {r['switch_interval']:>6.4f} {r['concurrency']:>4} {r['requests_per_s']:>7.2f} {r['output_tokens_per_s']:>8.0f} "
+        print(f"{r['config']:>16} {r['engine']:>7} {label:>24} {r['clients']:>7} {r['switch_interval']:>6.4f} {r['concurrency']:>4} {r['requests_per_s']:>7.2f} {r['output_tokens_per_s']:>8.0f} "
               f"{t[50]:>7.1f}/{t[90]:>6.1f}/{t[99]:>7.1f} {lt[50]:>8.1f}/{lt[90]:>7.1f}/{lt[99]:>7.1f}")
     print(json.dumps({"bench": "serve", "model": args.model, "shape": args.shape, "device": device_kind(),
                       "commit": git_commit(), "prompt_len": args.prompt_len,

@@ -129,3 +129,11 @@ def unpack(blocks: np.ndarray) -> list[TokenLogprob]:
     """Packed blocks [W, LOGPROB_COLUMNS] (int32) → one TokenLogprob each (views, no copies)."""
     blocks = np.ascontiguousarray(blocks, np.int32)
     return [TokenLogprob(row) for row in blocks]
+
+
+def stack(lps: list[TokenLogprob]) -> np.ndarray:
+    """TokenLogprobs → their packed blocks [W, LOGPROB_COLUMNS] in one array (`unpack`'s inverse): how
+    they cross to another process in one piece instead of one pickled object per token."""
+    if not lps:
+        return np.zeros((0, LOGPROB_COLUMNS), np.int32)
+    return np.stack([lp._row for lp in lps])

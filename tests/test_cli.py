@@ -284,3 +284,12 @@ def test_serve_cli_end_to_end(smollm2_dir):
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def test_serve_cli_bad_target_fails_fast_with_one_line():
+    """A target that does not exist: the engine's process says so in one line and the server exits 2
+    (it never binds the port)."""
+    r = subprocess.run([sys.executable, "-m", "jeagle.serve", "--target", "/no/such/model", "--port", "1"],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert "/no/such/model" in r.stderr and "Traceback" not in r.stderr

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import socket
 import threading
 import time
@@ -285,3 +286,72 @@ def test_a_handler_behind_the_engine_gets_one_piece_for_its_queued_steps():
     assert asyncio.run(run(steps + [("done", "length")], stops=["o, w"])) == ([("Hell", "stop", 8)], 1)
     assert asyncio.run(run(steps[:2] + [("error", "engine failure: x")])) == (
         [("Hello, wor", None, 10), "engine failure: x"], 0)
+
+
+def tiny_engine_build(batch: int = 8, checkpoint: str | None = None):
+    """EngineProcess's build for the tests: the `parts` engine of `make_app`, made again in the engine
+    process (the models are seeded, so the same weights); a checkpoint path fails as a missing one would."""
+    if checkpoint is not None:
+        from jeagle.checkpoint import load_model
+
+        load_model(checkpoint)
+    target = bigram_target(target_config())
+    head = signed_identity_head(target, +1.0, noise=0.08)
+    engine = speculative(target, head, EngineConfig(max_batch_size=batch, max_context=128), SpecConfig(3, 2, 5))
+    return engine, char_tokenizer(), {"built": "tiny"}
+
+
+def test_the_engine_in_its_own_process_serves_what_the_thread_serves(server, parts, reference):
+    """`EngineProcess`: the same tokens (greedy, streamed and whole), logprobs, a regex grammar, the
+    engine's rejections as 400s, counters in /server_info, /flush_cache; stop ends the process."""
+    from openai import OpenAI
+
+    from jeagle.serve import create_app
+    from jeagle.serve.engine_process import EngineFailed, EngineProcess
+
+    tok = parts[2]
+    link = EngineProcess(tiny_engine_build)
+    assert link.extra == {"built": "tiny"} and link.facts.eos_token_ids == (3,)
+    srv, thread, url = start_server(create_app(link, tok, MODEL))
+    try:
+        client, here = OpenAI(base_url=f"{url}/v1", api_key="unused"), OpenAI(base_url=f"{server[0]}/v1",
+                                                                               api_key="unused")
+        for prompt in PROMPTS[:3]:
+            want, finish = reference(tok.encode(prompt), 20)
+            r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=20, temperature=0)
+            assert (r.choices[0].text, r.choices[0].finish_reason) == (want, finish)
+            assert "".join(c.choices[0].text for c in client.completions.create(
+                model=MODEL, prompt=prompt, max_tokens=20, temperature=0, stream=True)) == want
+        messages = [{"role": "user", "content": PROMPTS[2]}]
+        kw = dict(model=MODEL, messages=messages, max_tokens=12, temperature=0, logprobs=True, top_logprobs=3,
+                  extra_body={"ignore_eos": True})
+        a, b = client.chat.completions.create(**kw).choices[0], here.chat.completions.create(**kw).choices[0]
+        assert a.message.content == b.message.content
+        np.testing.assert_allclose([c.logprob for c in a.logprobs.content], [c.logprob for c in b.logprobs.content],
+                                   atol=1e-5)
+        assert [[t.token for t in c.top_logprobs] for c in a.logprobs.content] == [
+            [t.token for t in c.top_logprobs] for c in b.logprobs.content]
+        r = client.completions.create(model=MODEL, prompt="ab", max_tokens=8, temperature=0,
+                                      extra_body={"regex": "[0-9]{3}x"})
+        assert re.fullmatch("[0-9]{3}x", r.choices[0].text), r.choices[0].text
+        with httpx.Client(base_url=url, timeout=60) as c:
+            bad = c.post("/v1/completions", json={"model": MODEL, "prompt": "x" * 200, "max_tokens": 4})
+            assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"
+            info = c.get("/server_info").json()
+            assert info["running_requests"] == 0 and info["prefix_cache_slots"] > 0
+            assert info["kv_slots_free"] + info["prefix_cache_slots"] == info["kv_slots_total"]
+            assert info["speculative"] is True and info["compilations"] > 0
+            assert c.post("/flush_cache").status_code == 200
+            deadline = time.time() + 10  # the counters come back after the engine process applied it
+            while c.get("/server_info").json()["prefix_cache_slots"] and time.time() < deadline:
+                time.sleep(0.05)
+            info = c.get("/server_info").json()
+            assert info["prefix_cache_slots"] == 0 and info["kv_slots_free"] == info["kv_slots_total"]
+            assert c.get("/health").status_code == 200
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=30)
+    assert not link.is_alive()  # the server's shutdown stopped it
+
+    with pytest.raises(EngineFailed, match="no-such-model"):  # the child's error, not a hang
+        EngineProcess(tiny_engine_build, (8, "/no-such-model"))

@@ -1,70 +1,52 @@
-"""`python -m jeagle.serve` (and the `jeagle-serve` script): arguments → `ServeArgs` → the library."""
+"""`python -m jeagle.serve` (and the `jeagle-serve` script): arguments → `ServeArgs` (`options`) → the
+engine in its own process (or a thread: --engine-thread) → `create_app` → uvicorn."""
 
 from __future__ import annotations
 
-import os
 import sys
-from dataclasses import dataclass
 
-from jeagle.cli import build_parser, check_args
-from jeagle.engine import EngineSpec
+from jeagle.serve.options import ServeArgs, load, parse_args, parse_options
 
 
-@dataclass(frozen=True)
-class ServeArgs:
-    engine: EngineSpec
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_key: str | None = None
-    served_model_name: str | None = None  # None: the target's folder name
-    warmup: bool = False
-
-
-def parse_args(argv: list[str] | None = None) -> ServeArgs:
-    p = build_parser("python -m jeagle.serve", prompts=False,
-                     description="OpenAI-compatible server (default model: SmolLM2-135M-Instruct).")
-    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=os.environ.get("JEAGLE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on every endpoint but /health (or JEAGLE_API_KEY)")
-    p.add_argument("--served-model-name", default=None, help="the model id clients name (default: the target's name)")
-    a = p.parse_args(argv)
-    check_args(p, a)
-    from jeagle.kernels.settings import KernelSettings
-
-    return ServeArgs(EngineSpec.from_namespace(a, kernels=KernelSettings.from_env()), host=a.host, port=a.port,
-                     api_key=a.api_key, served_model_name=a.served_model_name, warmup=a.warmup)
-
-
-def serve(args: ServeArgs) -> int:
-    """Load the engine, then serve until interrupted."""
+def serve(args: ServeArgs, link=None) -> int:
+    """Serve until interrupted: the engine built here (a thread runs it), or `link`, an EngineProcess
+    whose `extra` is `load`'s facts dict."""
     import uvicorn
 
-    from jeagle.engine import build_engine
     from jeagle.errors import USER_ERRORS, report
-    from jeagle.fetch import resolve_target
     from jeagle.serve.app import create_app
     from jeagle.tokenizer import Tokenizer
 
-    spec = args.engine
-    try:
-        spec.adaptive()  # a bad adaptive config fails before anything loads
-        target_dir = resolve_target(spec.target, dtype=spec.dtype, quiet=False)
-        tokenizer = Tokenizer.from_dir(target_dir)
-        engine, load_s = build_engine(spec, target_dir)
-    except USER_ERRORS as e:
-        return report(e)
-    if args.warmup:
-        engine.warmup(progress=True, prefix=(False, True))  # prefills after a prefix-cache hit too
-    name = args.served_model_name or target_dir.name
-    print(f"[jeagle.serve] {name} ({spec.dtype}) loaded in {load_s:.1f} s; serving on http://{args.host}:{args.port}", file=sys.stderr)
-    aliases = (spec.target, str(target_dir)) if spec.target else (str(target_dir),)
-    uvicorn.run(create_app(engine, tokenizer, name, args.api_key, aliases), host=args.host, port=args.port, log_level="warning")
+    if link is None:
+        try:
+            engine, tokenizer, facts = load(args)
+        except USER_ERRORS as e:
+            return report(e)
+    else:
+        engine, facts = link, link.extra
+        tokenizer = Tokenizer.from_dir(facts["target_dir"])
+    where = "its own process" if link is not None else "a thread"
+    print(f"[jeagle.serve] {facts['name']} ({facts['dtype']}) loaded in {facts['load_s']:.1f} s, the engine in {where}; "
+          f"serving on http://{args.host}:{args.port}", file=sys.stderr)
+    uvicorn.run(create_app(engine, tokenizer, facts["name"], args.api_key, facts["aliases"]), host=args.host,
+                port=args.port, log_level="warning")
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    return serve(parse_args(argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = parse_options(argv)
+    if a.engine_thread:
+        return serve(parse_args(argv))
+    from jeagle.serve.engine_process import EngineFailed, EngineProcess
+    from jeagle.serve.options import load_from_argv
+
+    try:
+        link = EngineProcess(load_from_argv, (argv,))
+    except EngineFailed:  # the engine's process printed why
+        return 2
+    args = ServeArgs(None, host=a.host, port=a.port, api_key=a.api_key, served_model_name=a.served_model_name)
+    return serve(args, link)
 
 
 if __name__ == "__main__":

@@ -166,6 +166,9 @@ class EngineLoop(threading.Thread):
             out, self._out = self._out, []
             self.deliver(out)
 
+    def after_iteration(self) -> None:
+        """Called after every pass of the loop (the engine process sends its counters here)."""
+
     def run(self) -> None:
         while not self.stopped.is_set():
             if not self._take_commands():
@@ -180,3 +183,4 @@ class EngineLoop(threading.Thread):
             self._hand_over()
             with self._lock:
                 self._info = self._read_info()
+            self.after_iteration()

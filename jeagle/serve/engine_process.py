@@ -1,0 +1,208 @@
+"""`EngineProcess`: the engine and its `EngineLoop` in a process of their own, what `python -m
+jeagle.serve` runs by default (SGLang's scheduler and vLLM's engine core run apart from their HTTP
+servers for the same reason).
+
+In one process the engine thread and the HTTP handlers share the GIL: every event the handlers
+build, encode and write (a streamed `top_logprobs: 5` token is six JSON entries) is time the engine
+thread waits to dispatch the next round. On the H100, SmolLM2 with EAGLE served 16 clients at
+~0.6 of the engine's own batch-16 throughput, and logprobs cost ~15-25% more (bench/HISTORY.md,
+session 16). Apart, the handlers' work overlaps the engine's.
+
+The parent (this class) keeps the handlers' side of the protocol unchanged: `submit`, `abort`,
+`flush_cache`, `info`, `facts`, `start`, `stop`, `is_alive`, with each job's events (see
+`engine_loop`) put on its asyncio queue. Between the two: one duplex pipe. Parent → child:
+("submit", id, prompt, params) (a grammar travels as its llguidance text and is rebuilt there),
+("abort", id), ("flush",), ("stop",). Child → parent: ("events", [(id, event), ...]) once per engine
+step (token log-probabilities as one packed array per event), ("info", counters) after a step at
+most every `INFO_PERIOD_S` and whenever the engine goes idle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import multiprocessing as mp
+import sys
+import threading
+import time
+
+from jeagle.serve.engine_loop import EngineLoop, Job, by_loop
+
+INFO_PERIOD_S = 0.05
+
+
+class EngineFailed(RuntimeError):
+    """The engine process could not start (its message says why; it also printed it)."""
+
+
+class EngineProcess:
+    """build(*args) -> (engine, tokenizer, extra) runs in a spawned process (a picklable, importable
+    function): it loads and warms up the engine there; `extra` (a picklable dict) comes back as
+    `self.extra`. The constructor returns once the engine is ready (or raises EngineFailed)."""
+
+    def __init__(self, build, args: tuple = ()):
+        ctx = mp.get_context("spawn")  # no CUDA or JAX state is inherited
+        self._conn, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_child_main, args=(build, args, child), name="jeagle-engine", daemon=True)
+        self._proc.start()
+        child.close()
+        try:
+            msg = self._conn.recv()
+        except EOFError:
+            msg = ("failed", f"the engine process exited with code {self._proc.join(5) or self._proc.exitcode}")
+        if msg[0] != "ready":
+            self._proc.join(5)
+            raise EngineFailed(msg[1])
+        _, self.facts, self.extra, self._info = msg
+        self._jobs: dict[int, Job] = {}
+        self._ids = itertools.count()
+        self._lock = threading.Lock()  # one sender at a time
+        self._reader = threading.Thread(target=self._read, daemon=True, name="jeagle-engine-link")
+
+    # ---- the handlers' side (EngineLoop's interface) ----------------------------------------------------
+    def start(self) -> None:
+        self._reader.start()
+
+    def submit(self, job: Job) -> None:
+        job.id = next(self._ids)
+        self._jobs[job.id] = job
+        params = job.params
+        if params.grammar is not None:
+            params = dataclasses.replace(params, grammar=(params.grammar.kind, params.grammar.source))
+        self._send(("submit", job.id, job.prompt, params))
+
+    def abort(self, job: Job) -> None:
+        self._send(("abort", job.id))
+
+    def flush_cache(self) -> None:
+        self._send(("flush",))
+
+    def info(self) -> dict:
+        return dict(self._info)
+
+    def is_alive(self) -> bool:
+        return self._proc.is_alive()
+
+    def stop(self) -> None:
+        try:
+            self._send(("stop",))
+        except OSError:
+            pass
+        self._proc.join(10)
+        if self._proc.is_alive():
+            self._proc.terminate()
+
+    # ---- internals -------------------------------------------------------------------------------------
+    def _send(self, msg) -> None:
+        with self._lock:
+            self._conn.send(msg)
+
+    def _read(self) -> None:
+        from jeagle import logprobs
+
+        while True:
+            try:
+                msg = self._conn.recv()
+            except (EOFError, OSError):
+                break
+            if msg[0] == "info":
+                self._info = msg[1]
+                continue
+            batch = []
+            for jid, (kind, value) in msg[1]:
+                job = self._jobs.get(jid)
+                if job is None:
+                    continue
+                if kind == "tokens":
+                    ids, blocks, facts = value
+                    if facts is not None and facts["prompt_logprobs"] is not None:
+                        facts = facts | {"prompt_logprobs": [None] + logprobs.unpack(facts["prompt_logprobs"])}
+                    value = (ids, None if blocks is None else logprobs.unpack(blocks), facts)
+                elif kind != "accepted":
+                    del self._jobs[jid]  # its last event
+                batch.append((job, (kind, value)))
+            by_loop(batch)
+        # The engine process is gone: every job still waiting hears so.
+        by_loop([(job, ("error", "the engine process exited")) for job in self._jobs.values()])
+        self._jobs.clear()
+
+
+class _ChildLoop(EngineLoop):
+    """The engine process's EngineLoop: a step's events and its counters go down the pipe."""
+
+    def __init__(self, engine, conn, jobs: dict):
+        super().__init__(engine, deliver=self._send_events)
+        self.conn, self.jobs_by_id, self._sent_info = conn, jobs, 0.0
+
+    def _send_events(self, events) -> None:
+        from jeagle import logprobs
+
+        wire = []
+        for job, (kind, value) in events:
+            if kind == "tokens":
+                ids, lps, facts = value
+                if facts is not None and facts["prompt_logprobs"] is not None:  # [None, TokenLogprob, ...]
+                    facts = facts | {"prompt_logprobs": logprobs.stack(facts["prompt_logprobs"][1:])}
+                value = (ids, None if lps is None else logprobs.stack(lps), facts)
+            elif kind != "accepted":
+                self.jobs_by_id.pop(job.id, None)
+            wire.append((job.id, (kind, value)))
+        self.conn.send(("events", wire))
+
+    def after_iteration(self) -> None:
+        now = time.perf_counter()
+        if now - self._sent_info >= INFO_PERIOD_S or not self.engine.has_work:
+            self._sent_info = now
+            self.conn.send(("info", self.info()))
+
+
+def _child_main(build, args, conn) -> None:
+    """The engine process: build the engine, say ready, then run its loop (a thread) while this
+    thread reads commands; exits when the parent says stop or goes away."""
+    try:
+        engine, tokenizer, extra = build(*args)
+        jobs: dict[int, Job] = {}
+        loop = _ChildLoop(engine, conn, jobs)
+    except BaseException as e:  # reported to the parent, which raises EngineFailed with it
+        if not isinstance(e, EngineFailed):  # (an EngineFailed was printed where it was raised)
+            print(f"[jeagle.serve] the engine failed to start: {e!r}", file=sys.stderr, flush=True)
+        conn.send(("failed", str(e) or repr(e)))
+        return
+    conn.send(("ready", loop.facts, extra, loop.info()))
+    loop.start()
+    grammars: dict = {}
+    try:
+        while True:
+            try:
+                msg = conn.recv()
+            except (EOFError, OSError):
+                break
+            if msg[0] == "submit":
+                _, jid, prompt, params = msg
+                if params.grammar is not None:
+                    params = dataclasses.replace(params, grammar=_grammar(grammars, tokenizer, engine, *params.grammar))
+                job = jobs[jid] = Job(prompt, params, None, id=jid)
+                loop.submit(job)
+            elif msg[0] == "abort":
+                job = jobs.get(msg[1])
+                if job is not None:
+                    loop.abort(job)
+            elif msg[0] == "flush":
+                loop.flush_cache()
+            elif msg[0] == "stop":
+                break
+    except KeyboardInterrupt:
+        pass
+    loop.stop()
+    loop.join(10)
+
+
+def _grammar(grammars: dict, tokenizer, engine, kind: str, source: str):
+    """A grammar the parent compiled and checked, rebuilt from its llguidance text on this process's
+    backend (built on first use)."""
+    from jeagle.grammar import Grammar, GrammarBackend
+
+    if "backend" not in grammars:
+        cfg = engine.model_cfg
+        grammars["backend"] = GrammarBackend(tokenizer, cfg.vocab_size, cfg.eos_token_ids[0])
+    return Grammar(kind, source, grammars["backend"])

@@ -1,0 +1,78 @@
+"""The server's options (`ServeArgs`) and what loads its engine (`load`), apart from `__main__` so the
+engine's own process can import them by name (`load_from_argv` is EngineProcess's build)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from jeagle.cli import build_parser, check_args
+from jeagle.engine import EngineSpec
+
+
+@dataclass(frozen=True)
+class ServeArgs:
+    engine: EngineSpec | None  # None: the engine runs in its own process, which parses the options itself
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None
+    served_model_name: str | None = None  # None: the target's folder name
+    warmup: bool = False
+
+
+def parse_options(argv: list[str] | None = None):
+    """The options, checked, without building anything (the server's process never touches the GPU
+    when the engine runs in its own)."""
+    p = build_parser("python -m jeagle.serve", prompts=False,
+                     description="OpenAI-compatible server (default model: SmolLM2-135M-Instruct).")
+    p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=os.environ.get("JEAGLE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health (or JEAGLE_API_KEY)")
+    p.add_argument("--served-model-name", default=None, help="the model id clients name (default: the target's name)")
+    p.add_argument("--engine-thread", action="store_true",
+                   help="run the engine in a thread of the HTTP server's process (default: a process of its own, "
+                   "so building responses never holds up the engine)")
+    a = p.parse_args(argv)
+    check_args(p, a)
+    return a
+
+
+def parse_args(argv: list[str] | None = None) -> ServeArgs:
+    a = parse_options(argv)
+    from jeagle.kernels.settings import KernelSettings
+
+    return ServeArgs(EngineSpec.from_namespace(a, kernels=KernelSettings.from_env()), host=a.host, port=a.port,
+                     api_key=a.api_key, served_model_name=a.served_model_name, warmup=a.warmup)
+
+
+def load(args: ServeArgs):
+    """The engine, its tokenizer and what the server says of it: (engine, tokenizer, facts dict).
+    Raises the user errors of a bad target, draft or configuration (jeagle.errors.USER_ERRORS)."""
+    from jeagle.engine import build_engine
+    from jeagle.fetch import resolve_target
+    from jeagle.tokenizer import Tokenizer
+
+    spec = args.engine
+    spec.adaptive()  # a bad adaptive config fails before anything loads
+    target_dir = resolve_target(spec.target, dtype=spec.dtype, quiet=False)
+    tokenizer = Tokenizer.from_dir(target_dir)
+    engine, load_s = build_engine(spec, target_dir)
+    if args.warmup:
+        engine.warmup(progress=True, prefix=(False, True))  # prefills after a prefix-cache hit too
+    aliases = (spec.target, str(target_dir)) if spec.target else (str(target_dir),)
+    return engine, tokenizer, {"name": args.served_model_name or target_dir.name, "dtype": spec.dtype,
+                               "load_s": load_s, "aliases": aliases, "target_dir": str(target_dir)}
+
+
+def load_from_argv(argv: list[str]):
+    """`load` in the engine's process (EngineProcess's build): the options parsed there; a user error
+    is printed as the CLI prints it (one line) and raised as EngineFailed."""
+    from jeagle.errors import USER_ERRORS, report
+    from jeagle.serve.engine_process import EngineFailed
+
+    try:
+        return load(parse_args(argv))
+    except USER_ERRORS as e:
+        report(e)
+        raise EngineFailed(str(e)) from None
