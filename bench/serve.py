@@ -117,23 +117,22 @@ class Clients:
 
 
 def workload(model, shape, prompts_path, prompt_len):
-    """(tokenizer, prompts, their lengths): chat texts of `prompts_path` for smollm2 (no model loaded),
-    random token id lists for phased."""
+    """The prompts: chat texts of `prompts_path` for smollm2, random token id lists for phased."""
     import numpy as np
-
-    from jeagle.tokenizer import Tokenizer
 
     if model == "smollm2":
         from common import read_prompts
 
-        from jeagle.fetch import resolve_target
-
-        tok = Tokenizer.from_dir(resolve_target(None, quiet=True))
-        texts = read_prompts(prompts_path, "Write a short story about a robot who learns to paint.")
-        return tok, texts, [len(tok.encode_chat([{"role": "user", "content": t}])) for t in texts]
-    vocab = SHAPES[shape]["vocab_size"]
+        return read_prompts(prompts_path, "Write a short story about a robot who learns to paint.")
     rng = np.random.default_rng(0)
-    return id_tokenizer(vocab), [[int(x) for x in rng.integers(10, vocab, prompt_len)] for _ in range(64)], [prompt_len]
+    vocab = SHAPES[shape]["vocab_size"]
+    return [[int(x) for x in rng.integers(10, vocab, prompt_len)] for _ in range(64)]
+
+
+def tokenizer_for(model, shape, target_dir=None):
+    from jeagle.tokenizer import Tokenizer
+
+    return Tokenizer.from_dir(target_dir) if model == "smollm2" else id_tokenizer(SHAPES[shape]["vocab_size"])
 
 
 def bench_engine(model, shape, name, prompts_path, prompt_len, top, max_tokens, modes):
@@ -143,8 +142,8 @@ def bench_engine(model, shape, name, prompts_path, prompt_len, top, max_tokens, 
     from jeagle.kernels.settings import KernelSettings
     from jeagle.spec.round import SpecConfig
 
-    tok, _, lengths = workload(model, shape, prompts_path, prompt_len)
-    if model == "smollm2":
+    prompts, target_dir = workload(model, shape, prompts_path, prompt_len), None
+    if model == "smollm2":  # converted here (the first time): the server's process never touches the GPU
         from jeagle.checkpoint import load_draft, load_model
         from jeagle.fetch import resolve_draft, resolve_target
         from jeagle.heads import default_head_dir
@@ -154,6 +153,8 @@ def bench_engine(model, shape, name, prompts_path, prompt_len, top, max_tokens, 
         head = load_draft(resolve_draft(str(default_head_dir()), target_dir, quiet=True), target=target.cfg)
     else:
         target, head_params, head = phased_models(shape, 0.04)
+    tok = tokenizer_for(model, shape, target_dir)
+    lengths = [len(tok.encode_chat([{"role": "user", "content": t}])) for t in prompts] if target_dir else [prompt_len]
     buckets = tuple(sorted({1, 2, 4, 8, 16, 32, top} & set(range(1, top + 1))))
     cfg = EngineConfig(max_batch_size=top, max_context=max(lengths) + max_tokens + 64, batch_buckets=buckets,
                        kernels=KernelSettings.from_env())
@@ -166,7 +167,7 @@ def bench_engine(model, shape, name, prompts_path, prompt_len, top, max_tokens, 
             dec.params = (dec.params[0], head_params["high" if name == "eagle-oracle" else "low"])
     t0 = time.perf_counter()
     engine.warmup(prefill_lengths=sorted(set(lengths)), prefix=(False, True), progress=False, **modes)
-    return engine, tok, {"warmup_s": round(time.perf_counter() - t0, 1)}
+    return engine, tok, {"warmup_s": round(time.perf_counter() - t0, 1), "target_dir": target_dir and str(target_dir)}
 
 
 def main(argv=None):
@@ -211,7 +212,7 @@ def main(argv=None):
     levels = [int(c) for c in args.concurrency.split(",")]
     clients = {where: Clients(where == "in") for where in places}
     real = args.model == "smollm2"
-    tok, prompts, _ = workload(args.model, args.shape, args.prompts, args.prompt_len)
+    prompts = workload(args.model, args.shape, args.prompts, args.prompt_len)
     configs = (args.configs or ("target-only,eagle" if real else "target-only,eagle-oracle,eagle-rejecting")).split(",")
     if real and (bad := sorted(set(configs) - {"target-only", "eagle"})):
         p.error(f"--configs {bad}: --model smollm2 runs target-only and eagle")
@@ -220,10 +221,10 @@ def main(argv=None):
         build = (args.model, args.shape, name, args.prompts, args.prompt_len, max(levels), args.max_tokens, modes)
         if args.engine == "process":
             engine = EngineProcess(bench_engine, build)
-            warm = engine.extra["warmup_s"]
+            facts = engine.extra
         else:
             engine, _, facts = bench_engine(*build)
-            warm = facts["warmup_s"]
+        warm, tok = facts["warmup_s"], tokenizer_for(args.model, args.shape, facts["target_dir"])
         app = create_app(engine, tok, "bench")
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
