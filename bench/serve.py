@@ -115,6 +115,10 @@ class Clients:
     def __call__(self, *args):
         return run_load(*args) if self.pool is None else self.pool.submit(run_load, *args).result()
 
+    def close(self):
+        if self.pool is not None:
+            self.pool.shutdown()
+
 
 def workload(model, shape, prompts_path, prompt_len):
     """The prompts: chat texts of `prompts_path` for smollm2, random token id lists for phased."""
@@ -257,6 +261,8 @@ def main(argv=None):
                 compiled = num_compiled()
         server.should_exit = True
         th.join(timeout=30)
+    for c in clients.values():
+        c.close()
     print(f"{'config':>16} {'engine':>7} {'extra':>24} {'clients':>7} {'switch':>6} {'conc':>4} {'req/s':>7} {'tok/s':>8} {'TTFT p50/p90/p99 ms':>22} "
           f"{'latency p50/p90/p99 ms':>24}")
     for r in rows:

@@ -45,6 +45,8 @@ def main(argv: list[str] | None = None) -> int:
         link = EngineProcess(load_from_argv, (argv,))
     except EngineFailed:  # the engine's process printed why
         return 2
+    except KeyboardInterrupt:  # Ctrl-C while it loads (the engine's process stops on the same signal)
+        return 130
     args = ServeArgs(None, host=a.host, port=a.port, api_key=a.api_key, served_model_name=a.served_model_name)
     return serve(args, link)
 
