@@ -61,9 +61,10 @@ GRAMMAR_FIELDS = ("response_format", "regex", "ebnf")
 PENALTY_FIELDS = ("frequency_penalty", "presence_penalty", "repetition_penalty", "min_tokens", "logit_bias")
 
 
-async def load(url, prompts, max_tokens, concurrency, per_client, extra=None, chat=False):
-    """Streamed requests, `concurrency` clients of `per_client` each: [(TTFT s, latency s, output
-    tokens)], wall s. chat: prompts are texts sent as one user turn; else token id lists."""
+async def load(url, prompts, max_tokens, clients, per_client, extra=None, chat=False):
+    """Streamed requests, from the clients numbered `clients` (a range), `per_client` each: [(TTFT s,
+    latency s, output tokens)], start and end (time.monotonic: one clock for every process of the
+    machine). chat: prompts are texts sent as one user turn; else token id lists."""
     import httpx
 
     results = []
@@ -88,11 +89,10 @@ async def load(url, prompts, max_tokens, concurrency, per_client, extra=None, ch
                             first = time.perf_counter() - t0
             results.append((first, time.perf_counter() - t0, n))
 
-    async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=concurrency + 4)) as c:
-        t0 = time.perf_counter()
-        await asyncio.gather(*[client(c, k) for k in range(concurrency)])
-        wall = time.perf_counter() - t0
-    return results, wall
+    async with httpx.AsyncClient(base_url=url, timeout=600, limits=httpx.Limits(max_connections=len(clients) + 4)) as c:
+        t0 = time.monotonic()
+        await asyncio.gather(*[client(c, k) for k in clients])
+        return results, t0, time.monotonic()
 
 
 def run_load(*args):
@@ -101,19 +101,30 @@ def run_load(*args):
 
 
 class Clients:
-    """Where the load runs: one spawned process, kept for the whole bench (or this one)."""
+    """Where the load runs: `processes` spawned processes sharing the clients (kept for the whole
+    bench; one process parsing 48 streams of top-5 logprobs was the bottleneck), or this one."""
 
-    def __init__(self, in_process: bool):
-        self.pool = None
+    def __init__(self, in_process: bool, processes: int = 4):
+        self.pool, self.processes = None, processes
         if not in_process:
             import multiprocessing as mp
             from concurrent.futures import ProcessPoolExecutor
 
-            self.pool = ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"))
-            self.pool.submit(int).result()  # started (and idle) before anything is timed
+            self.pool = ProcessPoolExecutor(processes, mp_context=mp.get_context("spawn"))
+            for f in [self.pool.submit(time.sleep, 0.5) for _ in range(processes)]:  # all started before timing
+                f.result()
 
-    def __call__(self, *args):
-        return run_load(*args) if self.pool is None else self.pool.submit(run_load, *args).result()
+    def __call__(self, url, prompts, max_tokens, concurrency, per_client, extra, chat):
+        """[(TTFT, latency, tokens)] of every client's requests, and the wall from the first start to the
+        last end."""
+        if self.pool is None:
+            res, t0, t1 = run_load(url, prompts, max_tokens, range(concurrency), per_client, extra, chat)
+            return res, t1 - t0
+        n = min(self.processes, concurrency)
+        shares = [range(concurrency)[i::n] for i in range(n)]
+        done = [f.result() for f in [self.pool.submit(run_load, url, prompts, max_tokens, share, per_client, extra,
+                                                        chat) for share in shares]]
+        return [r for res, _, _ in done for r in res], max(t1 for *_, t1 in done) - min(t0 for _, t0, _ in done)
 
     def close(self):
         if self.pool is not None:
@@ -191,6 +202,7 @@ def main(argv=None):
                    "server's process (--engine-thread)")
     p.add_argument("--clients", default="own", help="own: the clients in a process of their own (a load "
                    "generator elsewhere); in: in the server's process, sharing its GIL; own,in: both, rows say which")
+    p.add_argument("--client-processes", type=int, default=4, help="processes the clients are spread over (own)")
     p.add_argument("--switch-intervals", default=None, metavar="S,...",
                    help="sys.setswitchinterval values for the server's process, a row each (default: Python's 0.005)")
     p.add_argument("--extra", default=None, action="append", metavar="JSON",
@@ -214,7 +226,7 @@ def main(argv=None):
     from jeagle.serve.engine_process import EngineProcess
 
     levels = [int(c) for c in args.concurrency.split(",")]
-    clients = {where: Clients(where == "in") for where in places}
+    clients = {where: Clients(where == "in", args.client_processes) for where in places}
     real = args.model == "smollm2"
     prompts = workload(args.model, args.shape, args.prompts, args.prompt_len)
     configs = (args.configs or ("target-only,eagle" if real else "target-only,eagle-oracle,eagle-rejecting")).split(",")
