@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
 # Where the engine's process spends its time while serving: bench/serve.py (the engine in its own process)
-# runs in the background; once the engine steps, py-spy records the engine's process (every thread, raw
-# folded stacks, with --gil a second file of the samples holding the GIL) for SPY_S seconds.
+# runs in the background; once the engine steps, py-spy records the engine's process (every thread, idle
+# stacks included, raw folded stacks, without pausing it) for SPY_S seconds.
 # Needs py-spy (its wheel in .whl: `pip download --no-deps py-spy`) and the staged model, as gpu_session.sh
 # `run features` has them. Usage (from the repository root, in gpu_session.sh's environment):
-#   SPY_CONFIG=eagle SPY_CONC=48 bash bench/probes/serve_spy.sh   → $OUT/spy_*.txt, $OUT/spy_serve.log
+#   SPY_CONFIG=eagle SPY_CONC=48 bash bench/probes/serve_spy.sh   → $OUT/spy.txt, $OUT/spy_serve.log
 set -u
 spy="${PY_SPY:-$HOME/site/bin/py-spy}"
 python3 bench/serve.py --model smollm2 --prompts .data/mtbench.jsonl --configs "${SPY_CONFIG:-eagle}" \
@@ -19,9 +19,8 @@ for _ in $(seq 1 300); do  # the engine's process: the one using the GPU
 done
 echo "engine process: ${pid:-none}"
 if [ -n "$pid" ]; then
-  "$spy" record --pid "$pid" --duration "${SPY_S:-8}" --rate 250 --threads --format raw -o "$OUT/spy_all.txt" &
-  "$spy" record --pid "$pid" --duration "${SPY_S:-8}" --rate 250 --threads --gil --format raw -o "$OUT/spy_gil.txt"
-  wait %2 2>/dev/null
+  "$spy" record --pid "$pid" --duration "${SPY_S:-8}" --rate 250 --threads --idle --nonblocking --format raw \
+    -o "$OUT/spy.txt"
 fi
 wait "$bench"
 grep -v '^{"bench\|Delay kernel' "$OUT/spy_serve.log" | tail -4
