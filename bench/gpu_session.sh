@@ -264,6 +264,9 @@ if [[ "$steps" == *" features "* ]]; then  # issue 24: logprobs, penalties, gram
     done
   fi
 fi
+if [[ "$steps" == *" servespy "* ]]; then  # py-spy on the engine's process while bench/serve.py serves (py-spy in .whl)
+  bash bench/probes/serve_spy.sh
+fi
 if [[ "$steps" == *" masks "* ]]; then  # issue 24: grammar masks on the host, one by one vs batched on llguidance's threads
   for a in "" "--copies" "--threads 4"; do python3 bench/probes/grammar_masks.py --batch-sizes 1,16,48 $a 2>&1 | tee -a "$OUT/grammar_masks.log"; done
 fi
