@@ -150,7 +150,7 @@ def tokenizer_for(model, shape, target_dir=None):
     return Tokenizer.from_dir(target_dir) if model == "smollm2" else id_tokenizer(SHAPES[shape]["vocab_size"])
 
 
-def bench_engine(model, shape, name, prompts_path, prompt_len, top, max_tokens, modes):
+def bench_engine(model, shape, name, prompts_path, prompt_len, top, max_tokens, modes, overrides=None):
     """One configuration's engine, warmed up for the workload: (engine, tokenizer, {"warmup_s"}). Runs
     in the server's process or in an engine process of its own (EngineProcess's build)."""
     from jeagle.engine import EngineConfig, speculative, target_only
@@ -171,8 +171,8 @@ def bench_engine(model, shape, name, prompts_path, prompt_len, top, max_tokens, 
     tok = tokenizer_for(model, shape, target_dir)
     lengths = [len(tok.encode_chat([{"role": "user", "content": t}])) for t in prompts] if target_dir else [prompt_len]
     buckets = tuple(sorted({1, 2, 4, 8, 16, 32, top} & set(range(1, top + 1))))
-    cfg = EngineConfig(max_batch_size=top, max_context=max(lengths) + max_tokens + 64, batch_buckets=buckets,
-                       kernels=KernelSettings.from_env())
+    cfg = EngineConfig(**{"max_batch_size": top, "max_context": max(lengths) + max_tokens + 64,
+                          "batch_buckets": buckets, "kernels": KernelSettings.from_env()} | (overrides or {}))
     if name == "target-only":
         engine = target_only(target, cfg)
     else:
@@ -200,6 +200,8 @@ def main(argv=None):
     p.add_argument("--engine", default="process", choices=["process", "thread"],
                    help="the engine in a process of its own (what python -m jeagle.serve runs) or in a thread of the "
                    "server's process (--engine-thread)")
+    p.add_argument("--engine-config", default=None, metavar="JSON",
+                   help='EngineConfig fields to override, e.g. {"prefix_cache": false} (rows say so)')
     p.add_argument("--clients", default="own", help="own: the clients in a process of their own (a load "
                    "generator elsewhere); in: in the server's process, sharing its GIL; own,in: both, rows say which")
     p.add_argument("--client-processes", type=int, default=4, help="processes the clients are spread over (own)")
@@ -234,7 +236,8 @@ def main(argv=None):
         p.error(f"--configs {bad}: --model smollm2 runs target-only and eagle")
     rows = []
     for name in configs:
-        build = (args.model, args.shape, name, args.prompts, args.prompt_len, max(levels), args.max_tokens, modes)
+        build = (args.model, args.shape, name, args.prompts, args.prompt_len, max(levels), args.max_tokens, modes,
+                 json.loads(args.engine_config) if args.engine_config else None)
         if args.engine == "process":
             engine = EngineProcess(bench_engine, build)
             facts = engine.extra
@@ -269,7 +272,7 @@ def main(argv=None):
                              "requests_per_s": n / wall, "output_tokens_per_s": tokens / wall,
                              "ttft_ms": {q: 1e3 * pct(ttft, q) for q in (50, 90, 99)},
                              "latency_ms": {q: 1e3 * pct(lat, q) for q in (50, 90, 99)}, "warmup_s": warm,
-                             "engine": args.engine, "compiled_in_timed_pass": num_compiled() - compiled - warm_compiled})
+                             "engine": args.engine, "engine_config": args.engine_config, "compiled_in_timed_pass": num_compiled() - compiled - warm_compiled})
                 compiled = num_compiled()
         server.should_exit = True
         th.join(timeout=30)
