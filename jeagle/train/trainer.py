@@ -81,6 +81,7 @@ class Trainer:
         self.params, self.d2t = _own_buffers(params), d2t
         self.opt_state = _own_buffers(self.optimizer.init(self.params))
         self.step = 0
+        self.tokens_seen = 0  # loss tokens trained on, over every run of this schedule (resumes included)
         self._train_step = jax.jit(self._step_fn, donate_argnums=(0, 1))
 
     def _step_fn(self, params, opt_state, target_state, batch):
@@ -123,6 +124,7 @@ class Trainer:
         if not mngr.save(self.step, args=ocp.args.StandardSave(state)):
             raise RuntimeError(f"orbax did not save step {self.step} (newest on disk: {mngr.latest_step()})")
         mngr.wait_until_finished()
+        _write_progress(Path(mngr.directory), self.step, self.tokens_seen)
 
     def restore(self, mngr) -> bool:
         """Resume from the latest checkpoint in `mngr`; False when there is none."""
@@ -135,7 +137,64 @@ class Trainer:
         state = mngr.restore(latest, args=ocp.args.StandardRestore(abstract))
         self.params, self.opt_state = _own_buffers(state["params"]), _own_buffers(state["opt_state"])
         self.step = int(latest)
+        self.tokens_seen = _read_progress(Path(mngr.directory), self.step)
         return True
+
+    # -- portable checkpoints: what travels between machines ---------------------------------------
+    def save_portable(self, directory, draft_cfg: DraftConfig, **metadata) -> Path:
+        """The fp32 master weights as a jeagle draft dir (loadable with --draft, --init-from) plus
+        trainer_state.json (step, tokens seen): a fraction of the orbax checkpoint's size (no optimizer
+        moments), so it fits what a machine can send back. `load_portable` resumes from it."""
+        from jeagle.checkpoint import save_safetensors
+        from jeagle.train.model import export_params
+
+        directory = Path(directory)
+        tmp = directory.with_name(directory.name + ".tmp")
+        cfg = draft_cfg.replace(dtype="float32")
+        save_safetensors(tmp, cfg, export_params(self.params, cfg, self.d2t), metadata={k: str(v) for k, v in metadata.items()})
+        _write_progress(tmp, self.step, self.tokens_seen, name="trainer_state.json")
+        if directory.exists():
+            import shutil
+
+            shutil.rmtree(directory)
+        tmp.replace(directory)
+        return directory
+
+    def load_portable(self, directory) -> None:
+        """Resume from `save_portable`'s dir: the fp32 weights exactly, the step and tokens seen; the
+        optimizer's moments start afresh at that step of the schedule (AdamW's moments here have a memory
+        of ~10 (b1 0.9) and ~20 (b2 0.95) steps, so little is lost), their count set to the step so the
+        learning-rate schedule continues where it stopped."""
+        from jeagle.checkpoint import load_draft
+
+        directory = Path(directory)
+        state = json.loads((directory / "trainer_state.json").read_text())
+        head = load_draft(directory, dtype="float32")
+        pure = nnx.to_pure_dict(nnx.split(head)[1])
+        d2t = pure.pop("d2t", None)
+        if d2t is not None and self.d2t is not None and not np.array_equal(np.asarray(d2t), self.d2t):
+            raise ValueError(f"{directory}: its draft vocabulary differs from this run's")
+        missing = set(self.params) ^ set(k for k, v in pure.items() if v is not None)
+        if missing:
+            raise ValueError(f"{directory}: not this head's parameters (differing: {sorted(missing)[:4]})")
+        self.params = _own_buffers({k: jnp.asarray(pure[k], jnp.float32) for k in self.params})
+        self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
+        fresh = self.optimizer.init(self.params)
+        self.opt_state = _own_buffers(optax.tree_utils.tree_set(fresh, count=jnp.asarray(self.step, jnp.int32)))
+
+
+def _write_progress(directory: Path, step: int, tokens_seen: int, name: str = "progress.json") -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / name).write_text(json.dumps({"step": int(step), "tokens_seen": int(tokens_seen)}))
+
+
+def _read_progress(directory: Path, step: int) -> int:
+    """Tokens seen up to `step` (progress.json is written after each save: it names the newest step)."""
+    try:
+        state = json.loads((directory / "progress.json").read_text())
+    except (OSError, ValueError):
+        return 0
+    return int(state["tokens_seen"]) if int(state.get("step", -1)) == step else 0
 
 
 def _tree_norm(tree):
@@ -154,10 +213,13 @@ def fmt_metrics(m: dict, steps: int) -> dict:
 
 
 def train(trainer: Trainer, data: DraftData, *, ckpt_dir=None, resume: bool = False, progress: bool = True,
-          log=None, time_limit: float | None = None) -> list[dict]:
+          log=None, time_limit: float | None = None, every=None, every_steps: int = 0) -> list[dict]:
     """Run trainer.tc.steps steps over `data` (resuming from ckpt_dir if asked); returns the logged
     metrics (one dict per log interval, means over the interval). With `time_limit` (seconds), stop
-    early once it is spent, after saving a checkpoint: a later --resume run finishes the schedule."""
+    early once it is spent, after saving a checkpoint: a later --resume run finishes the schedule.
+    `every(trainer)` runs after each `every_steps` steps (once the checkpoint of that step is saved) and
+    when the run stops (evaluation, a portable checkpoint); its time counts against `time_limit` (a
+    machine's call has a wall limit) but not in tokens_per_s."""
     from tqdm import tqdm
 
     tc = trainer.tc
@@ -174,24 +236,32 @@ def train(trainer: Trainer, data: DraftData, *, ckpt_dir=None, resume: bool = Fa
     window: list[dict] = []
     t0 = time.perf_counter()
     tokens = 0
+    paused = 0.0  # time spent in `every`, not training
     while trainer.step < tc.steps:
         batch = next(it)
-        tokens += int(batch["loss_mask"].sum())
+        n = int(batch["loss_mask"].sum())
+        tokens += n
+        trainer.tokens_seen += n
         window.append(trainer.train_step(batch))
         bar.update(1)
         if trainer.step % tc.log_every == 0 or trainer.step == tc.steps:
             mean = {k: float(np.mean([float(w[k]) for w in window])) for k in window[0]}
-            mean.update(step=trainer.step, lr=float(trainer.schedule(trainer.step)),
-                        tokens_per_s=tokens / max(time.perf_counter() - t0, 1e-9))
+            mean.update(step=trainer.step, lr=float(trainer.schedule(trainer.step)), tokens_seen=trainer.tokens_seen,
+                        tokens_per_s=tokens / max(time.perf_counter() - t0 - paused, 1e-9))
             history.append(mean)
             bar.set_postfix(fmt_metrics(mean, tc.ttt_steps))
             if log is not None:
                 log.write(json.dumps(mean) + "\n")
                 log.flush()
             window = []
-        out_of_time = time_limit is not None and time.perf_counter() - t0 > time_limit
+        out_of_time = time_limit is not None and time.perf_counter() - t0 > time_limit  # wall, evaluations included
         if mngr is not None and (trainer.step % tc.save_every == 0 or trainer.step == tc.steps or out_of_time):
             trainer.save(mngr)
+        if every is not None and ((every_steps and trainer.step % every_steps == 0) or trainer.step == tc.steps
+                                  or out_of_time):
+            t1 = time.perf_counter()
+            every(trainer)
+            paused += time.perf_counter() - t1
         if out_of_time and trainer.step < tc.steps:
             print(f"time limit reached at step {trainer.step} of {tc.steps}; checkpoint saved (--resume continues)",
                   flush=True)
