@@ -404,6 +404,8 @@ def run(args) -> dict:
                 log.write(json.dumps(row) + "\n")
                 log.flush()
                 info.setdefault("eval_sets", []).append(row)
+        if eval_sets and trainer.step == 0 and not args.resume:
+            every(trainer)  # where the curve starts: the random or --init-from head, before any step
         history = train(trainer, train_data, ckpt_dir=out / "ckpt", resume=args.resume,
                         progress=not args.no_progress, log=log, time_limit=args.time_limit, every=every,
                         every_steps=args.eval_every)

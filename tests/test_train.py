@@ -193,9 +193,9 @@ def test_train_draft_end_to_end(tiny_target_dir, tmp_path):
     assert log[-1]["step"] == 40 and log[-1]["loss"] < 0.8 * log[0]["loss"], (log[0], log[-1])
     assert log[-1]["tokens_seen"] > log[0]["tokens_seen"] > 0
     evals = [r for r in rows if r.get("kind") == "eval"]
-    assert [r["step"] for r in evals] == [20, 40] and evals[1]["tokens_seen"] == log[-1]["tokens_seen"]
-    assert set(evals[1]["sets"]["small"]["categories"]) == {"chat", "code", ""}
-    assert evals[1]["sets"]["small"]["accept_length"] >= 1.0
+    assert [r["step"] for r in evals] == [0, 20, 40] and evals[2]["tokens_seen"] == log[-1]["tokens_seen"]
+    assert evals[0]["tokens_seen"] == 0 and set(evals[2]["sets"]["small"]["categories"]) == {"chat", "code", ""}
+    assert evals[2]["sets"]["small"]["accept_length"] >= 1.0
     info = json.loads((out / "head" / "training.json").read_text())
     assert info["eval"]["accept_length"] >= 1.0 and info["data"]["prompts"] == 40
     assert info["data"]["sources"]["prompts"]["samples"] == 40  # a .txt of prompts: one source, its stem
