@@ -32,19 +32,6 @@ from pathlib import Path
 from common import device_kind, emit, git_commit
 
 
-def read_dataset(spec: str):
-    """NAME=FILE.jsonl[:N] -> (NAME, the first N records of FILE)."""
-    from jeagle.train.data import read_records
-
-    name, _, rest = spec.partition("=")
-    path, colon, n = rest.rpartition(":")
-    if not colon or not n.isdigit():
-        path, n = rest, ""
-    if not name or not path:
-        raise SystemExit(f"--dataset {spec!r}: expected NAME=FILE.jsonl[:N]")
-    return name, read_records(path, limit=int(n) if n else None)
-
-
 def fmt(x) -> str:
     return "-" if x is None else f"{x:.3f}"
 
@@ -147,7 +134,7 @@ def main() -> None:
     from jeagle.kernels.settings import KernelSettings
     from jeagle.sampling import SamplingParams
     from jeagle.tokenizer import Tokenizer
-    from jeagle.train.evaluate import accept_lengths, prompt_ids
+    from jeagle.train.evaluate import accept_lengths, read_eval_set
 
     target_dir = resolve_target(args.target)
     head_src = args.head or str(default_head_dir())
@@ -157,7 +144,7 @@ def main() -> None:
         SpecConfig(num_steps=s, topk=k, num_draft_tokens=n)  # a bad tier fails now, not after the others ran
     temperatures = [float(t) for t in args.temperatures.split(",")]
     buckets = tuple(int(x) for x in args.buckets.split(",")) if args.buckets else None
-    datasets = [read_dataset(s) for s in args.dataset]
+    datasets = [read_eval_set(s) for s in args.dataset]
     kernels = KernelSettings.from_env()  # JEAGLE_KERNELS, ...: read once, here
     doc = {"device": device_kind(), "commit": git_commit(), "head": head_src, "target": str(target_dir),
            "max_new_tokens": args.max_new_tokens, "turns": args.turns, "seed": args.seed,
@@ -184,7 +171,7 @@ def main() -> None:
         # one-token decode differently, and near ties flip (that is numerics, not the algorithm).
         jax.config.update("jax_default_matmul_precision", "highest")
         name, records = datasets[0]
-        ids = [prompt_ids(tok, r) for r in records[: args.lossless]]
+        ids = [r.prompt_ids(tok) for r in records[: args.lossless]]
         m32 = load_model(target_dir, dtype="float32")
         h32 = load_draft(resolve_draft(head_src, target_dir), target=m32.cfg, dtype="float32")
         params = SamplingParams(max_new_tokens=args.lossless_tokens)

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One GPU session's work, run on the device machine from the repo root (see bench/RESULTS.md).
 # The SmolLM2 GGUF (98.4 MB) travels in three parts (a call carries 64 MiB, the repo ~21 MB of it):
-#   .stage1 = smolpart.aa + data0.npz.xz + data.tar.xz (the prompt files, .data/), .stage2 = smolpart.ab,
+#   .stage1 = smolpart.aa + data.tar.xz (the prompt files: `tar cJf data.tar.xz .data` after
+#   `python -m jeagle.train.sources eval ... --out-dir .data` and `... build ... --out .data/mix.jsonl`, README's
+#   "Training a head"; an older dataset as data0.npz.xz, optional), .stage2 = smolpart.ab,
 #   .stage3 = smolpart.ac (+ eagle1_head.tar from an earlier eaglepeer, optional). Calls, back to back while warm:
 #   carry .stage1: `bash bench/gpu_session.sh stage`; carry .stage2: `bash bench/gpu_session.sh stage`;
 #   carry .stage3 + .whl: `bash bench/gpu_session.sh run STEPS...` (later calls: carry .whl only).
@@ -95,11 +97,22 @@ if [[ "$steps" == *" autotune "* ]]; then  # XLA GEMM autotuning off: cold warm-
   done
 fi
 if [[ "$steps" == *" trainhead "* ]]; then  # issues 8, 23: regenerate data, train the SmolLM2 EAGLE-3 head (resumable)
-  # Issue 23's mix: PROMPTS=.data/mix.jsonl (python -m jeagle.train.sources build, staged in data.tar.xz),
-  # EVAL_SETS="mtbench=.data/mtbench.jsonl:40 gsm8k=.data/gsm8k.jsonl:40 code=bench/data/code_eval.jsonl:40" EVAL_EVERY=1000.
-  # What comes back ($OUT/run.tar.part*, ≤ 15 MB each): the portable checkpoint (fp32 weights + step: --resume on the
-  # next machine continues from it), the exported head, the logs; with COPY_DATA=1 also the dataset (data.npz).
-  # To resume on a fresh machine: unpack run.tar there into .data/run/ (staged like the GGUF parts; RUN_FROM=.data/run).
+  # Issue 23's mix: PROMPTS=.data/mix.jsonl NUM_PROMPTS=60000 (python -m jeagle.train.sources build, staged in
+  # data.tar.xz with exclude.jsonl from `sources eval`), MAX_PROMPT=1024 SEQ_LEN=1024 (multi-turn: later turns' prompts
+  # hold the earlier answers), EVAL_SETS="mtbench=.data/mtbench.jsonl:40 gsm8k=.data/gsm8k.jsonl:40
+  # code=bench/data/code_eval.jsonl:40" EVAL_EVERY=1000 EVAL_TEMPS=0,0.7.
+  # What comes back ($OUT/run.tar.part*, ≤ 15 MB each, with train.log ≤ 6 files, ~57 MiB): the portable checkpoint
+  # (fp32 weights + step: --resume on the next machine continues from it), the exported head, the logs; with
+  # COPY_DATA=1 (a --regenerate-only call) the dataset and its record instead of the checkpoints.
+  # To resume on a fresh machine: stage the run's parts (cat run.tar.part* | tar x; repack portable/ data.npz data.json
+  # d2t.npy train_log.jsonl as run.tar, `split -b 40000000 -d run.tar run.tar.part` into .stage dirs beside the GGUF's);
+  # they are unpacked here and --resume (RESUME=1) continues from the portable checkpoint.
+  if [ -z "${RUN_FROM:-}" ] && compgen -G "$HOME/stage/run.tar.part*" >/dev/null; then
+    rm -rf "$HOME/run_from" && mkdir -p "$HOME/run_from" && cat "$HOME"/stage/run.tar.part* | tar xf - -C "$HOME/run_from" \
+      || { echo "trainhead: the staged run.tar parts do not unpack (a part missing?)"; exit 7; }
+    RUN_FROM="$HOME/run_from"
+  fi
+  [ -n "${RUN_FROM:-}" ] && RESUME=1  # a run carried over continues; a fresh run there would be refused
   RUN="${RUN:-$HOME/run}"; mkdir -p "$RUN"
   [ -f .data/data.npz ] && [ ! -f "$RUN/data.npz" ] && cp .data/data.npz .data/data.json "$RUN/"  # carried back after a cold start
   if [ -n "${RUN_FROM:-}" ] && [ ! -d "$RUN/portable" ]; then  # a run carried over from an earlier machine
@@ -107,17 +120,20 @@ if [[ "$steps" == *" trainhead "* ]]; then  # issues 8, 23: regenerate data, tra
     [ -d "$RUN_FROM/portable" ] && cp -r "$RUN_FROM/portable" "$RUN/"
   fi
   eval_args=(); for s in ${EVAL_SETS:-}; do eval_args+=(--eval-set "$s"); done
-  python3 -m jeagle.train_draft --out "$RUN" --prompts "${PROMPTS:-.data/sharegpt.jsonl}" --exclude .data/mtbench.jsonl \
-    --exclude .data/gsm8k.jsonl --exclude bench/data/code_eval.jsonl --num-prompts "${NUM_PROMPTS:-12000}" \
+  excl=(--exclude bench/data/code_eval.jsonl)
+  for f in .data/exclude.jsonl .data/mtbench.jsonl .data/gsm8k.jsonl; do [ -f "$f" ] && excl+=(--exclude "$f"); done
+  python3 -m jeagle.train_draft --out "$RUN" --prompts "${PROMPTS:-.data/sharegpt.jsonl}" "${excl[@]}" \
+    --num-prompts "${NUM_PROMPTS:-12000}" --max-prompt-tokens "${MAX_PROMPT:-512}" \
     --max-new-tokens "${MAX_NEW:-384}" --gen-batch "${GEN_BATCH:-256}" --steps "${TRAIN_STEPS:-3000}" \
     --batch-size "${TRAIN_BATCH:-32}" --seq-len "${SEQ_LEN:-640}" --lr "${LR:-5e-4}" --time-limit "${TIME_LIMIT:-300}" \
     --eval-prompts "${EVAL_PROMPTS:-32}" "${eval_args[@]}" --eval-every "${EVAL_EVERY:-0}" \
     --eval-temperatures "${EVAL_TEMPS:-0}" --save-every 250 --log-every 25 --name smollm2-135m-instruct-eagle3 \
     --no-progress ${TRAIN_ARGS:-} ${RESUME:+--resume} --regenerate-time-limit "${REGEN_LIMIT:-240}" 2>&1 \
     | grep -v "^ *$" | tee -a "$OUT/train.log"
-  parts=(); for f in train_log.jsonl data.json d2t.npy portable head; do [ -e "$RUN/$f" ] && parts+=("$f"); done
-  [ -n "${COPY_DATA:-}" ] && parts+=(data.npz)
-  (cd "$RUN" && tar cf - "${parts[@]}") | split -b 15000000 -d - "$OUT/run.tar.part"
+  keep="train_log.jsonl data.json d2t.npy portable head"
+  [ -n "${COPY_DATA:-}" ] && keep="train_log.jsonl data.json data.npz"
+  parts=(); for f in $keep; do [ -e "$RUN/$f" ] && parts+=("$f"); done
+  [ ${#parts[@]} -gt 0 ] && (cd "$RUN" && tar cf - "${parts[@]}") | split -b 15000000 -d - "$OUT/run.tar.part"
 fi
 if [[ "$steps" == *" acceptlen "* ]]; then  # issue 8: accept length of the head on MT-bench and GSM8K, lossless check
   python3 bench/accept_length.py --head "${HEAD:-$HOME/run/head}" --dataset mtbench=.data/mtbench.jsonl:80 \

@@ -170,22 +170,31 @@ def _train_cli(*args):
 
 
 def test_train_draft_end_to_end(tiny_target_dir, tmp_path):
-    """Regenerate data with the tiny target, train a few dozen steps (the loss falls), evaluate with the
-    real engine, export; the exported head loads with --draft and decodes losslessly; --resume continues."""
-    prompts = tmp_path / "prompts.txt"
+    """Regenerate data with the tiny target from a training mix (one-turn, multi-turn and raw records,
+    one excluded), train a few dozen steps (the loss falls) with evaluation sets, evaluate with the real
+    engine, export; the exported head loads with --draft and decodes losslessly; --resume continues, also
+    from the portable checkpoint alone; a fresh run over a checkpoint is refused before it writes."""
+    prompts = tmp_path / "mix.jsonl"
     rng = np.random.default_rng(0)
     words = ["alpha", "beta", "gamma", "delta", "omega", "sigma", "kappa", "theta"]
-    prompts.write_text("\n".join(" ".join(rng.choice(words, 4)) + f" {i}?" for i in range(40)))
+    rows = [{"turns": [" ".join(rng.choice(words, 4)) + f" {i}?"], "source": "chat-src"} for i in range(34)]
+    rows += [{"turns": [f"omega {i}?", "and then?", "why so?"], "source": "multi", "category": "multiturn"}
+             for i in range(2)]
+    rows += [{"turns": [f"def f{i}(x):\n"], "source": "code-src", "raw": True} for i in range(3)]
+    rows.insert(7, {"turns": ["alpha gamma 1?"], "source": "chat-src"})  # an evaluation prompt: excluded
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = tmp_path / "run"
     kind = "eagle3"
     common = ["--out", str(out), "--target", str(tiny_target_dir), "--prompts", str(prompts), "--num-prompts", "40",
               "--max-new-tokens", "24", "--gen-batch", "16", "--kind", kind, "--draft-vocab-size", "48",
               "--ttt-steps", "3" if kind == "eagle3" else "1", "--batch-size", "8", "--seq-len", "64", "--lr", "3e-3",
               "--warmup-steps", "5", "--compute-dtype", "float32", "--target-dtype", "float32", "--log-every", "5",
-              "--save-every", "20", "--eval-prompts", "4", "--eval-max-new-tokens", "12", "--eval-spec", "3,2,4"]
+              "--save-every", "20", "--eval-prompts", "4", "--eval-max-new-tokens", "12", "--eval-spec", "3,2,4",
+              "--eval-batch", "4"]
     evalset = tmp_path / "evalset.jsonl"
     evalset.write_text('{"turns": ["alpha gamma 1?"], "category": "chat"}\n'
                        '{"turns": ["def g(y):\\n"], "category": "code", "raw": true}\n{"prompt": "beta beta 2?"}\n')
+    common += ["--exclude", str(evalset)]
     proc = _train_cli(*common, "--steps", "40", "--eval-set", f"small={evalset}", "--eval-every", "20")
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
@@ -197,8 +206,9 @@ def test_train_draft_end_to_end(tiny_target_dir, tmp_path):
     assert evals[0]["tokens_seen"] == 0 and set(evals[2]["sets"]["small"]["categories"]) == {"chat", "code", ""}
     assert evals[2]["sets"]["small"]["accept_length"] >= 1.0
     info = json.loads((out / "head" / "training.json").read_text())
-    assert info["eval"]["accept_length"] >= 1.0 and info["data"]["prompts"] == 40
-    assert info["data"]["sources"]["prompts"]["samples"] == 40  # a .txt of prompts: one source, its stem
+    assert info["eval"]["accept_length"] >= 1.0 and info["data"]["prompts"] == 39 and info["data"]["excluded"] == 3
+    sources = info["data"]["sources"]  # every turn of a multi-turn record is a sample
+    assert sources["multi"]["samples"] == 6 and sources["code-src"]["samples"] == 3 and sources["chat-src"]["samples"] == 34
     assert json.loads((out / "portable" / "trainer_state.json").read_text())["step"] == 40
     card = (out / "head" / "README.md").read_text()
     assert "accept length" in card and "python -m jeagle.train_draft" in card
@@ -224,6 +234,11 @@ def test_train_draft_end_to_end(tiny_target_dir, tmp_path):
     import shutil
 
     shutil.rmtree(out / "ckpt")
+    before = (out / "train_log.jsonl").read_text()
+    proc = _train_cli(*common, "--steps", "55", "--eval-set", f"small={evalset}")  # --resume forgotten
+    assert proc.returncode == 2 and "already holds a checkpoint at step 50" in proc.stderr
+    assert (out / "train_log.jsonl").read_text() == before  # refused before it wrote anything
+    assert json.loads((out / "portable" / "trainer_state.json").read_text())["step"] == 50
     proc = _train_cli(*common, "--steps", "55", "--resume")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from the portable checkpoint" in proc.stdout and "at step 50" in proc.stdout
@@ -280,7 +295,8 @@ def test_regenerate_records_multiturn_raw_and_sources(tiny_target_dir):
     from jeagle.checkpoint import load_model
     from jeagle.engine import EngineConfig, target_only
     from jeagle.tokenizer import Tokenizer
-    from jeagle.train.data import Record, regenerate_records
+    from jeagle.train.data import regenerate_records
+    from jeagle.train.records import Record
 
     model = load_model(tiny_target_dir)
     tok = Tokenizer.from_dir(tiny_target_dir)
@@ -288,18 +304,26 @@ def test_regenerate_records_multiturn_raw_and_sources(tiny_target_dir):
                Record(("def f(x):\n",), "code-src", "code", raw=True),
                Record(("delta omega",), "chat-src", "chat")]
     engine = target_only(model, EngineConfig(max_batch_size=4, max_context=200))
-    samples, sources = regenerate_records(engine, tok, records, max_new_tokens=10, temperatures=(0.0, 0.8),
-                                          progress=False)
-    assert len(samples) == 4 and sources == ["chat-src", "code-src", "chat-src", "chat-src"]
-    (p0, n0), (p1, n1), (p2, n2), (p3, n3) = samples
+    samples, sources, turns = regenerate_records(engine, tok, records, max_new_tokens=10, temperatures=(0.0, 0.8),
+                                                 progress=False)
+    # Grouped by conversation, in record order: record 0's two turns, then records 1 and 2.
+    assert len(samples) == 4 and sources == ["chat-src", "chat-src", "code-src", "chat-src"] and turns == [0, 1, 0, 0]
+    (p0, n0), (p3, n3), (p1, n1), (p2, n2) = samples
     assert p1[:n1] == tok.encode("def f(x):\n") and p2[:n2] == records[2].prompt_ids(tok)
     first_answer = tok.decode(p0[n0:])
     assert p3[:n3] == records[0].prompt_ids(tok, [first_answer]) and n3 > n0 + len(tok.encode("and gamma?")) - 2
     assert p3[:n0 - 1] == p0[:n0 - 1]  # the conversation so far, then the answer and the second turn
-    data = DraftData.from_samples(samples, model.cfg.vocab_size, sources=sources)
+    data = DraftData.from_samples(samples, model.cfg.vocab_size, sources=sources, turns=turns)
     assert data.source_counts()["code-src"]["samples"] == 1 and data.source(3) == "chat-src"
+    train_part, held = data.split(2)
+    assert (len(train_part), len(held)) == (2, 2) and held.turns.tolist() == [0, 0]
+    # Holding out 3 would cut the first conversation: its second turn's prompt holds the first turn's
+    # answer, which must not be trained on; the whole conversation is held out, and nothing is left.
+    with pytest.raises(DataError, match="cannot hold out"):
+        data.split(3)
     # The second turn's prompt is over the limit: that conversation ends after one answer.
-    short, _ = regenerate_records(engine, tok, records[:1], max_new_tokens=10, max_prompt_tokens=n3 - 1, progress=False)
+    short, _, _ = regenerate_records(engine, tok, records[:1], max_new_tokens=10, max_prompt_tokens=n3 - 1,
+                                     progress=False)
     assert len(short) == 1
     with pytest.raises(ValueError, match="one turn"):
         records[1].prompt_ids(tok, ["an answer"])
@@ -356,7 +380,7 @@ def test_portable_checkpoint_resumes_the_schedule(tiny_target_dir, tmp_path):
     assert counts and set(counts) == {6}  # the schedule and Adam's bias correction continue at step 6
     history = train(b, data, progress=False)
     assert b.step == 12 and all(np.isfinite(h["loss"]) for h in history)
-    assert history[-1]["tokens_seen"] == b.tokens_seen and history[0]["lr"] == pytest.approx(float(b.schedule(9)))
+    assert history[-1]["tokens_seen"] == b.tokens_seen
     other = Trainer(model, cfg, tc, used_ids=used + 1)
     with pytest.raises(ValueError, match="draft vocabulary"):
         other.load_portable(path)

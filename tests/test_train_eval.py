@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from jeagle.train.data import Record
-from jeagle.train.evaluate import GROUPS, accept_lengths, curve, plot_curve, pooled_groups, prompt_ids
+from jeagle.train.records import Record
+from jeagle.train.evaluate import GROUPS, accept_lengths, curve, plot_curve, pooled_groups, read_eval_set
 
 REPO = Path(__file__).resolve().parents[1]
 SPEC = (3, 2, 4)
@@ -83,7 +83,7 @@ def test_categories_split_as_given_and_pool_as_tokens_over_rounds(parts, engines
     assert sum(int(k) * v for k, v in greedy["histogram"].items()) == sum(
         c["round_tokens"] for c in greedy["counts"].values())
     # Independent of the pooling: one engine run over every prompt averages the same request-rounds.
-    ids = [prompt_ids(tok, r) for r in RECORDS]
+    ids = [r.prompt_ids(tok) for r in RECORDS]
     eng = speculative(target, head, EngineConfig(max_batch_size=4, max_context=256, batch_buckets=(4,)),
                       SpecConfig(*SPEC))
     eng.generate(ids, SamplingParams(max_new_tokens=NEW))
@@ -112,19 +112,19 @@ def test_groups_pool_their_categories(greedy):
 def test_raw_records_skip_the_chat_template(parts):
     tok = parts[2]
     raw, chat = RECORDS[2], RECORDS[0]
-    assert prompt_ids(tok, raw) == tok.encode(raw.turns[0])
-    assert tok.decode(prompt_ids(tok, raw), skip_special_tokens=False) == raw.turns[0]
-    ids = prompt_ids(tok, chat)
+    assert raw.prompt_ids(tok) == tok.encode(raw.turns[0])
+    assert tok.decode(raw.prompt_ids(tok), skip_special_tokens=False) == raw.turns[0]
+    ids = chat.prompt_ids(tok)
     assert ids == tok.encode_chat([{"role": "user", "content": chat.turns[0]}])
     text = f"<|im_start|>user\n{chat.turns[0]}<|im_end|>\n<|im_start|>assistant\n"
     assert tok.decode(ids, skip_special_tokens=False) == text
     with pytest.raises(ValueError):
-        prompt_ids(tok, raw, ["an answer"])
+        raw.prompt_ids(tok, ["an answer"])
 
 
 def test_later_turns_carry_the_first_answer(parts, engines, greedy):
     tok, rec = parts[2], RECORDS[1]
-    second = tok.decode(prompt_ids(tok, rec, ["ARR"]), skip_special_tokens=False)
+    second = tok.decode(rec.prompt_ids(tok, ["ARR"]), skip_special_tokens=False)
     assert second == (f"<|im_start|>user\n{rec.turns[0]}<|im_end|>\n<|im_start|>assistant\nARR<|im_end|>\n"
                       f"<|im_start|>user\n{rec.turns[1]}<|im_end|>\n<|im_start|>assistant\n")
     # The engine is asked the second turn with the first answer it gave as history.
@@ -135,9 +135,9 @@ def test_later_turns_carry_the_first_answer(parts, engines, greedy):
         both = run(parts, engines, [rec], turns="all")
     finally:
         del engine.generate
-    assert len(calls) == 2 and calls[0][0] == [prompt_ids(tok, rec)]
+    assert len(calls) == 2 and calls[0][0] == [rec.prompt_ids(tok)]
     answer = tok.decode(calls[0][1][0].token_ids)
-    assert answer and calls[1][0] == [prompt_ids(tok, rec, [answer])]
+    assert answer and calls[1][0] == [rec.prompt_ids(tok, [answer])]
     first = run(parts, engines, [rec])
     assert both["turns"] == "all" and both["rounds"] > first["rounds"] == greedy["counts"]["roleplay"]["rounds"]
 
@@ -204,3 +204,19 @@ def test_bench_plot_log(tmp_path):
     for p in doc["plots"]:
         assert Path(p).read_bytes()[:4] == b"\x89PNG"
     assert "group/code" in proc.stdout
+
+
+def test_read_eval_set_names_counts_and_errors(tmp_path):
+    path = tmp_path / "set.jsonl"
+    path.write_text('{"turns": ["a?"], "category": "chat"}\n{"prompt": "b?"}\n{"turns": ["c?", "d?"]}\n')
+    name, records = read_eval_set(f"small={path}:2")
+    assert name == "small" and [r.turns for r in records] == [("a?",), ("b?",)]
+    assert len(read_eval_set(f"all={path}")[1]) == 3
+    from jeagle.train.data import DataError
+
+    with pytest.raises(DataError, match="no records"):
+        read_eval_set(f"none={path}:0")
+    with pytest.raises(DataError, match="expected NAME=FILE"):
+        read_eval_set(str(path))
+    with pytest.raises(DataError, match="no such file"):
+        read_eval_set(f"x={tmp_path / 'missing.jsonl'}:3")

@@ -9,6 +9,7 @@ and the CLI end to end. CPU only, seconds (the standard-library scan, about 2 s,
 from __future__ import annotations
 
 import ast
+import gzip
 import hashlib
 import itertools
 import json
@@ -20,9 +21,11 @@ from pathlib import Path
 
 import pytest
 
-from jeagle.train.data import DataError, Record, normalise, read_records
-from jeagle.train.sources import (CODE_KINDS, SOURCES, build_mix, code_eval_records, code_records, gsm8k_records,
-                                  math_records, mtbench_records, parse_mix, sharegpt_multiturn_records,
+from jeagle.train.data import DataError, normalise
+from jeagle.train.records import Record, read_exclude, read_records
+from jeagle.train.evalsets import gsm8k_records, humaneval_records, mtbench_records
+from jeagle.train.sources import (CODE_KINDS, SOURCES, build_mix, code_eval_records, code_records,
+                                  math_records, parse_mix, sharegpt_multiturn_records,
                                   sharegpt_records, sharegpt_turn_records, stdlib_functions, writing_records)
 from jeagle.train.templates import MATH_TEMPLATES, WRITING_TOPICS, math_problems
 
@@ -145,6 +148,9 @@ def test_code_train_and_eval_never_share_a_function():
     held = {(f.module, f.qualname) for f in fns if f.split == "eval"}
     assert len(train) > 1000 and 0.05 < len(held) / len(fns) < 0.15
     assert not train & held
+    # Nor a description: overrides and wrappers sharing a summary stay on one side.
+    assert not ({normalise(f.summary) for f in fns if f.split == "train"}
+                & {normalise(f.summary) for f in fns if f.split == "eval"})
     assert all((int(hashlib.sha1(f"{m}:{q}".encode()).hexdigest(), 16) % 10 == 0) == ((m, q) in held)
                for m, q in train | held)
     # Over the full lists: no eval prompt holds a train function's source, and none is a train prompt.
@@ -173,7 +179,7 @@ def test_raw_code_completion_is_one_turn_ending_with_the_docstring():
         assert (fn.body[0].end_lineno, fn.body[0].end_col_offset) == (len(lines), len(lines[-1]))
         Record.from_json(r.to_json())  # raw with one turn is a valid record
     chat = code_records("complete-chat", limit=20)
-    assert all(not r.raw and "```python\n" in r.turns[0] and r.turns[0].endswith('"\n```') for r in chat)
+    assert all(not r.raw and "```python\n" in r.turns[0] and r.turns[0].endswith(('"\n```', "'\n```")) for r in chat)
 
 
 def numbers(text: str) -> list[int]:
@@ -329,13 +335,19 @@ def test_cli_build_and_eval_end_to_end(sharegpt_json, tmp_path):
     assert meta["records"] == 16 and meta["command"][3] == "build" and meta["sources"]["math"]["records"] == 5
     assert "sharegpt" in done.stdout and "total" in done.stdout
 
+    humaneval = tmp_path / "HumanEval.jsonl.gz"
+    humaneval.write_bytes(gzip.compress(b'{"task_id": "HumanEval/0", "prompt": "def f(x):\\n    \\"\\"\\"Twice x.\\"\\"\\"\\n"}\n'))
     done = cli("eval", "--mtbench", mtbench, "--gsm8k", gsm8k, "--gsm8k-limit", 4, "--code-limit", 9,
-               "--out-dir", tmp_path / "eval", cwd=tmp_path)
+               "--humaneval", humaneval, "--out-dir", tmp_path / "eval", cwd=tmp_path)
     assert done.returncode == 0, done.stderr
-    for name, n in (("mtbench.jsonl", 2), ("gsm8k.jsonl", 4), ("code_eval.jsonl", 9)):
+    # exclude.jsonl: both MT-bench turns, every GSM8K question (not only the evaluated 4), code, HumanEval.
+    for name, n in (("mtbench.jsonl", 2), ("gsm8k.jsonl", 4), ("code_eval.jsonl", 9), ("exclude.jsonl", 9 + 2 + 5 + 1)):
         rows = [json.loads(line) for line in (tmp_path / "eval" / name).read_text().splitlines()]
         assert len(rows) == n and all(row["prompt"] == row["turns"][0] for row in rows)
         assert len(read_records(tmp_path / "eval" / name)) == n
+    excluded = read_exclude([str(tmp_path / "eval" / "exclude.jsonl")])
+    assert {"Q82 then?", "How many apples, case 4?", 'def f(x):\n    """Twice x."""\n'} <= set(excluded)
+    assert humaneval_records(humaneval)[0].raw
 
 
 @pytest.mark.parametrize("mix,message", [("math:x", "--mix: expected name:count"),

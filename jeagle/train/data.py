@@ -8,11 +8,8 @@ Prompt sources (`read_prompts`):
     a .jsonl file with a "prompt" (or "question", "instruction") field per line, or a .txt file with
         one prompt per line.
 
-Conversation records (`Record`, `read_records`): the training mix and the evaluation sets are .jsonl
-files of {"turns": [user turn, ...], "source": str, "category": str, "raw": bool}. A record of several
-turns is a multi-turn conversation: the target answers each turn in turn, its own answers become the
-history (one training sample per turn). A raw record's single turn is text the target continues
-without the chat template (code completion). `jeagle/train/sources.py` builds them.
+Conversations to answer (`Record`, jeagle/train/records.py) are regenerated turn by turn
+(`regenerate_records`): one sample per answered turn, the target's own earlier answers as history.
 
 Never train on evaluation sets: MT-bench, GSM8K and HumanEval prompts are what accept length is
 measured on (bench/). `exclude` drops any prompt whose normalised text is in a given set.
@@ -76,7 +73,7 @@ def iter_sharegpt(stream: io.TextIOBase, chunk_chars: int = 1 << 20, max_record_
             return
 
 
-def human_turns(record: dict, all_turns: bool) -> list[str]:
+def _human_turns(record: dict, all_turns: bool) -> list[str]:
     out = []
     for turn in record.get("conversations") or []:
         if isinstance(turn, dict) and turn.get("from") in ("human", "user") and isinstance(turn.get("value"), str):
@@ -106,92 +103,6 @@ def normalise(text: str) -> str:
     return re.sub(r"\s+", " ", text).strip().lower()
 
 
-MAX_TURNS = 8
-
-
-@dataclass(frozen=True)
-class Record:
-    """One conversation to regenerate or evaluate: the user turns (the assistant's are the target's own),
-    where it came from, its evaluation category, and whether its one turn is raw text to continue."""
-    turns: tuple[str, ...]
-    source: str = ""
-    category: str = ""
-    raw: bool = False
-
-    def prompt_ids(self, tokenizer, answers: Iterable[str] = ()) -> list[int]:
-        """The target's input for the next turn: a raw record's text as is (no template), else the chat
-        template over the user turns so far interleaved with the assistant's `answers` to them, ending
-        with the generation prompt (turn len(answers) is asked)."""
-        answers = list(answers)
-        if len(answers) >= len(self.turns):
-            raise ValueError(f"{len(answers)} answers to a record of {len(self.turns)} turns: no turn left to ask"
-                             + (" (a raw record has one turn)" if self.raw else ""))
-        if self.raw:
-            return tokenizer.encode(self.turns[0])
-        messages = []
-        for user, answer in zip(self.turns, answers):
-            messages += [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
-        messages.append({"role": "user", "content": self.turns[len(answers)]})
-        return tokenizer.encode_chat(messages)
-
-    def to_json(self) -> dict:
-        return {"turns": list(self.turns), "source": self.source, "category": self.category, "raw": self.raw}
-
-    @classmethod
-    def from_json(cls, row, where: str = "") -> "Record":
-        """A record from a parsed .jsonl line: {"turns": [...]} (MT-bench's own shape), or a legacy
-        {"prompt"|"question"|"instruction": text}. Anything else raises DataError naming `where`."""
-        if not isinstance(row, dict):
-            raise DataError(f"{where}: a record is a JSON object, got {type(row).__name__}")
-        turns = row.get("turns")
-        if turns is None:
-            text = next((row[k] for k in ("prompt", "question", "instruction") if k in row), None)
-            if text is None:
-                raise DataError(f"{where}: a record needs \"turns\" (or \"prompt\")")
-            turns = [text]
-        if (not isinstance(turns, list) or not 1 <= len(turns) <= MAX_TURNS
-                or not all(isinstance(t, str) and t.strip() for t in turns)):
-            raise DataError(f"{where}: \"turns\" must be a list of 1..{MAX_TURNS} non-empty strings")
-        source, category, raw = row.get("source", ""), row.get("category", ""), row.get("raw", False)
-        if not isinstance(source, str) or not isinstance(category, str) or not isinstance(raw, bool):
-            raise DataError(f"{where}: \"source\" and \"category\" must be strings, \"raw\" a boolean")
-        if raw and len(turns) != 1:
-            raise DataError(f"{where}: a raw record has exactly one turn (text to continue), got {len(turns)}")
-        return cls(tuple(turns), source, category, raw)
-
-
-def read_records(path, *, limit: int | None = None) -> list[Record]:
-    """The records of a .jsonl file (see the module docstring), at most `limit`; a malformed line raises
-    DataError with its file and line number."""
-    path = Path(path).expanduser()
-    if not path.exists():
-        raise DataError(f"{path}: no such file")
-    out: list[Record] = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{n}: not JSON ({e.msg})") from e
-            out.append(Record.from_json(row, f"{path}:{n}"))
-            if limit is not None and len(out) >= limit:
-                break
-    if not out:
-        raise DataError(f"{path}: no records")
-    return out
-
-
-def write_records(path, records: Iterable[Record]) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        for r in records:
-            f.write(json.dumps(r.to_json(), ensure_ascii=False) + "\n")
-    return path
-
-
 def read_prompts(source: str, *, limit: int | None = None, max_chars: int = 2000, min_chars: int = 8,
                  exclude: Iterable[str] = (), all_turns: bool = False) -> list[str]:
     """Distinct prompts from `source` ("sharegpt", a .json/.whl ShareGPT file, .jsonl or .txt), in file
@@ -219,7 +130,7 @@ def read_prompts(source: str, *, limit: int | None = None, max_chars: int = 2000
     if path is None or path.suffix in (".json", ".whl"):
         with open_sharegpt(path) as stream:
             for record in iter_sharegpt(stream):
-                if any(take(t) for t in human_turns(record, all_turns)):
+                if any(take(t) for t in _human_turns(record, all_turns)):
                     break
     elif path.suffix == ".jsonl":
         with open(path, encoding="utf-8") as f:
@@ -256,16 +167,30 @@ class DraftData:
     # before sources were recorded loads as one source, "unknown").
     source_ids: np.ndarray | None = None
     source_names: tuple[str, ...] = ("unknown",)
+    # turns [n] int8: which turn of its conversation a sample answers (0: the first). Samples of one
+    # conversation are adjacent, in turn order, so a conversation starts wherever turns == 0.
+    turns: np.ndarray | None = None
 
     def __post_init__(self):
         if self.source_ids is None:
             self.source_ids = np.zeros(len(self.prompt_lens), np.int16)
+        if self.turns is None:
+            self.turns = np.zeros(len(self.prompt_lens), np.int8)
 
     def __len__(self) -> int:
         return len(self.prompt_lens)
 
     def sample(self, i: int) -> np.ndarray:
         return self.tokens[self.offsets[i]:self.offsets[i + 1]]
+
+    def fingerprint(self) -> str:
+        """A short hash of the samples (token ids, boundaries, prompt lengths)."""
+        import hashlib
+
+        h = hashlib.sha1()
+        for a in (self.tokens.astype(np.uint32), self.offsets, self.prompt_lens):
+            h.update(np.ascontiguousarray(a).tobytes())
+        return h.hexdigest()[:16]
 
     def source(self, i: int) -> str:
         return self.source_names[int(self.source_ids[i])]
@@ -286,17 +211,19 @@ class DraftData:
 
     @classmethod
     def from_samples(cls, samples: list[tuple[list[int], int]], vocab_size: int, target_name: str = "",
-                     sources: list[str] | None = None) -> "DraftData":
-        """Samples (prompt + response ids, prompt length), with each one's source name (default "unknown")."""
+                     sources: list[str] | None = None, turns: list[int] | None = None) -> "DraftData":
+        """Samples (prompt + response ids, prompt length), with each one's source name (default "unknown")
+        and turn in its conversation (default 0: one-turn conversations)."""
         lens = np.array([len(ids) for ids, _ in samples], np.int64)
         offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
         tokens = np.concatenate([np.asarray(ids, np.uint32) for ids, _ in samples]) if samples else np.zeros(0, np.uint32)
         names = tuple(dict.fromkeys(sources)) if sources else ("unknown",)
         index = {n: k for k, n in enumerate(names)}
         ids = np.array([index[s] for s in sources], np.int16) if sources else np.zeros(len(samples), np.int16)
-        if sources is not None and len(sources) != len(samples):
-            raise ValueError(f"{len(sources)} source names for {len(samples)} samples")
-        return cls(tokens, offsets, np.array([p for _, p in samples], np.int32), vocab_size, target_name, ids, names)
+        if sources is not None and len(sources) != len(samples) or turns is not None and len(turns) != len(samples):
+            raise ValueError(f"source names or turns for {len(samples)} samples: {len(sources or ())}, {len(turns or ())}")
+        return cls(tokens, offsets, np.array([p for _, p in samples], np.int32), vocab_size, target_name, ids, names,
+                   None if turns is None else np.asarray(turns, np.int8))
 
     def save(self, path) -> Path:
         path = Path(path)
@@ -307,7 +234,7 @@ class DraftData:
         # machines (about 1.3 bytes a token instead of 4).
         tokens = self.tokens.astype(np.uint16) if self.vocab_size <= 1 << 16 else self.tokens
         np.savez_compressed(tmp, tokens=tokens, offsets=self.offsets, prompt_lens=self.prompt_lens,
-                            source_ids=self.source_ids, meta=np.array(json.dumps(meta)))
+                            source_ids=self.source_ids, turns=self.turns, meta=np.array(json.dumps(meta)))
         tmp.replace(path)
         return path
 
@@ -318,18 +245,20 @@ class DraftData:
                 meta = json.loads(str(z["meta"]))
                 data = cls(z["tokens"], z["offsets"], z["prompt_lens"], int(meta["vocab_size"]), meta.get("target_name", ""),
                            z["source_ids"] if "source_ids" in z.files else None,
-                           tuple(meta.get("source_names") or ("unknown",)))
+                           tuple(meta.get("source_names") or ("unknown",)), z["turns"] if "turns" in z.files else None)
         except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile) as e:
             raise DataError(f"{path}: not a jeagle draft-training dataset ({e})") from e
         n = len(data.prompt_lens)
-        if (len(data.offsets) != n + 1 or len(data.source_ids) != n or int(data.offsets[-1]) != len(data.tokens)
+        if (len(data.offsets) != n + 1 or len(data.source_ids) != n or len(data.turns) != n
+                or int(data.offsets[-1]) != len(data.tokens)
                 or (n and int(data.source_ids.max()) >= len(data.source_names))):
             raise DataError(f"{path}: inconsistent draft-training dataset (offsets, prompt lengths and sources disagree)")
         return data
 
     def _part(self, rows) -> "DraftData":
         return DraftData.from_samples([(self.sample(i).tolist(), int(self.prompt_lens[i])) for i in rows],
-                                      self.vocab_size, self.target_name, [self.source(i) for i in rows])
+                                      self.vocab_size, self.target_name, [self.source(i) for i in rows],
+                                      [int(self.turns[i]) for i in rows])
 
     @classmethod
     def concat(cls, parts: list["DraftData"]) -> "DraftData":
@@ -342,8 +271,9 @@ class DraftData:
         names = tuple(dict.fromkeys(n for p in parts for n in p.source_names))
         index = {n: k for k, n in enumerate(names)}
         ids = np.concatenate([np.array([index[n] for n in p.source_names], np.int16)[p.source_ids] for p in parts])
-        return cls(np.concatenate([p.tokens for p in parts]), np.concatenate(offsets),
-                   np.concatenate([p.prompt_lens for p in parts]), parts[0].vocab_size, parts[0].target_name, ids, names)
+        return cls(np.concatenate([p.tokens.astype(np.uint32) for p in parts]), np.concatenate(offsets),
+                   np.concatenate([p.prompt_lens for p in parts]), parts[0].vocab_size, parts[0].target_name, ids, names,
+                   np.concatenate([p.turns for p in parts]))
 
     def check_target(self, vocab_size: int, target_name: str = "") -> None:
         if self.vocab_size != vocab_size:
@@ -359,15 +289,19 @@ class DraftData:
                            if tuple(self.sample(i)[:int(self.prompt_lens[i])].tolist()) not in prompts])
 
     def split(self, n_eval: int) -> tuple["DraftData", "DraftData"]:
-        """(train, held-out): the last n_eval samples are held out."""
+        """(train, held-out): the last n_eval samples are held out, with the rest of the conversation the
+        first of them belongs to (a later turn's prompt holds the earlier turns' answers: they must not be
+        trained on)."""
         n = len(self) - n_eval
+        while n > 0 and self.turns[n] != 0:
+            n -= 1
         if n <= 0:
             raise DataError(f"{len(self)} samples cannot hold out {n_eval}")
 
         def part(lo, hi):
             o = self.offsets[lo:hi + 1]
             return DraftData(self.tokens[o[0]:o[-1]], o - o[0], self.prompt_lens[lo:hi], self.vocab_size,
-                             self.target_name, self.source_ids[lo:hi], self.source_names)
+                             self.target_name, self.source_ids[lo:hi], self.source_names, self.turns[lo:hi])
         return part(0, n), part(n, len(self))
 
 
@@ -408,22 +342,23 @@ def regenerate(engine, prompt_ids: list[list[int]], *, max_new_tokens: int, temp
     return samples
 
 
-def regenerate_records(engine, tokenizer, records: list[Record], *, max_new_tokens: int, temperatures=(0.0,),
+def regenerate_records(engine, tokenizer, records: list, *, max_new_tokens: int, temperatures=(0.0,),
                        seed: int = 0, max_prompt_tokens: int | None = None, chunk: int = 2048, progress: bool = True,
-                       time_limit: float | None = None) -> tuple[list[tuple[list[int], int]], list[str]]:
+                       time_limit: float | None = None) -> tuple[list[tuple[list[int], int]], list[str], list[int]]:
     """The target's answers to `records`, turn by turn: every record's first turn, then the second turn of
     those that have one with the target's own first answer (decoded) as the history, and so on. Each
     answered turn is one sample (that turn's full prompt + the answer's ids, prompt length); returns the
-    samples and each one's source. Record i is sampled at temperatures[i % len] throughout. A turn whose
-    prompt is over `max_prompt_tokens` ends its conversation (it is not asked). With `time_limit`
+    samples, each one's source and turn, grouped by conversation in record order (its turns in order).
+    Record i is sampled at temperatures[i % len] throughout. A turn whose prompt is over
+    `max_prompt_tokens` ends its conversation (it is not asked; the count is printed). With `time_limit`
     (seconds over all turns) no new chunk starts once it is spent; what is answered is kept."""
     import time
 
     t0 = time.perf_counter()
-    samples: list[tuple[list[int], int]] = []
-    sources: list[str] = []
+    answered: list[tuple[int, int, tuple[list[int], int]]] = []  # (record, turn, sample)
     answers: list[list[str]] = [[] for _ in records]
     live = list(range(len(records)))
+    too_long = 0
     for turn in range(max((len(r.turns) for r in records), default=0)):
         asked, ids = [], []
         for i in live:
@@ -432,6 +367,8 @@ def regenerate_records(engine, tokenizer, records: list[Record], *, max_new_toke
                 if max_prompt_tokens is None or len(p) <= max_prompt_tokens:
                     asked.append(i)
                     ids.append(p)
+                else:
+                    too_long += 1
         if not asked:
             break
         left = None if time_limit is None else time_limit - (time.perf_counter() - t0)
@@ -440,13 +377,16 @@ def regenerate_records(engine, tokenizer, records: list[Record], *, max_new_toke
             break
         temps = [temperatures[i % len(temperatures)] for i in asked]
         outs = regenerate(engine, ids, max_new_tokens=max_new_tokens, temperatures=temps, chunk=chunk, progress=progress,
-                          time_limit=left, seeds=[seed + i * MAX_TURNS + turn for i in asked])
+                          time_limit=left, seeds=[seed + i * 8 + turn for i in asked])  # ≤ 8 turns a record
         for i, (full, plen) in zip(asked, outs):
-            samples.append((full, plen))
-            sources.append(records[i].source or "unknown")
+            answered.append((i, turn, (full, plen)))
             answers[i].append(tokenizer.decode(full[plen:]))
         live = [i for i in asked if len(answers[i]) < len(records[i].turns)]
-    return samples, sources
+    if too_long:
+        print(f"{too_long} turns not asked: their prompt (the conversation so far) is over {max_prompt_tokens} tokens",
+              flush=True)
+    answered.sort(key=lambda a: (a[0], a[1]))
+    return [a[2] for a in answered], [records[a[0]].source or "unknown" for a in answered], [a[1] for a in answered]
 
 
 def batches(data: DraftData, batch_size: int, seq_len: int, *, seed: int, start_step: int = 0) -> Iterator[dict]:

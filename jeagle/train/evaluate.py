@@ -6,13 +6,13 @@ One evaluation, run by `bench/accept_length.py` (MT-bench, GSM8K, the code set) 
 included (the engine's own count, `jeagle.runtime.stats.SpecStats`); greedy at temperature 0, else
 sampled (the same lossless sampling the server runs), with a seed per request.
 
-The engine runs once per category, so each category's τ is that run's; categories pool into the
+The engine runs once per category (and turn), so each category's τ is those runs'; categories pool into the
 overall τ and the issue's groups (`GROUPS`) as total emitted tokens ÷ total request-rounds, never a
 mean of means: each result keeps its per-category `counts` so that any pooling (over sets too,
 `pooled_groups`) can be redone from them.
 
-Prompts (`prompt_ids`): a raw record (code completion) is text the target continues without the chat
-template; any other goes through the chat template, turn k with the target's own earlier answers as
+Prompts (`Record.prompt_ids`): a raw record (code completion) is text the target continues without
+the chat template; any other goes through the chat template, turn k with the target's own earlier answers as
 history. `turns="all"` asks every turn of a conversation in turn (MT-bench's second turns), counting
 every turn's rounds; `"first"` asks first turns only.
 """
@@ -24,7 +24,8 @@ from collections import Counter
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-from jeagle.train.data import Record
+from jeagle.train.data import DataError
+from jeagle.train.records import Record, read_records
 
 # The issue's groups over record categories (MT-bench's eight, the code set's, the training sources').
 # A category in no group counts in the overall figure only.
@@ -42,10 +43,16 @@ def group_of(category: str) -> str | None:
     return next((g for g, cats in GROUPS.items() if category in cats), None)
 
 
-def prompt_ids(tokenizer, record: Record, answers: Sequence[str] = ()) -> list[int]:
-    """The prompt of turn len(answers) of `record` (Record.prompt_ids: raw text as it stands, else the
-    chat template over the conversation so far)."""
-    return record.prompt_ids(tokenizer, answers)
+def read_eval_set(spec: str) -> tuple[str, list[Record]]:
+    """NAME=FILE.jsonl[:N] -> (NAME, the first N records of FILE; all without :N). N = 0 or a missing
+    file raise DataError."""
+    name, eq, rest = spec.partition("=")
+    path, colon, n = rest.rpartition(":")
+    if not colon or not n.isdigit():
+        path, n = rest, ""
+    if not eq or not name or not path:
+        raise DataError(f"{spec!r}: expected NAME=FILE.jsonl[:N]")
+    return name, read_records(path, limit=int(n) if n else None)
 
 
 def ratio(counts: Iterable[dict]) -> float | None:
@@ -123,7 +130,7 @@ def accept_lengths(model, head, tokenizer, records: Sequence[Record], *, spec=(5
     n_turns = [len(r.turns) if turns == "all" else 1 for r in records]
     # The context for the longest conversation, answers as long as max_new_tokens (re-encoded answers
     # may run a few tokens longer: a context too short for a later turn builds a bigger engine then).
-    context = max(len(prompt_ids(tokenizer, r, [""] * (t - 1))) + t * (max_new_tokens + 8)
+    context = max(len(r.prompt_ids(tokenizer, [""] * (t - 1))) + t * (max_new_tokens + 8)
                   for r, t in zip(records, n_turns)) + reserve
     by_category: dict[str, list[int]] = {}
     for i, r in enumerate(records):
@@ -135,7 +142,7 @@ def accept_lengths(model, head, tokenizer, records: Sequence[Record], *, spec=(5
         c = {"prompts": len(members), "rounds": 0, "round_tokens": 0, "new_tokens": 0}
         for t in range(max(n_turns[i] for i in members)):
             asked = [i for i in members if n_turns[i] > t]
-            ids = [prompt_ids(tokenizer, records[i], answers[i]) for i in asked]
+            ids = [records[i].prompt_ids(tokenizer, answers[i]) for i in asked]
             params = [_sampling(temperature, max_new_tokens, seed + t * len(records) + i) for i in asked]
             need = max(context, max(map(len, ids)) + max_new_tokens + reserve)
             engine = _engine(engines, model, head, spec, batch_size, buckets, kernels, need)

