@@ -103,7 +103,9 @@ if [[ "$steps" == *" trainhead "* ]]; then  # issues 8, 23: regenerate data, tra
   # code=bench/data/code_eval.jsonl:40" EVAL_EVERY=1000 EVAL_TEMPS=0,0.7.
   # What comes back ($OUT/run.tar.part*, ≤ 15 MB each, with train.log ≤ 6 files, ~57 MiB): the portable checkpoint
   # (fp32 weights + step: --resume on the next machine continues from it), the exported head, the logs; with
-  # COPY_DATA=1 (a --regenerate-only call) the dataset and its record instead of the checkpoints.
+  # COPY_DATA=1 (a --regenerate-only call) the dataset and its record instead of the checkpoints. Regeneration saves
+  # after each block of 4,096 conversations and stops starting blocks after REGEN_LIMIT s: the next call on the same
+  # machine (TRAIN_ARGS=--regenerate-only again) continues it; training starts once it is complete.
   # To resume on a fresh machine: stage the run's parts (cat run.tar.part* | tar x; repack portable/ data.npz data.json
   # d2t.npy train_log.jsonl as run.tar, `split -b 40000000 -d run.tar run.tar.part` into .stage dirs beside the GGUF's);
   # they are unpacked here and --resume (RESUME=1) continues from the portable checkpoint.

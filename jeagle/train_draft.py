@@ -51,7 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt i is answered at temperature i mod this list (0 = greedy)")
     d.add_argument("--regenerate-only", action="store_true", help="stop after writing the dataset")
     d.add_argument("--regenerate-time-limit", type=float, default=None,
-                   help="start no new chunk of 2048 prompts after this many seconds (keeps what is answered)")
+                   help="start no new block of conversations after this many seconds; the dataset is saved after "
+                        "each block, and a later run with the same prompts continues it")
+    d.add_argument("--regenerate-block", type=int, default=4096, help="conversations answered between saves")
     t = p.add_argument_group("head and training")
     t.add_argument("--kind", choices=["eagle3", "eagle1"], default="eagle3")
     t.add_argument("--num-layers", type=int, default=1)
@@ -152,43 +154,75 @@ def check_exclusions(meta: dict, excluded: list[str], where) -> None:
                         "regenerate it with them")
 
 
-def make_dataset(args, model, tokenizer, target_name: str, excluded: list[str]):
+def records_key(records, args) -> str:
+    """What a dataset's answers depend on: the records and the generation settings (a partial dataset
+    continues only under the same)."""
+    import hashlib
+
+    h = hashlib.sha1(json.dumps([r.to_json() for r in records]).encode())
+    h.update(repr((args.gen_temperatures, args.max_new_tokens, args.max_prompt_tokens, args.seed)).encode())
+    return h.hexdigest()[:16]
+
+
+def make_dataset(args, model, tokenizer, target_name: str, excluded: list[str], data_path: Path, meta_path: Path):
+    """Regenerate the answers to the training records in blocks of --regenerate-block, saving the dataset
+    (data_path, meta_path) after each: a run stopped by --regenerate-time-limit, or cut off, continues
+    where it stopped when started again with the same prompts and settings. Returns (data, meta)."""
     from jeagle.engine import EngineConfig, target_only
     from jeagle.train.data import DataError, DraftData, regenerate_records
 
     records, mix = read_training_records(args, excluded)
+    key = records_key(records, args)
+    data, meta, done = None, {}, 0
+    if data_path.exists():  # a partial dataset of an earlier run
+        meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+        if meta.get("records_key") != key:
+            raise DataError(f"{data_path} is a partial dataset made from other prompts or settings: remove it (or "
+                            "pass the prompts and settings it was made with)")
+        data, done = DraftData.load(data_path), int(meta["records_done"])
+        print(f"continuing {data_path}: {done} of {len(records)} conversations answered", flush=True)
     temps = tuple(float(x) for x in args.gen_temperatures.split(",") if x.strip())
-    turns = sum(len(r.turns) for r in records)
-    print(f"regenerating the answers to {len(records)} conversations ({turns} turns), temperatures {temps}", flush=True)
+    turns = sum(len(r.turns) for r in records[done:])
+    print(f"regenerating the answers to {len(records) - done} conversations ({turns} turns), temperatures {temps}",
+          flush=True)
     # Few batch buckets: the batch stays full until the tail, and every bucket is one more compile.
     buckets = tuple(sorted({b for b in (1, 4, 16, 32, 64, 128, 256, 512) if b < args.gen_batch} | {args.gen_batch}))
     engine = target_only(model, EngineConfig(max_batch_size=args.gen_batch, batch_buckets=buckets,
                                         max_context=args.max_prompt_tokens + args.max_new_tokens + 8))
     t0 = time.perf_counter()
-    samples, sources, turn_ids = regenerate_records(engine, tokenizer, records, max_new_tokens=args.max_new_tokens,
-                                                    temperatures=temps, seed=args.seed,
-                                                    max_prompt_tokens=args.max_prompt_tokens,
-                                                    progress=not args.no_progress, time_limit=args.regenerate_time_limit)
-    if not samples:
+    spent = float(meta.get("regenerate_s", 0.0))
+    for lo in range(done, len(records), args.regenerate_block):
+        if args.regenerate_time_limit is not None and lo > done and time.perf_counter() - t0 > args.regenerate_time_limit:
+            print(f"regeneration time limit: {lo} of {len(records)} conversations answered (run again to continue)",
+                  flush=True)
+            break
+        hi = min(lo + args.regenerate_block, len(records))
+        samples, sources, turn_ids = regenerate_records(engine, tokenizer, records[lo:hi], first_index=lo,
+                                                        max_new_tokens=args.max_new_tokens, temperatures=temps,
+                                                        seed=args.seed, max_prompt_tokens=args.max_prompt_tokens,
+                                                        progress=not args.no_progress)
+        part = DraftData.from_samples(samples, model.cfg.vocab_size, target_name, sources, turn_ids)
+        data = part if data is None else DraftData.concat([data, part])
+        meta = {"prompts_source": args.prompts, "prompts": hi, "records_done": hi, "complete": hi == len(records),
+                "records_key": key, "samples": len(data), "regenerate_s": round(spent + time.perf_counter() - t0, 1),
+                "temperatures": list(temps), "max_new_tokens": args.max_new_tokens,
+                "max_prompt_tokens": args.max_prompt_tokens, "excluded": len(excluded),
+                "exclude_hashes": exclusion_hashes(excluded), "sources": data.source_counts(),
+                "mix": mix.get("sources", {})}
+        data.save(data_path)
+        meta_path.write_text(json.dumps(meta, indent=1))
+    if data is None or not len(data):
         raise DataError(f"no prompt of at most {args.max_prompt_tokens} tokens")
-    data = DraftData.from_samples(samples, model.cfg.vocab_size, target_name, sources, turn_ids)
     dt = time.perf_counter() - t0
-    print(f"dataset: {len(data)} samples, {data.num_response_tokens} response tokens in {dt:.1f} s "
-          f"({data.num_response_tokens / dt:.0f} tokens/s)", flush=True)
-    return data, {"prompts_source": args.prompts, "prompts": len(records), "samples": len(data),
-                  "regenerate_s": round(dt, 1), "temperatures": list(temps), "max_new_tokens": args.max_new_tokens,
-                  "max_prompt_tokens": args.max_prompt_tokens, "excluded": len(excluded),
-                  "exclude_hashes": exclusion_hashes(excluded), "sources": data.source_counts(),
-                  "mix": mix.get("sources", {})}
-
-
-def _fmt(x) -> str:
-    return "n/a" if x is None else f"{x:.2f}"
+    print(f"dataset: {len(data)} samples, {data.num_response_tokens} response tokens ({meta['records_done']} of "
+          f"{len(records)} conversations) in {dt:.1f} s", flush=True)
+    return data, meta
 
 
 def evaluate_sets(args, model, tokenizer, trainer, cfg, eval_sets, temperatures) -> list[dict]:
     """One train_log row per evaluation temperature: each --eval-set's accept length per category (the
     head as it stands, the real engine), at the training step and tokens seen."""
+    from jeagle.train.card import fmt_tau
     from jeagle.train.evaluate import accept_lengths
     from jeagle.train.model import head_module
 
@@ -206,7 +240,7 @@ def evaluate_sets(args, model, tokenizer, trainer, cfg, eval_sets, temperatures)
                                                max_new_tokens=args.eval_max_new_tokens, batch_size=args.eval_batch,
                                                seed=args.seed, engines=engines)
         print("eval at step {}: {}".format(trainer.step, ", ".join(
-            f"{n} {_fmt(r['accept_length'])}" for n, r in row["sets"].items())) + f" (T = {temp:g})", flush=True)
+            f"{n} {fmt_tau(r['accept_length'])}" for n, r in row["sets"].items())) + f" (T = {temp:g})", flush=True)
         rows.append(row)
     return rows
 
@@ -230,92 +264,6 @@ def initial_params(path, target_cfg):
     return {k: jnp.asarray(v, jnp.float32) for k, v in pure.items()}, (None if d2t is None else d2t.__array__())
 
 
-def source_table(data: dict) -> list[str]:
-    """The card's per-source lines: samples and response tokens regenerated from each source, with the
-    source's description and licence when the training mix recorded them."""
-    sources = data.get("sources") or {}
-    if not sources:
-        return [""]
-    mix = data.get("mix") or {}
-    lines = ["", "| source | samples | response tokens | what | licence |", "|---|---|---|---|---|"]
-    for name, c in sources.items():
-        m = mix.get(name, {})
-        lines.append(f"| {name} | {c['samples']:,} | {c['response_tokens']:,} | {m.get('description', '')} | "
-                     f"{m.get('licence', '')} |")
-    return lines + [""]
-
-
-def eval_table(rows: list[dict]) -> list[str]:
-    """The card's evaluation-set lines: the last evaluation at each temperature, per set and group."""
-    last = {}
-    for row in rows:
-        last[row["temperature"]] = row
-    if not last:
-        return []
-    lines = ["## Evaluation sets (accept length, jeagle engine, the last evaluation of this run)", ""]
-    for temp, row in sorted(last.items()):
-        for name, r in row["sets"].items():
-            groups = ", ".join(f"{g} {_fmt(v)}" for g, v in (r.get("groups") or {}).items())
-            lines.append(f"- {name}, T = {temp:g}, (S,K,N) = {tuple(row['spec'])}: **{_fmt(r['accept_length'])}** over "
-                         f"{r.get('prompts', '?')} prompts" + (f" ({groups})" if groups else ""))
-    return lines + [""]
-
-
-def model_card(cfg, tc, info: dict) -> str:
-    ev = info.get("eval", {})
-    last = info.get("final_metrics", {})
-    acc = " / ".join(f"{last.get(f'acc{s}', float('nan')):.3f}" for s in range(tc.ttt_steps))
-    lines = [
-        f"# {cfg.name or 'EAGLE head'}",
-        "",
-        f"An {cfg.kind.upper().replace('EAGLE', 'EAGLE-')} draft head for `{info.get('target', '?')}`, trained with "
-        "`python -m jeagle.train_draft` (jeagle). Load it with `--draft DIR`.",
-        "",
-        "## Shape",
-        f"- {cfg.num_layers} decoder layer(s), hidden {cfg.hidden_size}, MLP {cfg.intermediate_size}, "
-        f"{cfg.num_heads} heads ({cfg.num_kv_heads} KV), head_dim {cfg.head_dim}, RoPE theta {cfg.rope_theta}",
-    ]
-    if cfg.kind == "eagle3":
-        lines.append(f"- features: the target's residual stream entering layers {list(cfg.aux_layer_ids)}; "
-                     f"draft vocabulary {cfg.draft_vocab_size} tokens (covers {info.get('vocab_coverage', 0):.1%} "
-                     "of the training responses' tokens)")
-    lines += [
-        f"- {info.get('num_params', 0):,} parameters, {cfg.dtype}",
-        "",
-        "## Data",
-        f"- prompts: {info.get('data', {}).get('prompts', '?')} user prompts from "
-        f"`{info.get('data', {}).get('prompts_source', '?')}`"
-        + (f", minus {info['data']['excluded']} evaluation prompts (--exclude)" if info.get("data", {}).get("excluded") else ""),
-        f"- responses regenerated by the target itself (jeagle engine), temperatures "
-        f"{info.get('data', {}).get('temperatures', '?')}, up to {info.get('data', {}).get('max_new_tokens', '?')} tokens: "
-        f"{info.get('train_samples', '?')} training samples, {info.get('train_response_tokens', '?'):,} response tokens",
-        "",
-    ] + source_table(info.get("data", {})) + [
-        "## Training",
-        f"- {tc.steps} steps × batch {tc.batch_size} × {tc.seq_len} tokens, AdamW lr {tc.lr} (warm-up "
-        f"{tc.warmup_steps}, cosine to {tc.lr * tc.min_lr_ratio:g}), clip {tc.clip_norm}, {tc.compute_dtype} compute",
-        f"- training-time test: {tc.ttt_steps} steps weighted {tc.step_decay}^k"
-        + (f"; loss smooth-L1 + {tc.ce_weight} × CE" if cfg.kind == "eagle1" else "; soft cross-entropy"),
-        f"- {info.get('tokens_seen', 0):,} loss tokens seen; {info.get('train_s', 0):.0f} s (this run) on "
-        f"{info.get('device', '?')}; final loss {last.get('loss', float('nan')):.3f}, "
-        f"top-1 agreement with the target per step {acc}",
-        "",
-        "## Evaluation (jeagle engine, greedy, held-out prompts of the training data)",
-        f"- accept length {_fmt(ev.get('accept_length'))} tokens per round (bonus included) at "
-        f"(S,K,N) = {tuple(ev.get('spec', ()))} over {ev.get('prompts', '?')} prompts; benchmark numbers "
-        "(MT-bench, GSM8K) are in jeagle's bench/RESULTS.md and bench/HISTORY.md",
-        "",
-    ] + eval_table(info.get("eval_sets", [])) + [
-        "## Command",
-        "```",
-        info.get("command", ""),
-        "```",
-        f"jeagle commit {info.get('commit', '?')}, {info.get('date', '')}.",
-        "",
-    ]
-    return "\n".join(lines)
-
-
 def run(args) -> dict:
     import jax
     import numpy as np
@@ -325,6 +273,7 @@ def run(args) -> dict:
     from jeagle.tokenizer import Tokenizer
     from jeagle.train.data import DraftData
     from jeagle.train.records import read_exclude
+    from jeagle.train.card import fmt_tau, model_card
     from jeagle.train.evaluate import read_eval_set
     from jeagle.train.model import export_params, head_module
     from jeagle.train.trainer import (TrainConfig, Trainer, checkpoint_steps, draft_config_for, evaluate_accept_length,
@@ -351,17 +300,19 @@ def run(args) -> dict:
 
     data_path = Path(args.data) if args.data else out / "data.npz"
     meta_path = data_path.with_suffix(".json")
-    if data_path.exists():
+    meta = json.loads(meta_path.read_text()) if data_path.exists() and meta_path.exists() else {}
+    if data_path.exists() and meta.get("complete", True):
         data = DraftData.load(data_path)
         data.check_target(model.cfg.vocab_size, target_name)
-        info["data"] = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+        info["data"] = meta
         check_exclusions(info["data"], excluded, data_path)
         print(f"dataset {data_path}: {len(data)} samples, {data.num_response_tokens} response tokens", flush=True)
     else:
-        data, info["data"] = make_dataset(args, model, tokenizer, target_name, excluded)
-        data.save(data_path)
-        meta_path.write_text(json.dumps(info["data"], indent=1))
-    if args.regenerate_only:
+        data, info["data"] = make_dataset(args, model, tokenizer, target_name, excluded, data_path, meta_path)
+    if args.regenerate_only or not info["data"].get("complete", True):
+        if not info["data"].get("complete", True):  # training on it would tie the checkpoints to a partial dataset
+            print("the dataset is partial: run again with the same prompts to continue it; training starts once it is "
+                  "complete", flush=True)
         return {"data": str(data_path), "samples": len(data), "response_tokens": data.num_response_tokens}
     n_eval = min(args.eval_prompts, max(len(data) // 10, 1)) if args.eval_prompts else 0
     train_data, eval_data = data.split(n_eval) if n_eval else (data, None)
@@ -442,7 +393,7 @@ def run(args) -> dict:
         ev = evaluate_accept_length(model, head, prompts, spec=(s, k, n), max_new_tokens=args.eval_max_new_tokens)
         ev.pop("outputs")
         info["eval"] = ev
-        print(f"eval: accept length {_fmt(ev['accept_length'])} at (S,K,N) = {(s, k, n)} on {ev['prompts']} held-out "
+        print(f"eval: accept length {fmt_tau(ev['accept_length'])} at (S,K,N) = {(s, k, n)} on {ev['prompts']} held-out "
               "prompts", flush=True)
     head_dir = out / "head"
     save_safetensors(head_dir, head_cfg, export_params(trainer.params, head_cfg, trainer.d2t),

@@ -384,3 +384,35 @@ def test_portable_checkpoint_resumes_the_schedule(tiny_target_dir, tmp_path):
     other = Trainer(model, cfg, tc, used_ids=used + 1)
     with pytest.raises(ValueError, match="draft vocabulary"):
         other.load_portable(path)
+
+
+def test_regeneration_continues_where_it_stopped(tiny_target_dir, tmp_path):
+    """--regenerate-time-limit stops between blocks with the dataset saved as partial; runs with the same
+    prompts continue it, and the result is the dataset one uninterrupted run makes; other prompts over a
+    partial dataset are refused; a partial dataset is not trained on."""
+    from jeagle.train_draft import main
+
+    prompts = tmp_path / "mix.jsonl"
+    rows = [{"turns": [f"alpha beta {i}?"] + (["and then?"] if i % 5 == 0 else []), "source": "s"} for i in range(20)]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    common = ["--target", str(tiny_target_dir), "--prompts", str(prompts), "--num-prompts", "20", "--max-new-tokens",
+              "8", "--gen-batch", "8", "--target-dtype", "float32", "--regenerate-only", "--no-progress"]
+    assert main(["--out", str(tmp_path / "whole"), *common]) == 0
+    for _ in range(3):  # blocks of 8: a time limit of 0 answers one block a run
+        assert main(["--out", str(tmp_path / "parts"), *common, "--regenerate-block", "8",
+                     "--regenerate-time-limit", "0"]) == 0
+        meta = json.loads((tmp_path / "parts" / "data.json").read_text())
+        assert meta["records_done"] == min(8 * (_ + 1), 20) and meta["complete"] == (_ == 2)
+    whole, parts = (DraftData.load(tmp_path / d / "data.npz") for d in ("whole", "parts"))
+    assert parts.fingerprint() == whole.fingerprint() and parts.turns.tolist() == whole.turns.tolist()
+    assert len(whole) == 24  # 20 first turns + 4 second turns
+    prompts.write_text("".join(json.dumps(r | {"turns": ["other " + r["turns"][0]]}) + "\n" for r in rows))
+    assert main(["--out", str(tmp_path / "parts2"), *common, "--regenerate-block", "8", "--regenerate-time-limit", "0"]) == 0
+    rows[0]["turns"] = ["changed"]
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["--out", str(tmp_path / "parts2"), *common, "--regenerate-block", "8"]) == 2  # other prompts: refused
+    train_args = [a for a in common if a != "--regenerate-only"] + ["--steps", "2", "--batch-size", "2", "--seq-len",
+                                                                     "32", "--eval-prompts", "0"]
+    assert main(["--out", str(tmp_path / "parts3"), *train_args, "--regenerate-block", "8",
+                 "--regenerate-time-limit", "0"]) == 0
+    assert not (tmp_path / "parts3" / "head").exists() and not (tmp_path / "parts3" / "ckpt").exists()

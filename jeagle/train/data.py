@@ -344,12 +344,14 @@ def regenerate(engine, prompt_ids: list[list[int]], *, max_new_tokens: int, temp
 
 def regenerate_records(engine, tokenizer, records: list, *, max_new_tokens: int, temperatures=(0.0,),
                        seed: int = 0, max_prompt_tokens: int | None = None, chunk: int = 2048, progress: bool = True,
-                       time_limit: float | None = None) -> tuple[list[tuple[list[int], int]], list[str], list[int]]:
+                       time_limit: float | None = None,
+                       first_index: int = 0) -> tuple[list[tuple[list[int], int]], list[str], list[int]]:
     """The target's answers to `records`, turn by turn: every record's first turn, then the second turn of
     those that have one with the target's own first answer (decoded) as the history, and so on. Each
     answered turn is one sample (that turn's full prompt + the answer's ids, prompt length); returns the
     samples, each one's source and turn, grouped by conversation in record order (its turns in order).
-    Record i is sampled at temperatures[i % len] throughout. A turn whose prompt is over
+    Record i is sampled at temperatures[(first_index + i) % len] throughout, with seeds of its own (a mix
+    answered in blocks, `first_index` the block's start, gets the answers it gets in one go). A turn whose prompt is over
     `max_prompt_tokens` ends its conversation (it is not asked; the count is printed). With `time_limit`
     (seconds over all turns) no new chunk starts once it is spent; what is answered is kept."""
     import time
@@ -375,9 +377,9 @@ def regenerate_records(engine, tokenizer, records: list, *, max_new_tokens: int,
         if left is not None and left <= 0:
             print(f"regeneration time limit: turn {turn + 1} not asked", flush=True)
             break
-        temps = [temperatures[i % len(temperatures)] for i in asked]
+        temps = [temperatures[(first_index + i) % len(temperatures)] for i in asked]
         outs = regenerate(engine, ids, max_new_tokens=max_new_tokens, temperatures=temps, chunk=chunk, progress=progress,
-                          time_limit=left, seeds=[seed + i * 8 + turn for i in asked])  # ≤ 8 turns a record
+                          time_limit=left, seeds=[seed + (first_index + i) * 8 + turn for i in asked])  # ≤ 8 turns
         for i, (full, plen) in zip(asked, outs):
             answered.append((i, turn, (full, plen)))
             answers[i].append(tokenizer.decode(full[plen:]))
