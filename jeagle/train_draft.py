@@ -74,7 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--save-every", type=int, default=500)
     t.add_argument("--log-every", type=int, default=10)
     t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in OUT/ckpt")
-    t.add_argument("--init-from", help="start from a trained head (a jeagle draft dir; its draft vocabulary is kept)")
+    t.add_argument("--init-from", help="start from a trained head (a jeagle draft dir; its draft vocabulary is kept "
+                                       "unless --rebuild-vocab)")
+    t.add_argument("--rebuild-vocab", action="store_true",
+                   help="with --init-from: choose the draft vocabulary afresh from this data (EAGLE-3); tokens in both "
+                        "keep their trained output rows, new ones start from the target's")
     t.add_argument("--time-limit", type=float, default=None,
                    help="stop training after this many seconds (checkpoint saved; --resume finishes the schedule)")
     t.add_argument("--portable", default=None,
@@ -266,6 +270,7 @@ def initial_params(path, target_cfg):
 
 def run(args) -> dict:
     import jax
+    import jax.numpy as jnp
     import numpy as np
 
     from jeagle.checkpoint import load_model, save_safetensors
@@ -278,7 +283,7 @@ def run(args) -> dict:
     from jeagle.train.model import export_params, head_module
     from jeagle.train.trainer import (TrainConfig, Trainer, checkpoint_steps, draft_config_for, evaluate_accept_length,
                                       train)
-    from jeagle.train.vocab import coverage, draft_vocab
+    from jeagle.train.vocab import coverage, draft_vocab, remap_lm_head
 
     out = Path(args.out)
     portable = Path(args.portable) if args.portable else out / "portable"
@@ -336,7 +341,7 @@ def run(args) -> dict:
                      compute_dtype=args.compute_dtype, seed=args.seed, log_every=args.log_every,
                      save_every=args.save_every)
     cfg = draft_config_for(model.cfg, tc, name=args.name or f"{target_name}-{args.kind}")
-    used_ids = init = None
+    used_ids = init = d2t = None
     if args.init_from:
         init, d2t = initial_params(args.init_from, model.cfg)
         init_cfg = load_draft_config(args.init_from)
@@ -344,12 +349,20 @@ def run(args) -> dict:
         if init_cfg.kind != args.kind:
             raise ValueError(f"--init-from {args.init_from} is an {init_cfg.kind} head, --kind is {args.kind}")
     vocab_file = out / "d2t.npy"  # the draft vocabulary the checkpoints in OUT/ckpt were trained with
+    if args.rebuild_vocab and (init is None or args.kind != "eagle3"):
+        raise ValueError("--rebuild-vocab goes with --init-from an EAGLE-3 head")
     if args.kind == "eagle3":
-        if args.resume and vocab_file.exists():
-            d2t = np.load(vocab_file)
-        elif init is None:
-            d2t, t2d = draft_vocab(train_data, model.cfg.vocab_size, args.draft_vocab_size,
+        if args.resume and vocab_file.exists() and (ckpt_step is not None or portable_step is not None):
+            d2t = np.load(vocab_file)  # the checkpoints' vocabulary
+        elif init is None or args.rebuild_vocab:
+            old_d2t = d2t if init is not None else None
+            d2t, t2d = draft_vocab(train_data, model.cfg.vocab_size,
+                                   args.draft_vocab_size if old_d2t is None else len(old_d2t),
                                    always=model.cfg.eos_token_ids)
+            if old_d2t is not None:  # the trained rows follow their tokens into the new vocabulary
+                target_head = (model.embed if model.lm_head is None else model.lm_head)[...]
+                init["lm_head"] = jnp.asarray(remap_lm_head(np.asarray(init["lm_head"]), old_d2t, d2t,
+                                                            np.asarray(target_head)))
         np.save(vocab_file, d2t)
         used_ids = np.arange(len(d2t)) + d2t
         t2d = np.zeros(model.cfg.vocab_size, bool)

@@ -416,3 +416,47 @@ def test_regeneration_continues_where_it_stopped(tiny_target_dir, tmp_path):
     assert main(["--out", str(tmp_path / "parts3"), *train_args, "--regenerate-block", "8",
                  "--regenerate-time-limit", "0"]) == 0
     assert not (tmp_path / "parts3" / "head").exists() and not (tmp_path / "parts3" / "ckpt").exists()
+
+
+def test_rebuild_vocab_keeps_the_trained_rows(tiny_target_dir, tmp_path):
+    """--init-from HEAD --rebuild-vocab: the draft vocabulary comes from the new data; a token in both
+    keeps the head's row, a new one gets the target's head row. Response tokens and coverage are what a
+    per-sample loop gives."""
+    from safetensors.numpy import load_file
+
+    from jeagle.checkpoint import load_model
+    from jeagle.train.vocab import remap_lm_head
+    from jeagle.train_draft import main
+
+    def head_of(run):
+        t = load_file(str(tmp_path / run / "head" / "model.safetensors"))
+        return t["lm_head"].astype(np.float32), t["d2t"]
+
+    def prompts(name, words):
+        path = tmp_path / name
+        path.write_text("".join(json.dumps({"turns": [f"{w} {i}?"]}) + "\n" for i, w in enumerate(words * 4)))
+        return str(path)
+
+    common = ["--target", str(tiny_target_dir), "--max-new-tokens", "12", "--gen-batch", "8", "--target-dtype",
+              "float32", "--compute-dtype", "float32", "--steps", "0", "--eval-prompts", "0", "--draft-vocab-size",
+              "24", "--no-progress"]
+    trained = ["--steps", "3", "--lr", "3e-2", "--warmup-steps", "1", "--batch-size", "4", "--seq-len", "32"]
+    assert main(["--out", str(tmp_path / "a"), "--prompts", prompts("a.jsonl", ["alpha", "beta"]), *common,
+                 *trained]) == 0
+    assert main(["--out", str(tmp_path / "b"), "--prompts", prompts("b.jsonl", ["omega", "kappa", "beta"]),
+                 "--init-from", str(tmp_path / "a" / "head"), "--rebuild-vocab", *common]) == 0
+    (head_a, d2t_a), (head_b, d2t_b) = head_of("a"), head_of("b")
+    used_a, used_b = np.arange(24) + d2t_a, np.arange(24) + d2t_b
+    assert set(used_a) != set(used_b) and set(used_a) & set(used_b)
+    target = np.asarray(load_model(tiny_target_dir).lm_head[...], np.float32)
+    assert np.abs(head_a - target[used_a]).mean() > 0.02  # trained rows: not the target's
+    for j, t in enumerate(used_b):
+        if t in used_a:  # the trained row, exactly (bf16 in both heads)
+            np.testing.assert_array_equal(head_b[j], head_a[list(used_a).index(t)])
+        else:
+            np.testing.assert_allclose(head_b[j], target[t], rtol=1e-2, atol=1e-2)  # bf16 on export
+    np.testing.assert_array_equal(remap_lm_head(head_a, d2t_a, d2t_a, target), head_a)
+
+    data = DraftData.from_samples([([1, 2, 3, 4], 1), ([5, 6], 2), ([7, 8, 9], 0)], 16)
+    loop = np.concatenate([data.sample(i)[int(data.prompt_lens[i]):] for i in range(len(data))])
+    np.testing.assert_array_equal(data.response_tokens(), loop)

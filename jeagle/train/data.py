@@ -199,6 +199,13 @@ class DraftData:
     def num_response_tokens(self) -> int:
         return int(np.sum(np.diff(self.offsets) - self.prompt_lens))
 
+    def response_tokens(self) -> np.ndarray:
+        """Every sample's response tokens, concatenated (what the loss covers)."""
+        resp = np.diff(self.offsets) - self.prompt_lens
+        starts = self.offsets[:-1] + self.prompt_lens
+        before = np.concatenate([[0], np.cumsum(resp)[:-1]]).astype(np.int64)
+        return self.tokens[np.arange(int(resp.sum())) + np.repeat(starts - before, resp)]
+
     def source_counts(self) -> dict[str, dict[str, int]]:
         """{source: {"samples", "response_tokens"}} over the sources present."""
         resp = np.diff(self.offsets) - self.prompt_lens

@@ -15,10 +15,7 @@ def draft_vocab(data, vocab_size: int, draft_vocab_size: int, *, always=()) -> t
     """(d2t [Vd] int32 offsets, t2d [V] bool) from the response-token counts of `data` (a DraftData)."""
     if not 0 < draft_vocab_size <= vocab_size:
         raise ValueError(f"draft vocabulary size {draft_vocab_size} must be in 1..{vocab_size}")
-    counts = np.zeros(vocab_size, np.int64)
-    for i in range(len(data)):
-        ids = data.sample(i)[int(data.prompt_lens[i]):]
-        counts += np.bincount(ids.astype(np.int64), minlength=vocab_size)[:vocab_size]
+    counts = np.bincount(data.response_tokens().astype(np.int64), minlength=vocab_size)[:vocab_size]
     forced = [t for t in always if 0 <= t < vocab_size][:draft_vocab_size]
     counts[forced] = counts.max() + 1
     # Most frequent first; ties (unseen tokens included) by id, so the choice is deterministic.
@@ -32,9 +29,19 @@ def draft_vocab(data, vocab_size: int, draft_vocab_size: int, *, always=()) -> t
 
 def coverage(data, t2d: np.ndarray) -> float:
     """Share of response tokens the draft vocabulary can express."""
-    hit = total = 0
-    for i in range(len(data)):
-        ids = data.sample(i)[int(data.prompt_lens[i]):].astype(np.int64)
-        hit += int(t2d[ids].sum())
-        total += len(ids)
-    return hit / max(total, 1)
+    ids = data.response_tokens().astype(np.int64)
+    return float(t2d[ids].sum()) / max(len(ids), 1)
+
+
+def remap_lm_head(lm_head: np.ndarray, old_d2t: np.ndarray, new_d2t: np.ndarray, target_head: np.ndarray) -> np.ndarray:
+    """A trained EAGLE-3 head's output rows for another draft vocabulary: a token in both keeps its
+    trained row, a new one starts from the target's own head row (as a fresh head does)."""
+    old_used = np.arange(len(old_d2t)) + np.asarray(old_d2t)
+    new_used = np.arange(len(new_d2t)) + np.asarray(new_d2t)
+    out = np.asarray(target_head, np.float32)[new_used].copy()
+    row_of = {int(t): i for i, t in enumerate(old_used)}
+    for j, t in enumerate(new_used):
+        i = row_of.get(int(t))
+        if i is not None:
+            out[j] = lm_head[i]
+    return out
