@@ -8,7 +8,7 @@
 #   carry .stage1: `bash bench/gpu_session.sh stage`; carry .stage2: `bash bench/gpu_session.sh stage`;
 #   carry .stage3 + .whl: `bash bench/gpu_session.sh run STEPS...` (later calls: carry .whl only).
 # startup (issue 27: first and second start of the README command) needs the staged GGUF like bench.
-# masks needs the staged GGUF (its tokenizer). Random-weight steps (tp, profile, phases, kerneltests, kernelbench, kernelround, specbench, overhead, warmup, cmdbuf, adaptive, autotune) need no staging: `bash bench/gpu_session.sh run kerneltests kernelbench kernelround`.
+# masks needs the staged GGUF (its tokenizer). Random-weight steps (trainstep, tp, profile, phases, kerneltests, kernelbench, kernelround, specbench, overhead, warmup, cmdbuf, adaptive, autotune) need no staging: `bash bench/gpu_session.sh run kerneltests kernelbench kernelround`.
 set -uo pipefail
 mode="${1:-run}"
 stage_in() {  # whatever staged parts this call carries -> $HOME/stage; unpack the data archives once
@@ -136,6 +136,10 @@ if [[ "$steps" == *" trainhead "* ]]; then  # issues 8, 23: regenerate data, tra
   [ -n "${COPY_DATA:-}" ] && keep="train_log.jsonl data.json data.npz"
   parts=(); for f in $keep; do [ -e "$RUN/$f" ] && parts+=("$f"); done
   [ ${#parts[@]} -gt 0 ] && (cd "$RUN" && tar cf - "${parts[@]}") | split -b 15000000 -d - "$OUT/run.tar.part"
+fi
+if [[ "$steps" == *" trainstep "* ]]; then  # issue 23: where a training step's time goes (random weights, no staging)
+  python3 bench/probes/train_step.py --shape smollm2 --batch "${TRAIN_BATCH:-32}" --seq-len "${SEQ_LEN:-640}" \
+    --ttt-steps "${TTT_STEPS:-1,4,7}" ${TRAINSTEP_ARGS:-} --json-out "$OUT/train_step.json" 2>&1 | tee "$OUT/train_step.log"
 fi
 if [[ "$steps" == *" acceptlen "* ]]; then  # issue 8: accept length of the head on MT-bench and GSM8K, lossless check
   python3 bench/accept_length.py --head "${HEAD:-$HOME/run/head}" --dataset mtbench=.data/mtbench.jsonl:80 \
