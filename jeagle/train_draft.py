@@ -376,6 +376,7 @@ def run(args) -> dict:
         info["init_from"] = str(args.init_from)
     info["num_params"] = int(sum(np.size(v) for v in trainer.params.values()))
     info["train_samples"], info["train_response_tokens"] = len(train_data), train_data.num_response_tokens
+    info["train_sources"] = train_data.source_counts()
     trainer.data_fingerprint = train_data.fingerprint()
     if args.resume and portable_step is not None and (ckpt_step is None or portable_step > ckpt_step):
         trainer.load_portable(portable)  # the run moved machines (its orbax checkpoint stayed behind), or is newer

@@ -228,6 +228,7 @@ def test_train_draft_end_to_end(tiny_target_dir, tmp_path):
     proc = _train_cli(*common, "--steps", "50", "--resume")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "resumed from step 40" in proc.stdout and "dataset " in proc.stdout
+    assert "the learning rate jumps" in proc.stdout  # 40 planned steps, now 50: the schedule changed
     log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines() if "kind" not in line]
     assert log[-1]["step"] == 50
     # The run moves machines: only the portable checkpoint travels; --resume continues from it.

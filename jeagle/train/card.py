@@ -9,10 +9,11 @@ def fmt_tau(x) -> str:
     return "n/a" if x is None else f"{x:.2f}"
 
 
-def source_table(data: dict) -> list[str]:
-    """The card's per-source lines: samples and response tokens regenerated from each source, with the
-    source's description and licence when the training mix recorded them."""
-    sources = data.get("sources") or {}
+def source_table(data: dict, trained: dict | None = None) -> list[str]:
+    """The card's per-source lines: samples and response tokens trained on from each source (`trained`,
+    --extra-data included, held-out samples not; else what was regenerated), with the source's
+    description and licence when the training mix recorded them."""
+    sources = trained or data.get("sources") or {}
     if not sources:
         return [""]
     mix = data.get("mix") or {}
@@ -69,7 +70,7 @@ def model_card(cfg, tc, info: dict) -> str:
         f"{info.get('data', {}).get('temperatures', '?')}, up to {info.get('data', {}).get('max_new_tokens', '?')} tokens: "
         f"{info.get('train_samples', '?')} training samples, {info.get('train_response_tokens', '?'):,} response tokens",
         "",
-    ] + source_table(info.get("data", {})) + [
+    ] + source_table(info.get("data", {}), info.get("train_sources")) + [
         "## Training",
         f"- {tc.steps} steps × batch {tc.batch_size} × {tc.seq_len} tokens, AdamW lr {tc.lr} (warm-up "
         f"{tc.warmup_steps}, cosine to {tc.lr * tc.min_lr_ratio:g}), clip {tc.clip_norm}, {tc.compute_dtype} compute",

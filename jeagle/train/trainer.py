@@ -127,7 +127,7 @@ class Trainer:
         if not mngr.save(self.step, args=ocp.args.StandardSave(state)):
             raise RuntimeError(f"orbax did not save step {self.step} (newest on disk: {mngr.latest_step()})")
         mngr.wait_until_finished()
-        _write_progress(Path(mngr.directory), self.step, self.tokens_seen, self.data_fingerprint)
+        _write_progress(Path(mngr.directory), self.step, self.tokens_seen, self.data_fingerprint, self.schedule_settings())
 
     def restore(self, mngr) -> bool:
         """Resume from the latest checkpoint in `mngr`; False when there is none."""
@@ -143,8 +143,25 @@ class Trainer:
         self._check_data(progress, mngr.directory)
         self.step = int(latest)
         # progress.json is written after each save: it names the newest step (else the count is unknown).
-        self.tokens_seen = int(progress["tokens_seen"]) if progress.get("step") == self.step else 0
+        if progress.get("step") == self.step:
+            self.tokens_seen = int(progress["tokens_seen"])
+        else:
+            print(f"warning: {mngr.directory} does not record the tokens seen up to step {self.step}; counting from 0",
+                  flush=True)
+        self._check_schedule(progress, mngr.directory)
         return True
+
+    def schedule_settings(self) -> dict:
+        tc = self.tc
+        return {"steps": tc.steps, "lr": tc.lr, "warmup_steps": tc.warmup_steps, "min_lr_ratio": tc.min_lr_ratio}
+
+    def _check_schedule(self, state: dict, where) -> None:
+        """A resume under another schedule is allowed (e.g. training on past the planned steps), but the
+        learning rate jumps: say so."""
+        if state.get("schedule") and state["schedule"] != self.schedule_settings():
+            print(f"warning: {where} was trained under the schedule {state['schedule']}; this run's is "
+                  f"{self.schedule_settings()}: the learning rate jumps to the new schedule's value at step {self.step}",
+                  flush=True)
 
     def _check_data(self, state: dict, where) -> None:
         if state.get("data") and self.data_fingerprint and state["data"] != self.data_fingerprint:
@@ -163,7 +180,8 @@ class Trainer:
         tmp = directory.with_name(directory.name + ".tmp")
         cfg = draft_cfg.replace(dtype="float32")
         save_safetensors(tmp, cfg, export_params(self.params, cfg, self.d2t), metadata={k: str(v) for k, v in metadata.items()})
-        _write_progress(tmp, self.step, self.tokens_seen, self.data_fingerprint, name="trainer_state.json")
+        _write_progress(tmp, self.step, self.tokens_seen, self.data_fingerprint, self.schedule_settings(),
+                        name="trainer_state.json")
         if directory.exists():
             import shutil
 
@@ -181,6 +199,7 @@ class Trainer:
         directory = Path(directory)
         state = _read_progress(directory, "trainer_state.json")
         self._check_data(state, directory)
+        self._check_schedule(state, directory)
         head = load_draft(directory, dtype="float32")
         pure = nnx.to_pure_dict(nnx.split(head)[1])
         d2t = pure.pop("d2t", None)
@@ -195,9 +214,11 @@ class Trainer:
         self.opt_state = _own_buffers(optax.tree_utils.tree_set(fresh, count=jnp.asarray(self.step, jnp.int32)))
 
 
-def _write_progress(directory: Path, step: int, tokens_seen: int, data: str, name: str = "progress.json") -> None:
+def _write_progress(directory: Path, step: int, tokens_seen: int, data: str, schedule: dict,
+                    name: str = "progress.json") -> None:
     directory.mkdir(parents=True, exist_ok=True)
-    (directory / name).write_text(json.dumps({"step": int(step), "tokens_seen": int(tokens_seen), "data": data}))
+    (directory / name).write_text(json.dumps({"step": int(step), "tokens_seen": int(tokens_seen), "data": data,
+                                              "schedule": schedule}))
 
 
 def _read_progress(directory: Path, name: str = "progress.json") -> dict:
