@@ -461,3 +461,26 @@ def test_rebuild_vocab_keeps_the_trained_rows(tiny_target_dir, tmp_path):
     data = DraftData.from_samples([([1, 2, 3, 4], 1), ([5, 6], 2), ([7, 8, 9], 0)], 16)
     loop = np.concatenate([data.sample(i)[int(data.prompt_lens[i]):] for i in range(len(data))])
     np.testing.assert_array_equal(data.response_tokens(), loop)
+
+
+def test_every_source_through_regeneration(tiny_target_dir, tmp_path):
+    """A mix of a few records from every prompt source (ShareGPT from a small file), built by the
+    `sources build` command and answered by the tiny target: each source's samples and licence are
+    recorded with the dataset."""
+    from jeagle.train import sources
+    from jeagle.train_draft import main
+
+    convs = [{"conversations": [{"from": "human", "value": f"Opening question number {i}?"},
+                                {"from": "gpt", "value": "An answer."},
+                                {"from": "human", "value": f"A follow-up to question {i}?"}]} for i in range(6)]
+    (tmp_path / "sg.json").write_text(json.dumps(convs))
+    mix = tmp_path / "mix.jsonl"
+    counts = ",".join(f"{name}:2" for name in sources.SOURCES)
+    assert sources.main(["build", "--mix", counts, "--sharegpt", str(tmp_path / "sg.json"), "--out", str(mix)]) == 0
+    assert main(["--out", str(tmp_path / "run"), "--target", str(tiny_target_dir), "--prompts", str(mix),
+                 "--max-new-tokens", "6", "--gen-batch", "8", "--target-dtype", "float32", "--regenerate-only",
+                 "--no-progress"]) == 0
+    meta = json.loads((tmp_path / "run" / "data.json").read_text())
+    assert set(meta["sources"]) == set(sources.SOURCES) and meta["prompts"] == 2 * len(sources.SOURCES)
+    assert meta["sources"]["sharegpt-multiturn"]["samples"] == 4  # two conversations of two turns
+    assert all(meta["mix"][name]["licence"] for name in sources.SOURCES)
