@@ -107,7 +107,8 @@ if [[ "$steps" == *" trainhead "* ]]; then  # issues 8, 23: regenerate data, tra
   # after each block of 4,096 conversations and stops starting blocks after REGEN_LIMIT s: the next call on the same
   # machine (TRAIN_ARGS=--regenerate-only again) continues it; training starts once it is complete.
   # To resume on a fresh machine: stage the run's parts (cat run.tar.part* | tar x; repack portable/ data.npz data.json
-  # d2t.npy train_log.jsonl as run.tar, `split -b 40000000 -d run.tar run.tar.part` into .stage dirs beside the GGUF's);
+  # d2t.npy train_log.jsonl as run.tar, `split -b 40000000 -d run.tar run.tar.part`, each part in a .stage dir of its
+  # own: a part and a GGUF part together are over one call's 64 MiB);
   # they are unpacked here and --resume (RESUME=1) continues from the portable checkpoint.
   if [ -z "${RUN_FROM:-}" ] && compgen -G "$HOME/stage/run.tar.part*" >/dev/null; then
     rm -rf "$HOME/run_from" && mkdir -p "$HOME/run_from" && cat "$HOME"/stage/run.tar.part* | tar xf - -C "$HOME/run_from" \
@@ -124,7 +125,8 @@ if [[ "$steps" == *" trainhead "* ]]; then  # issues 8, 23: regenerate data, tra
   eval_args=(); for s in ${EVAL_SETS:-}; do eval_args+=(--eval-set "$s"); done
   excl=(--exclude bench/data/code_eval.jsonl)
   for f in .data/exclude.jsonl .data/mtbench.jsonl .data/gsm8k.jsonl; do [ -f "$f" ] && excl+=(--exclude "$f"); done
-  python3 -m jeagle.train_draft --out "$RUN" --prompts "${PROMPTS:-.data/sharegpt.jsonl}" "${excl[@]}" \
+  # TRAIN_WALL: the call's wall limit less a margin; past it the run is stopped, and what it saved comes back.
+  timeout "${TRAIN_WALL:-540}" python3 -m jeagle.train_draft --out "$RUN" --prompts "${PROMPTS:-.data/sharegpt.jsonl}" "${excl[@]}" \
     --num-prompts "${NUM_PROMPTS:-12000}" --max-prompt-tokens "${MAX_PROMPT:-512}" \
     --max-new-tokens "${MAX_NEW:-384}" --gen-batch "${GEN_BATCH:-256}" --steps "${TRAIN_STEPS:-3000}" \
     --batch-size "${TRAIN_BATCH:-32}" --seq-len "${SEQ_LEN:-640}" --lr "${LR:-5e-4}" --time-limit "${TIME_LIMIT:-300}" \
@@ -135,7 +137,14 @@ if [[ "$steps" == *" trainhead "* ]]; then  # issues 8, 23: regenerate data, tra
   keep="train_log.jsonl data.json d2t.npy portable head"
   [ -n "${COPY_DATA:-}" ] && keep="train_log.jsonl data.json data.npz"
   parts=(); for f in $keep; do [ -e "$RUN/$f" ] && parts+=("$f"); done
+  # At most 60 MB back (the tool returns 64 MiB): a larger head (2 layers, a wider vocabulary) comes back as its
+  # portable checkpoint alone (a loadable fp32 draft dir; export it as bf16 where it arrives).
+  size() { (cd "$RUN" && du -cb "$@" | tail -1 | cut -f1); }
+  if [ ${#parts[@]} -gt 0 ] && [ "$(size "${parts[@]}")" -gt 60000000 ]; then
+    parts=("${parts[@]/#head/head/README.md}"); parts+=(head/config.json head/training.json)
+  fi
   [ ${#parts[@]} -gt 0 ] && (cd "$RUN" && tar cf - "${parts[@]}") | split -b 15000000 -d - "$OUT/run.tar.part"
+  [ "$(du -cb "$OUT"/run.tar.part* 2>/dev/null | tail -1 | cut -f1)" -gt 62000000 ] && echo "trainhead: over 62 MB to return"
 fi
 if [[ "$steps" == *" trainstep "* ]]; then  # issue 23: where a training step's time goes (random weights, no staging)
   python3 bench/probes/train_step.py --shape smollm2 --batch "${TRAIN_BATCH:-32}" --seq-len "${SEQ_LEN:-640}" \

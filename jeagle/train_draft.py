@@ -73,7 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--seed", type=int, default=0)
     t.add_argument("--save-every", type=int, default=500)
     t.add_argument("--log-every", type=int, default=10)
-    t.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in OUT/ckpt")
+    t.add_argument("--resume", action="store_true",
+                   help="continue from the newer of OUT/ckpt (orbax, exact) and the portable checkpoint")
     t.add_argument("--init-from", help="start from a trained head (a jeagle draft dir; its draft vocabulary is kept "
                                        "unless --rebuild-vocab)")
     t.add_argument("--rebuild-vocab", action="store_true",
@@ -82,9 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--time-limit", type=float, default=None,
                    help="stop training after this many seconds (checkpoint saved; --resume finishes the schedule)")
     t.add_argument("--portable", default=None,
-                   help="directory of the portable checkpoint (default OUT/portable): fp32 weights + step, written "
-                        "with each evaluation and at the end; --resume falls back to it when OUT/ckpt is empty (a run "
-                        "moved to another machine)")
+                   help="directory of the portable checkpoint (default OUT/portable): fp32 weights, step and the "
+                        "dataset's fingerprint, written with every checkpoint; --resume continues from it when it is "
+                        "newer than OUT/ckpt (a run moved to another machine)")
     e = p.add_argument_group("evaluation")
     e.add_argument("--eval-set", action="append", default=[], metavar="NAME=FILE[:N]",
                    help="an evaluation set (.jsonl records, e.g. MT-bench, GSM8K, bench/data/code_eval.jsonl; never "
@@ -158,13 +159,14 @@ def check_exclusions(meta: dict, excluded: list[str], where) -> None:
                         "regenerate it with them")
 
 
-def records_key(records, args) -> str:
-    """What a dataset's answers depend on: the records and the generation settings (a partial dataset
-    continues only under the same)."""
+def records_key(records, args, target_name: str) -> str:
+    """What a dataset's answers depend on: the records, the target and the generation settings (a
+    partial dataset continues only under the same)."""
     import hashlib
 
     h = hashlib.sha1(json.dumps([r.to_json() for r in records]).encode())
-    h.update(repr((args.gen_temperatures, args.max_new_tokens, args.max_prompt_tokens, args.seed)).encode())
+    h.update(repr((target_name, args.target_dtype, args.gen_temperatures, args.max_new_tokens, args.max_prompt_tokens,
+                   args.seed)).encode())
     return h.hexdigest()[:16]
 
 
@@ -176,14 +178,16 @@ def make_dataset(args, model, tokenizer, target_name: str, excluded: list[str], 
     from jeagle.train.data import DataError, DraftData, regenerate_records
 
     records, mix = read_training_records(args, excluded)
-    key = records_key(records, args)
+    key = records_key(records, args, target_name)
     data, meta, done = None, {}, 0
-    if data_path.exists():  # a partial dataset of an earlier run
-        meta = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    if data_path.exists():  # a partial dataset of an earlier run: its own record says how far it got
+        data = DraftData.load(data_path)
+        data.check_target(model.cfg.vocab_size, target_name)
+        meta = data.info
         if meta.get("records_key") != key:
-            raise DataError(f"{data_path} is a partial dataset made from other prompts or settings: remove it (or "
-                            "pass the prompts and settings it was made with)")
-        data, done = DraftData.load(data_path), int(meta["records_done"])
+            raise DataError(f"{data_path} is a partial dataset made from other prompts, target or settings: remove "
+                            "it (or pass the prompts and settings it was made with)")
+        done = int(meta["records_done"])
         print(f"continuing {data_path}: {done} of {len(records)} conversations answered", flush=True)
     temps = tuple(float(x) for x in args.gen_temperatures.split(",") if x.strip())
     turns = sum(len(r.turns) for r in records[done:])
@@ -207,13 +211,13 @@ def make_dataset(args, model, tokenizer, target_name: str, excluded: list[str], 
                                                         progress=not args.no_progress)
         part = DraftData.from_samples(samples, model.cfg.vocab_size, target_name, sources, turn_ids)
         data = part if data is None else DraftData.concat([data, part])
-        meta = {"prompts_source": args.prompts, "prompts": hi, "records_done": hi, "complete": hi == len(records),
+        data.info = meta = {"prompts_source": args.prompts, "prompts": hi, "records_done": hi, "complete": hi == len(records),
                 "records_key": key, "samples": len(data), "regenerate_s": round(spent + time.perf_counter() - t0, 1),
                 "temperatures": list(temps), "max_new_tokens": args.max_new_tokens,
                 "max_prompt_tokens": args.max_prompt_tokens, "excluded": len(excluded),
                 "exclude_hashes": exclusion_hashes(excluded), "sources": data.source_counts(),
                 "mix": mix.get("sources", {})}
-        data.save(data_path)
+        data.save(data_path)  # the samples and their record together (atomic); data.json is for people
         meta_path.write_text(json.dumps(meta, indent=1))
     if data is None or not len(data):
         raise DataError(f"no prompt of at most {args.max_prompt_tokens} tokens")
@@ -276,7 +280,7 @@ def run(args) -> dict:
     from jeagle.checkpoint import load_model, save_safetensors
     from jeagle.fetch import resolve_target
     from jeagle.tokenizer import Tokenizer
-    from jeagle.train.data import DraftData
+    from jeagle.train.data import DataError, DraftData
     from jeagle.train.records import read_exclude
     from jeagle.train.card import fmt_tau, model_card
     from jeagle.train.evaluate import read_eval_set
@@ -294,6 +298,16 @@ def run(args) -> dict:
                          "pass --resume to continue it, or use another --out")
     eval_sets = [read_eval_set(spec) for spec in args.eval_set]
     eval_temps = [float(x) for x in args.eval_temperatures.split(",") if x.strip()]
+    spec = tuple(int(x) for x in args.eval_spec.split(","))
+    if len(spec) != 3 or min(spec) < 1:
+        raise ValueError(f"--eval-spec {args.eval_spec}: expected S,K,N (positive)")
+    if args.rebuild_vocab and not args.init_from:
+        raise ValueError("--rebuild-vocab goes with --init-from an EAGLE-3 head")
+    if args.init_from and load_draft_config(args.init_from).kind != args.kind:
+        raise ValueError(f"--init-from {args.init_from} is an {load_draft_config(args.init_from).kind} head, "
+                         f"--kind is {args.kind}")
+    if args.regenerate_block < 1:
+        raise ValueError("--regenerate-block must be at least 1")
     excluded = read_exclude(args.exclude)
     out.mkdir(parents=True, exist_ok=True)
     target_dir = resolve_target(args.target, dtype=args.target_dtype)
@@ -305,11 +319,12 @@ def run(args) -> dict:
 
     data_path = Path(args.data) if args.data else out / "data.npz"
     meta_path = data_path.with_suffix(".json")
-    meta = json.loads(meta_path.read_text()) if data_path.exists() and meta_path.exists() else {}
-    if data_path.exists() and meta.get("complete", True):
-        data = DraftData.load(data_path)
+    existing = DraftData.load(data_path) if data_path.exists() else None
+    if existing is not None and existing.info.get("complete", True):
+        data = existing
         data.check_target(model.cfg.vocab_size, target_name)
-        info["data"] = meta
+        # Datasets of before the record moved into the file keep it in data.json only.
+        info["data"] = data.info or (json.loads(meta_path.read_text()) if meta_path.exists() else {})
         check_exclusions(info["data"], excluded, data_path)
         print(f"dataset {data_path}: {len(data)} samples, {data.num_response_tokens} response tokens", flush=True)
     else:
@@ -328,8 +343,10 @@ def run(args) -> dict:
         for path in args.extra_data:
             x = DraftData.load(path)
             x.check_target(model.cfg.vocab_size, target_name)
+            if not x.info.get("complete", True):
+                raise DataError(f"--extra-data {path}: a partial dataset (its regeneration did not finish)")
             sidecar = Path(path).with_suffix(".json")
-            check_exclusions(json.loads(sidecar.read_text()) if sidecar.exists() else {}, excluded, path)
+            check_exclusions(x.info or (json.loads(sidecar.read_text()) if sidecar.exists() else {}), excluded, path)
             extra.append(x.without_prompts(held_out))  # the held-out prompts stay held out
         train_data = DraftData.concat(extra + [train_data])
         info["data"]["extra"] = [{"path": p, "samples": len(x)} for p, x in zip(args.extra_data, extra)]
@@ -349,8 +366,8 @@ def run(args) -> dict:
         if init_cfg.kind != args.kind:
             raise ValueError(f"--init-from {args.init_from} is an {init_cfg.kind} head, --kind is {args.kind}")
     vocab_file = out / "d2t.npy"  # the draft vocabulary the checkpoints in OUT/ckpt were trained with
-    if args.rebuild_vocab and (init is None or args.kind != "eagle3"):
-        raise ValueError("--rebuild-vocab goes with --init-from an EAGLE-3 head")
+    if args.rebuild_vocab and args.kind != "eagle3":
+        raise ValueError("--rebuild-vocab is for EAGLE-3 heads (EAGLE-1 predicts over the target's vocabulary)")
     if args.kind == "eagle3":
         if args.resume and vocab_file.exists() and (ckpt_step is not None or portable_step is not None):
             d2t = np.load(vocab_file)  # the checkpoints' vocabulary

@@ -484,3 +484,40 @@ def test_every_source_through_regeneration(tiny_target_dir, tmp_path):
     assert set(meta["sources"]) == set(sources.SOURCES) and meta["prompts"] == 2 * len(sources.SOURCES)
     assert meta["sources"]["sharegpt-multiturn"]["samples"] == 4  # two conversations of two turns
     assert all(meta["mix"][name]["licence"] for name in sources.SOURCES)
+
+
+def test_train_loop_saves_and_evaluates_once_per_step_and_stops_in_time(tiny_target_dir, tmp_path):
+    """The loop's bookkeeping: an evaluation before the first step of a fresh schedule (not after a
+    restore), every eval_every steps and at the stop; one save per step at most; a time limit spent by an
+    evaluation stops the run at that step, saved and logged."""
+    from jeagle.checkpoint import load_model
+    from jeagle.train.trainer import TrainConfig, Trainer, draft_config_for, train
+
+    model = load_model(tiny_target_dir)
+    rng = np.random.default_rng(4)
+    data = DraftData.from_samples([([1] + rng.integers(4, 90, 16).tolist(), 4) for _ in range(8)], model.cfg.vocab_size)
+    tc = TrainConfig(kind="eagle3", draft_vocab_size=40, ttt_steps=1, steps=20, batch_size=4, seq_len=16, lr=1e-3,
+                     warmup_steps=1, compute_dtype="float32", log_every=4, save_every=3)
+    trainer = Trainer(model, draft_config_for(model.cfg, tc), tc, used_ids=np.arange(40) + 4)
+    saves, evals = [], []
+
+    def on_eval(tr):
+        evals.append(tr.step)
+        if tr.step == 6:
+            import time
+
+            time.sleep(1.5)  # this evaluation spends the time limit
+
+    history = train(trainer, data, ckpt_dir=tmp_path / "ckpt", progress=False, time_limit=1.0,
+                    on_save=lambda tr: saves.append(tr.step), on_eval=on_eval, eval_every=2, eval_at_start=True)
+    # Steps are fast here, so the 1 s limit is spent by the evaluation at step 6, if not before it.
+    stop = trainer.step
+    assert stop <= 6 and evals[0] == 0 and evals[-1] == stop and evals == sorted(set(evals))
+    assert saves == sorted(set(saves)) and saves[-1] == stop  # once a step, the last step saved
+    assert history[-1]["step"] == stop  # the last step logged though off the log interval
+    # A resumed run restores and does not evaluate "before the first step" again.
+    evals.clear()
+    trainer2 = Trainer(model, draft_config_for(model.cfg, tc), tc, used_ids=np.arange(40) + 4)
+    train(trainer2, data, ckpt_dir=tmp_path / "ckpt", resume=True, progress=False, on_eval=on_eval, eval_every=100,
+          eval_at_start=True)
+    assert evals == [20] and trainer2.step == 20

@@ -26,7 +26,7 @@ import json
 import re
 import zipfile
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -170,6 +170,9 @@ class DraftData:
     # turns [n] int8: which turn of its conversation a sample answers (0: the first). Samples of one
     # conversation are adjacent, in turn order, so a conversation starts wherever turns == 0.
     turns: np.ndarray | None = None
+    # What made it (prompts, settings, how far a regeneration in blocks got): saved in the same file as the
+    # samples, so the two never disagree.
+    info: dict = field(default_factory=dict)
 
     def __post_init__(self):
         if self.source_ids is None:
@@ -236,7 +239,8 @@ class DraftData:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp.npz")
-        meta = {"vocab_size": self.vocab_size, "target_name": self.target_name, "source_names": list(self.source_names)}
+        meta = {"vocab_size": self.vocab_size, "target_name": self.target_name, "source_names": list(self.source_names),
+                "info": self.info}
         # uint16 ids where the vocabulary allows (SmolLM2's 49,152) and compressed: a dataset travels between
         # machines (about 1.3 bytes a token instead of 4).
         tokens = self.tokens.astype(np.uint16) if self.vocab_size <= 1 << 16 else self.tokens
@@ -252,7 +256,8 @@ class DraftData:
                 meta = json.loads(str(z["meta"]))
                 data = cls(z["tokens"], z["offsets"], z["prompt_lens"], int(meta["vocab_size"]), meta.get("target_name", ""),
                            z["source_ids"] if "source_ids" in z.files else None,
-                           tuple(meta.get("source_names") or ("unknown",)), z["turns"] if "turns" in z.files else None)
+                           tuple(meta.get("source_names") or ("unknown",)), z["turns"] if "turns" in z.files else None,
+                           meta.get("info") or {})
         except (OSError, KeyError, ValueError, EOFError, zipfile.BadZipFile) as e:
             raise DataError(f"{path}: not a jeagle draft-training dataset ({e})") from e
         n = len(data.prompt_lens)

@@ -199,7 +199,6 @@ class Trainer:
         directory = Path(directory)
         state = _read_progress(directory, "trainer_state.json")
         self._check_data(state, directory)
-        self._check_schedule(state, directory)
         head = load_draft(directory, dtype="float32")
         pure = nnx.to_pure_dict(nnx.split(head)[1])
         d2t = pure.pop("d2t", None)
@@ -210,6 +209,7 @@ class Trainer:
             raise ValueError(f"{directory}: not this head's parameters (differing: {sorted(differing)[:4]})")
         self.params = _own_buffers({k: jnp.asarray(pure[k], jnp.float32) for k in self.params})
         self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
+        self._check_schedule(state, directory)
         fresh = self.optimizer.init(self.params)
         self.opt_state = _own_buffers(optax.tree_utils.tree_set(fresh, count=jnp.asarray(self.step, jnp.int32)))
 
@@ -257,10 +257,11 @@ def train(trainer: Trainer, data: DraftData, *, ckpt_dir=None, resume: bool = Fa
           eval_at_start: bool = False) -> list[dict]:
     """Run trainer.tc.steps steps over `data` (resuming from ckpt_dir if asked and it holds a step past
     trainer.step); returns the logged metrics (one dict per log interval, means over the interval).
-    `on_save(trainer)` runs with every checkpoint (a portable copy); `on_eval(trainer)` before the first
-    step (`eval_at_start`), after every `eval_every` steps and when the run stops. With `time_limit`
-    (seconds of wall time, evaluations included: a machine's call has a wall limit) the run stops once
-    it is spent, after saving: a later --resume run finishes the schedule."""
+    `on_save(trainer)` runs with every checkpoint (a portable copy), once a step at most; `on_eval(trainer)`
+    before the first step of a fresh schedule (`eval_at_start`), after every `eval_every` steps and when
+    the run stops. With `time_limit` (seconds of wall time; the evaluations inside the loop count, the
+    one at the stop runs after it) the run stops once it is spent, after saving: a later --resume run
+    finishes the schedule."""
     from tqdm import tqdm
 
     tc = trainer.tc
@@ -280,16 +281,21 @@ def train(trainer: Trainer, data: DraftData, *, ckpt_dir=None, resume: bool = Fa
     tokens = 0
     paused = 0.0  # time spent evaluating and saving, not training
 
+    saved_step = None
+
     def over() -> bool:
         return time_limit is not None and time.perf_counter() - t0 > time_limit
 
     def save() -> None:
-        nonlocal paused
+        nonlocal paused, saved_step
+        if saved_step == trainer.step:
+            return
         t1 = time.perf_counter()
         if mngr is not None:
             trainer.save(mngr)
         if on_save is not None:
             on_save(trainer)
+        saved_step = trainer.step
         paused += time.perf_counter() - t1
 
     def evaluate() -> None:
@@ -298,16 +304,17 @@ def train(trainer: Trainer, data: DraftData, *, ckpt_dir=None, resume: bool = Fa
         on_eval(trainer)
         paused += time.perf_counter() - t1
 
-    if on_eval is not None and eval_at_start:
+    if on_eval is not None and eval_at_start and trainer.step == 0:  # not after a restore
         evaluate()
-    while trainer.step < tc.steps and not (over() and trainer.step > 0):
+    while trainer.step < tc.steps:
         batch = next(it)
         n = int(batch["loss_mask"].sum())
         tokens += n
         trainer.tokens_seen += n
         window.append(trainer.train_step(batch))
         bar.update(1)
-        if trainer.step % tc.log_every == 0 or trainer.step == tc.steps:
+        last = trainer.step == tc.steps or over()
+        if trainer.step % tc.log_every == 0 or last:
             mean = {k: float(np.mean([float(w[k]) for w in window])) for k in window[0]}
             mean.update(step=trainer.step, lr=float(trainer.schedule(trainer.step)), tokens_seen=trainer.tokens_seen,
                         tokens_per_s=tokens / max(time.perf_counter() - t0 - paused, 1e-9))
@@ -317,14 +324,15 @@ def train(trainer: Trainer, data: DraftData, *, ckpt_dir=None, resume: bool = Fa
                 log.write(json.dumps(mean) + "\n")
                 log.flush()
             window = []
-        last = trainer.step == tc.steps or over()
         if trainer.step % tc.save_every == 0 or last:
             save()
+            last = last or over()  # the save itself may have spent the time
         if on_eval is not None and ((eval_every and trainer.step % eval_every == 0) or last):
             evaluate()
-            if not last and over():  # the evaluation spent the time: this step is the last, saved
-                save()
-                break
+            last = last or over()  # so may the evaluation
+        if last:
+            save()  # a no-op where this step is saved already
+            break
     if trainer.step < tc.steps:
         print(f"time limit reached at step {trainer.step} of {tc.steps}; checkpoint saved (--resume continues)",
               flush=True)
