@@ -79,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "unless --rebuild-vocab)")
     t.add_argument("--rebuild-vocab", action="store_true",
                    help="with --init-from: choose the draft vocabulary afresh from this data (EAGLE-3); tokens in both "
-                        "keep their trained output rows, new ones start from the target's")
+                        "keep their trained output rows, new ones start at zero")
     t.add_argument("--time-limit", type=float, default=None,
                    help="stop training after this many seconds (checkpoint saved; --resume finishes the schedule)")
     t.add_argument("--portable", default=None,
@@ -377,9 +377,7 @@ def run(args) -> dict:
                                    args.draft_vocab_size if old_d2t is None else len(old_d2t),
                                    always=model.cfg.eos_token_ids)
             if old_d2t is not None:  # the trained rows follow their tokens into the new vocabulary
-                target_head = (model.embed if model.lm_head is None else model.lm_head)[...]
-                init["lm_head"] = jnp.asarray(remap_lm_head(np.asarray(init["lm_head"]), old_d2t, d2t,
-                                                            np.asarray(target_head)))
+                init["lm_head"] = jnp.asarray(remap_lm_head(np.asarray(init["lm_head"]), old_d2t, d2t))
         np.save(vocab_file, d2t)
         used_ids = np.arange(len(d2t)) + d2t
         t2d = np.zeros(model.cfg.vocab_size, bool)
