@@ -88,3 +88,27 @@ def smollm2_dir():
     from jeagle.fetch import default_target_dir
 
     return default_target_dir(quiet=True)
+
+
+@pytest.fixture(scope="module")
+def tiny_target_dir(tmp_path_factory):
+    """A converted tiny fp32 target (EOS 3) with the character tokenizer and chat template: the bigram
+    target (the next token a function of the current one, tests/spec_models.py), sharp enough that a
+    head has something to learn and soft enough that sampled responses vary."""
+    import json
+
+    import numpy as np
+    from flax import nnx
+
+    from jeagle.checkpoint import save_checkpoint
+    from tests.spec_models import bigram_target, target_config
+    from tests.test_serve import TEMPLATE, char_tokenizer
+
+    out = tmp_path_factory.mktemp("tiny_target")
+    cfg = target_config().replace(name="tiny")
+    model = bigram_target(cfg, seed=3, scale=40.0)
+    save_checkpoint(out, cfg, {k: np.asarray(v) for k, v in nnx.to_pure_dict(nnx.split(model)[1]).items()})
+    char_tokenizer()._fast.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>", "unk_token": "<unk>",
+                                                           "chat_template": TEMPLATE}))
+    return out
