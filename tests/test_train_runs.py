@@ -128,6 +128,10 @@ def test_regeneration_continues_where_it_stopped(tiny_target_dir, tmp_path):
                      "--regenerate-time-limit", "0"]) == 0
         meta = json.loads((tmp_path / "parts" / "data.json").read_text())
         assert meta["records_done"] == min(8 * (_ + 1), 20) and meta["complete"] == (_ == 2)
+    # The dataset records what it excluded: reusing it under an --exclude it was made without is refused.
+    banned = tmp_path / "banned.txt"
+    banned.write_text("some evaluation prompt\n")
+    assert main(["--out", str(tmp_path / "whole"), *common, "--exclude", str(banned)]) == 2
     whole, parts = (DraftData.load(tmp_path / d / "data.npz") for d in ("whole", "parts"))
     assert parts.fingerprint() == whole.fingerprint() and parts.turns.tolist() == whole.turns.tolist()
     assert len(whole) == 24  # 20 first turns + 4 second turns

@@ -38,7 +38,8 @@ def remap_lm_head(lm_head: np.ndarray, old_d2t: np.ndarray, new_d2t: np.ndarray)
     trained row, a new one starts at zero (logit 0). Not from the target's own head row, as a fresh head
     starts: next to trained rows those win the argmax far too often (the shipped SmolLM2 head with 1,000
     of its 8,192 tokens swapped for others: accept length 1.00 with target rows, 1.31 with target rows at
-    half the trained rows' norm, 1.74 with zero rows, 2.31 unswapped; CPU, 6 MT-bench prompts), while a
+    half the trained rows' norm, 1.74 with zero rows, 2.31 unswapped; CPU, 6 MT-bench prompts,
+    bench/probes/vocab_swap.py), while a
     zero row grows from the training data's gradient like a zero-initialised output layer."""
     old_used = np.arange(len(old_d2t)) + np.asarray(old_d2t)
     new_used = np.arange(len(new_d2t)) + np.asarray(new_d2t)
