@@ -103,7 +103,7 @@ if [[ "$steps" == *" trainhead "* ]]; then  # issues 8, 23: regenerate data, tra
   # code=bench/data/code_eval.jsonl:40" EVAL_EVERY=1000 EVAL_TEMPS=0,0.7.
   # What comes back ($OUT/run.tar.part*, ≤ 15 MB each, with train.log ≤ 6 files, ~57 MiB): the portable checkpoint
   # (fp32 weights + step: --resume on the next machine continues from it), the exported head, the logs; with
-  # COPY_DATA=1 (a --regenerate-only call) the dataset and its record instead of the checkpoints. Regeneration saves
+  # COPY_DATA=1 the dataset and its record (and the head) instead of the portable checkpoint. Regeneration saves
   # after each block of 4,096 conversations and stops starting blocks after REGEN_LIMIT s: the next call on the same
   # machine (TRAIN_ARGS=--regenerate-only again) continues it; training starts once it is complete.
   # To resume on a fresh machine: stage the run's parts (cat run.tar.part* | tar x; repack portable/ data.npz data.json
@@ -135,7 +135,9 @@ if [[ "$steps" == *" trainhead "* ]]; then  # issues 8, 23: regenerate data, tra
     --no-progress ${TRAIN_ARGS:-} ${RESUME:+--resume} --regenerate-time-limit "${REGEN_LIMIT:-240}" 2>&1 \
     | grep -v "^ *$" | tee -a "$OUT/train.log"
   keep="train_log.jsonl data.json d2t.npy portable head"
-  [ -n "${COPY_DATA:-}" ] && keep="train_log.jsonl data.json data.npz"
+  # COPY_DATA=1: the dataset comes back (and the head where training ran), not the portable checkpoint (too much
+  # together: --init-from the head continues on a fresh machine, with a new schedule).
+  [ -n "${COPY_DATA:-}" ] && keep="train_log.jsonl data.json data.npz d2t.npy head"
   parts=(); for f in $keep; do [ -e "$RUN/$f" ] && parts+=("$f"); done
   # At most 60 MB back (the tool returns 64 MiB): a larger head (2 layers, a wider vocabulary) comes back as its
   # portable checkpoint alone (a loadable fp32 draft dir; export it as bf16 where it arrives).

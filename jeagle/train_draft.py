@@ -63,7 +63,11 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--step-decay", type=float, default=0.8)
     t.add_argument("--steps", type=int, default=2000)
     t.add_argument("--batch-size", type=int, default=16)
-    t.add_argument("--seq-len", type=int, default=640)
+    t.add_argument("--seq-len", type=int, default=640, help="the longest training row (longer samples are cut)")
+    t.add_argument("--length-buckets", type=int, default=4, metavar="N",
+                   help="group samples by length into rows of seq-len/N .. seq-len tokens, each batch of "
+                        "batch-size x seq-len positions (less padding; one compiled step per length); 1: every row "
+                        "seq-len long")
     t.add_argument("--lr", type=float, default=5e-4)
     t.add_argument("--warmup-steps", type=int, default=100)
     t.add_argument("--weight-decay", type=float, default=0.0)
@@ -357,7 +361,8 @@ def run(args) -> dict:
         print(f"training on {len(train_data)} samples with --extra-data", flush=True)
     tc = TrainConfig(kind=args.kind, num_layers=args.num_layers, draft_vocab_size=args.draft_vocab_size,
                      ttt_steps=args.ttt_steps or (7 if args.kind == "eagle3" else 1), step_decay=args.step_decay,
-                     steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
+                     steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
+                     length_buckets=args.length_buckets, lr=args.lr,
                      warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, clip_norm=args.clip_norm,
                      compute_dtype=args.compute_dtype, seed=args.seed, log_every=args.log_every,
                      save_every=args.save_every)

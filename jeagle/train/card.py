@@ -72,7 +72,7 @@ def model_card(cfg, tc, info: dict) -> str:
         "",
     ] + source_table(info.get("data", {}), info.get("train_sources")) + [
         "## Training",
-        f"- {tc.steps} steps × batch {tc.batch_size} × {tc.seq_len} tokens, AdamW lr {tc.lr} (warm-up "
+        f"- {steps_line(info, tc)}, AdamW lr {tc.lr} (warm-up "
         f"{tc.warmup_steps}, cosine to {tc.lr * tc.min_lr_ratio:g}), clip {tc.clip_norm}, {tc.compute_dtype} compute",
         f"- training-time test: {tc.ttt_steps} steps weighted {tc.step_decay}^k"
         + (f"; loss smooth-L1 + {tc.ce_weight} × CE" if cfg.kind == "eagle1" else "; soft cross-entropy"),
@@ -94,3 +94,17 @@ def model_card(cfg, tc, info: dict) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def steps_line(info: dict, tc) -> str:
+    """How many steps of what shape: the steps done of those planned, the positions per batch and their rows."""
+    from jeagle.train.data import length_buckets
+
+    done = info.get("completed_steps", tc.steps)
+    steps = f"{done} steps" if done == tc.steps else f"{done} of {tc.steps} planned steps (stopped by the time limit)"
+    rows = length_buckets(tc.seq_len, getattr(tc, "length_buckets", 1))
+    shape = (f"batch {tc.batch_size} × {tc.seq_len} tokens" if len(rows) == 1 else
+             f"{tc.batch_size * tc.seq_len:,} positions per batch, in rows of {'/'.join(map(str, rows))} tokens by "
+             "sample length")
+    start = f"; started from `{info['init_from']}`" if info.get("init_from") else ""
+    return f"{steps} × {shape}{start}"

@@ -390,25 +390,65 @@ def regenerate_records(engine, tokenizer, records: list, *, max_new_tokens: int,
     return [a[2] for a in answered], [records[a[0]].source or "unknown" for a in answered], [a[1] for a in answered]
 
 
-def batches(data: DraftData, batch_size: int, seq_len: int, *, seed: int, start_step: int = 0) -> Iterator[dict]:
+def length_buckets(seq_len: int, n: int = 4) -> tuple[int, ...]:
+    """Row lengths of the training batches: n steps up to seq_len (multiples of 8, the last seq_len)."""
+    if n < 1:
+        raise ValueError(f"length buckets: {n} (1 or more; 1 pads every row to seq_len)")
+    return tuple(sorted({min(seq_len, -(-seq_len * i // n) + 7 & ~7) for i in range(1, n)} | {seq_len}))
+
+
+def _bucket_plan(data: DraftData, batch_size: int, seq_len: int, buckets) -> list[tuple[int, int, np.ndarray]]:
+    """(row length S, rows per batch, sample ids whose cut length fits S and no smaller bucket) per bucket;
+    every bucket's batch holds batch_size x seq_len positions (rows = that // S)."""
+    buckets = tuple(sorted(set(buckets or (seq_len,))))
+    if buckets[-1] != seq_len or buckets[0] < 2:
+        raise ValueError(f"length buckets {buckets}: each at least 2, the largest seq_len ({seq_len})")
+    lens = np.minimum(np.diff(data.offsets), seq_len)
+    which = np.searchsorted(np.asarray(buckets), lens)  # the smallest bucket holding the sample
+    return [(s, batch_size * seq_len // s, np.flatnonzero(which == b)) for b, s in enumerate(buckets)]
+
+
+def _epoch_batches(plan, seed: int, epoch: int) -> list[tuple[int, np.ndarray]]:
+    """One epoch's batches, (row length, sample ids), in training order. Each bucket's samples are shuffled
+    and cut into full batches; the few left over move up to the next bucket (they fit its longer rows), so an
+    epoch drops fewer than one batch of the longest rows. The order of the batches is shuffled too."""
+    rng = np.random.default_rng([seed, epoch])
+    out, carry = [], np.zeros(0, np.int64)
+    for s, rows, ids in plan:
+        pool = np.concatenate([carry, rng.permutation(ids)])
+        full = len(pool) // rows * rows
+        out += [(s, pool[i:i + rows]) for i in range(0, full, rows)]
+        carry = pool[full:]
+    return [out[i] for i in rng.permutation(len(out))]
+
+
+def batches(data: DraftData, batch_size: int, seq_len: int, *, seed: int, start_step: int = 0,
+            buckets=None) -> Iterator[dict]:
     """Endless training batches: samples shuffled per epoch (deterministic in `seed` and the epoch, so a
     resumed run continues the same order), each cut to seq_len, padded with zeros. Yields
     {"tokens" [B,T] int32, "lengths" [B] int32, "loss_mask" [B,T] bool: positions p whose next token p+1
-    is a response token}."""
-    n = len(data)
-    if n < batch_size:
-        raise DataError(f"{n} training samples are fewer than one batch of {batch_size}")
-    per_epoch = n // batch_size
+    is a response token}.
+
+    buckets (row lengths, the largest seq_len; `length_buckets`): each batch takes samples of one bucket, its
+    rows cut to that length and batch_size x seq_len // length of them: the same positions per step, far fewer
+    of them padding when most samples are much shorter than seq_len (one compiled step per bucket). None: every
+    row seq_len long, batch_size rows."""
+    plan = _bucket_plan(data, batch_size, seq_len, buckets)
+    per_epoch = len(_epoch_batches(plan, seed, 0))  # the same count every epoch (only the order changes)
+    if per_epoch == 0:
+        raise DataError(f"{len(data)} training samples are fewer than one batch of {plan[-1][1]}")
     step = start_step
+    epoch, cached = -1, []
     while True:
-        epoch, k = divmod(step, per_epoch)
-        order = np.random.default_rng([seed, epoch]).permutation(n)
-        rows = order[k * batch_size:(k + 1) * batch_size]
-        tokens = np.zeros((batch_size, seq_len), np.int32)
-        mask = np.zeros((batch_size, seq_len), bool)
-        lengths = np.zeros((batch_size,), np.int32)
+        e, k = divmod(step, per_epoch)
+        if e != epoch:
+            epoch, cached = e, _epoch_batches(plan, seed, e)
+        s, rows = cached[k]
+        tokens = np.zeros((len(rows), s), np.int32)
+        mask = np.zeros((len(rows), s), bool)
+        lengths = np.zeros((len(rows),), np.int32)
         for b, i in enumerate(rows):
-            ids = data.sample(int(i))[:seq_len]
+            ids = data.sample(int(i))[:s]
             tokens[b, :len(ids)] = ids
             lengths[b] = len(ids)
             # Label positions: p predicts token p+1; the loss covers predictions of response tokens.

@@ -16,7 +16,7 @@ import optax
 from flax import nnx
 
 from jeagle.config import DraftConfig, ModelConfig, default_aux_layer_ids
-from jeagle.train.data import DraftData, batches
+from jeagle.train.data import DraftData, batches, length_buckets
 from jeagle.train.model import draft_loss, init_params, target_outputs
 
 
@@ -31,6 +31,9 @@ class TrainConfig:
     steps: int = 2000
     batch_size: int = 16
     seq_len: int = 640
+    # Row lengths per batch (data.length_buckets): 4 groups samples by length into rows of seq_len/4 .. seq_len,
+    # each batch batch_size x seq_len positions; 1 pads every row to seq_len.
+    length_buckets: int = 4
     lr: float = 5e-4
     warmup_steps: int = 100
     min_lr_ratio: float = 0.05
@@ -274,7 +277,8 @@ def train(trainer: Trainer, data: DraftData, *, ckpt_dir=None, resume: bool = Fa
     if latest is not None and latest > trainer.step and trainer.restore(mngr):
         print(f"resumed from step {trainer.step}", flush=True)
     history: list[dict] = []
-    it = batches(data, tc.batch_size, tc.seq_len, seed=tc.seed, start_step=trainer.step)
+    it = batches(data, tc.batch_size, tc.seq_len, seed=tc.seed, start_step=trainer.step,
+                 buckets=length_buckets(tc.seq_len, tc.length_buckets))
     bar = tqdm(total=tc.steps, initial=trainer.step, desc="train", unit="step", disable=not progress, dynamic_ncols=True)
     window: list[dict] = []
     t0 = time.perf_counter()
