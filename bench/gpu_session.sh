@@ -4,7 +4,8 @@
 #   .stage1 = smolpart.aa + data.tar.xz (the prompt files: `tar cJf data.tar.xz .data` after
 #   `python -m jeagle.train.sources eval ... --out-dir .data` and `... build ... --out .data/mix.jsonl`, README's
 #   "Training a head"; an older dataset as data0.npz.xz, optional), .stage2 = smolpart.ab,
-#   .stage3 = smolpart.ac (+ eagle1_head.tar from an earlier eaglepeer, optional). Calls, back to back while warm:
+#   .stage3 = smolpart.ac (+ eagle1_head.tar from an earlier eaglepeer, optional), .stage4 (optional) = data.npz and
+#   data.json of an earlier trainhead (a partial dataset's regeneration continues). Calls, back to back while warm:
 #   carry .stage1: `bash bench/gpu_session.sh stage`; carry .stage2: `bash bench/gpu_session.sh stage`;
 #   carry .stage3 + .whl: `bash bench/gpu_session.sh run STEPS...` (later calls: carry .whl only).
 # startup (issue 27: first and second start of the README command) needs the staged GGUF like bench.
@@ -17,6 +18,10 @@ stage_in() {  # whatever staged parts this call carries -> $HOME/stage; unpack t
   [ -f "$HOME/stage/data0.npz.xz" ] && [ ! -f "$HOME/data0.npz" ] && xz -dc "$HOME/stage/data0.npz.xz" > "$HOME/data0.npz"
   [ -f "$HOME/stage/data.tar.xz" ] && [ ! -d "$HOME/.data" ] && tar xJf "$HOME/stage/data.tar.xz" -C "$HOME"
   [ -d .data ] || { [ -d "$HOME/.data" ] && ln -s "$HOME/.data" .data; }
+  # A dataset from an earlier machine (its data.npz + data.json in a staged part of their own): trainhead takes
+  # .data/data.npz as its run's dataset, and continues its regeneration where that stopped.
+  [ -f "$HOME/stage/data.npz" ] && [ -f "$HOME/stage/data.json" ] && [ -d "$HOME/.data" ] && [ ! -f "$HOME/.data/data.npz" ] \
+    && cp "$HOME/stage/data.npz" "$HOME/stage/data.json" "$HOME/.data/"
   # An EAGLE-1 head from an earlier `eaglepeer` (its eagle1_head.tar in a staged part): no retraining.
   [ -f "$HOME/stage/eagle1_head.tar" ] && [ ! -d "$HOME/run_eagle1/head" ] && mkdir -p "$HOME/run_eagle1" \
     && tar xf "$HOME/stage/eagle1_head.tar" -C "$HOME/run_eagle1"
