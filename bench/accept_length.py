@@ -104,7 +104,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default=None)
     p.add_argument("--head", default=None, help="draft dir (default: the shipped head for the default target)")
-    p.add_argument("--dataset", action="append", default=[], help="NAME=FILE.jsonl[:N] (repeatable)")
+    p.add_argument("--dataset", action="append", default=[], help="NAME=FILE.jsonl[:N] (repeatable; N records spread over the file's categories and sources)")
     p.add_argument("--tiers", default="3,1,4:5,4,8:6,10,60", help="S,K,N[:S,K,N...]")
     p.add_argument("--temperatures", default="0", help="comma-separated; > 0 samples (top-p 1, a seed per request)")
     p.add_argument("--turns", choices=("first", "all"), default="first", help="all: later turns too (MT-bench)")

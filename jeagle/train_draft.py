@@ -94,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--eval-set", action="append", default=[], metavar="NAME=FILE[:N]",
                    help="an evaluation set (.jsonl records, e.g. MT-bench, GSM8K, bench/data/code_eval.jsonl; never "
                         "trained on): accept length per category after every --eval-every steps and at the end, "
-                        "logged in OUT/train_log.jsonl; repeatable")
+                        "logged in OUT/train_log.jsonl; :N takes N records spread over the file's categories; repeatable")
     e.add_argument("--eval-every", type=int, default=0, help="steps between --eval-set evaluations (0: at the end only)")
     e.add_argument("--eval-temperatures", default="0", help="temperatures of the --eval-set evaluations")
     e.add_argument("--eval-batch", type=int, default=48, help="requests at once in the --eval-set evaluations")

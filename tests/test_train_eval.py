@@ -214,9 +214,23 @@ def test_read_eval_set_names_counts_and_errors(tmp_path):
     assert len(read_eval_set(f"all={path}")[1]) == 3
     from jeagle.train.data import DataError
 
-    with pytest.raises(DataError, match="no records"):
+    with pytest.raises(DataError, match="N is 0"):
         read_eval_set(f"none={path}:0")
+    with pytest.raises(DataError, match="no records"):
+        (tmp_path / "empty.jsonl").write_text("")
+        read_eval_set(f"e={tmp_path / 'empty.jsonl'}:2")
     with pytest.raises(DataError, match="expected NAME=FILE"):
         read_eval_set(str(path))
     with pytest.raises(DataError, match="no such file"):
         read_eval_set(f"x={tmp_path / 'missing.jsonl'}:3")
+
+
+def test_a_small_eval_set_covers_every_category():
+    from jeagle.train.evaluate import spread
+    from jeagle.train.records import Record
+
+    rows = [Record(turns=(f"{c}{i}?",), category=c) for c in "abc" for i in range(3)]  # a0 a1 a2 b0 ... c2
+    assert [r.turns[0] for r in spread(rows, 4)] == ["a0?", "a1?", "b0?", "c0?"]  # in turn, then file order
+    assert spread(rows, 20) == rows
+    mixed = [Record(turns=("x?",), category="code", source=s) for s in ("instruct", "instruct", "raw")]
+    assert spread(mixed, 2) == [mixed[0], mixed[2]]  # sources count as well as categories

@@ -44,15 +44,33 @@ def group_of(category: str) -> str | None:
 
 
 def read_eval_set(spec: str) -> tuple[str, list[Record]]:
-    """NAME=FILE.jsonl[:N] -> (NAME, the first N records of FILE; all without :N). N = 0 or a missing
-    file raise DataError."""
+    """NAME=FILE.jsonl[:N] -> (NAME, N records of FILE spread over its categories and sources, `spread`;
+    all without :N). N = 0 or a missing file raise DataError."""
     name, eq, rest = spec.partition("=")
     path, colon, n = rest.rpartition(":")
     if not colon or not n.isdigit():
         path, n = rest, ""
     if not eq or not name or not path:
         raise DataError(f"{spec!r}: expected NAME=FILE.jsonl[:N]")
-    return name, read_records(path, limit=int(n) if n else None)
+    if n and int(n) == 0:
+        raise DataError(f"{spec!r}: N is 0")
+    records = read_records(path)
+    return name, spread(records, int(n)) if n else records
+
+
+def spread(records: list[Record], n: int) -> list[Record]:
+    """n records taken in turn from each (category, source) of the file, in file order within each: a
+    small set still covers every category (MT-bench's first 24 lines are its writing, roleplay and
+    reasoning questions only). Returned in file order."""
+    by_key: dict[tuple, list[int]] = {}
+    for i, r in enumerate(records):
+        by_key.setdefault((r.category, r.source), []).append(i)
+    queues, picked = [list(v) for v in by_key.values()], []
+    while len(picked) < n and any(queues):
+        for q in queues:
+            if q and len(picked) < n:
+                picked.append(q.pop(0))
+    return [records[i] for i in sorted(picked)]
 
 
 def ratio(counts: Iterable[dict]) -> float | None:
