@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--steps", type=int, default=2000)
     t.add_argument("--batch-size", type=int, default=16)
     t.add_argument("--seq-len", type=int, default=640, help="the longest training row (longer samples are cut)")
-    t.add_argument("--length-buckets", type=int, default=4, metavar="N",
+    t.add_argument("--length-buckets", type=int, default=8, metavar="N",
                    help="group samples by length into rows of seq-len/N .. seq-len tokens, each batch of "
                         "batch-size x seq-len positions (less padding; one compiled step per length); 1: every row "
                         "seq-len long")
@@ -103,6 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--eval-spec", default="5,4,8", help="S,K,N of the evaluation")
     p.add_argument("--name", default="", help="head name in its config and model card")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--compile-cache-dir", default=None,
+                   help="JAX's persistent compilation cache on a GPU (default: the jeagle cache's xla/): a run "
+                        "resumed on the same machine loads the training step and the engine instead of compiling")
+    p.add_argument("--no-compile-cache", action="store_true")
     return p
 
 
@@ -282,6 +286,18 @@ def initial_params(path, target_cfg):
     return {k: jnp.asarray(v, jnp.float32) for k, v in pure.items()}, (None if d2t is None else d2t.__array__())
 
 
+def compile_cache(args) -> None:
+    """JAX's persistent compilation cache, on GPUs (as the engine has it; CPU runs compile afresh)."""
+    import jax
+
+    if args.no_compile_cache or jax.default_backend() != "gpu":
+        return
+    from jeagle.fetch import cache_dir
+    from jeagle.runtime.store import enable_compile_cache
+
+    enable_compile_cache(args.compile_cache_dir or cache_dir() / "xla")
+
+
 def run(args) -> dict:
     import jax
     import jax.numpy as jnp
@@ -320,6 +336,7 @@ def run(args) -> dict:
         raise ValueError("--regenerate-block must be at least 1")
     excluded = read_exclude(args.exclude)
     out.mkdir(parents=True, exist_ok=True)
+    compile_cache(args)
     target_dir = resolve_target(args.target, dtype=args.target_dtype)
     model = load_model(target_dir, dtype=args.target_dtype)
     tokenizer = Tokenizer.from_dir(target_dir)

@@ -172,7 +172,7 @@ def test_train_draft_end_to_end(tiny_target_dir, tmp_path):
               "--ttt-steps", "3" if kind == "eagle3" else "1", "--batch-size", "8", "--seq-len", "64", "--lr", "3e-3",
               "--warmup-steps", "5", "--compute-dtype", "float32", "--target-dtype", "float32", "--log-every", "5",
               "--save-every", "20", "--eval-prompts", "4", "--eval-max-new-tokens", "12", "--eval-spec", "3,2,4",
-              "--eval-batch", "4"]
+              "--eval-batch", "4", "--length-buckets", "2"]  # two row lengths: each one more compile on CPU
     evalset = tmp_path / "evalset.jsonl"
     evalset.write_text('{"turns": ["alpha gamma 1?"], "category": "chat"}\n'
                        '{"turns": ["def g(y):\\n"], "category": "code", "raw": true}\n{"prompt": "beta beta 2?"}\n')

@@ -141,7 +141,7 @@ def test_regeneration_continues_where_it_stopped(tiny_target_dir, tmp_path):
     prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
     assert main(["--out", str(tmp_path / "parts2"), *common, "--regenerate-block", "8"]) == 2  # other prompts: refused
     train_args = [a for a in common if a != "--regenerate-only"] + ["--steps", "2", "--batch-size", "2", "--seq-len",
-                                                                     "32", "--eval-prompts", "0"]
+                                                                     "32", "--eval-prompts", "0", "--length-buckets", "2"]
     assert main(["--out", str(tmp_path / "parts3"), *train_args, "--regenerate-block", "8",
                  "--regenerate-time-limit", "0"]) == 0
     assert not (tmp_path / "parts3" / "head").exists() and not (tmp_path / "parts3" / "ckpt").exists()
@@ -168,7 +168,8 @@ def test_rebuild_vocab_keeps_the_trained_rows(tiny_target_dir, tmp_path):
     common = ["--target", str(tiny_target_dir), "--max-new-tokens", "12", "--gen-batch", "8", "--target-dtype",
               "float32", "--compute-dtype", "float32", "--steps", "0", "--eval-prompts", "0", "--draft-vocab-size",
               "24", "--no-progress"]
-    trained = ["--steps", "3", "--lr", "3e-2", "--warmup-steps", "1", "--batch-size", "4", "--seq-len", "32"]
+    trained = ["--steps", "3", "--lr", "3e-2", "--warmup-steps", "1", "--batch-size", "4", "--seq-len", "32",
+               "--length-buckets", "2"]
     assert main(["--out", str(tmp_path / "a"), "--prompts", prompts("a.jsonl", ["alpha", "beta"]), *common,
                  *trained]) == 0
     assert main(["--out", str(tmp_path / "b"), "--prompts", prompts("b.jsonl", ["omega", "kappa", "beta"]),

@@ -54,6 +54,10 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=10, help="timed steps per configuration (median)")
     p.add_argument("--compute-dtype", default="bfloat16")
     p.add_argument("--trace", default=None, help="write a profiler trace of the last configuration here")
+    p.add_argument("--data", default=None, help="a train_draft dataset (data.npz): also time the real batches of "
+                   "it at 7 TTT steps, rows all seq-len long against --length-buckets")
+    p.add_argument("--length-buckets", type=int, default=8)
+    p.add_argument("--data-steps", type=int, default=24, help="timed steps per batching (after every shape is warm)")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
 
@@ -97,6 +101,8 @@ def main(argv=None) -> None:
                 jax.block_until_ready(trainer.train_step(batch))
             jax.profiler.stop_trace()
 
+    if args.data:
+        rows += data_rows(args, trainer)
     print(f"{args.shape}, batch {args.batch} x {args.seq_len} ({loss_tokens} loss tokens), {args.compute_dtype}, "
           f"{device_kind()}")
     print(f"{'what':<16} {'TTT':>4} {'ms/step':>9} {'loss tok/s':>11} {'TFLOP/s':>8}")
@@ -106,6 +112,43 @@ def main(argv=None) -> None:
     emit({"bench": "train_step", "shape": args.shape, "batch": args.batch, "seq_len": args.seq_len,
           "loss_tokens": loss_tokens, "dtype": args.compute_dtype, "device": device_kind(), "commit": git_commit(),
           "rows": rows}, args.json_out)
+
+
+def data_rows(args, trainer) -> list[dict]:
+    """Loss tokens per second over real batches of a dataset: every row seq_len long, then grouped by length
+    (`--length-buckets`); each batching's shapes compiled and warmed before its timed steps."""
+    import time
+
+    import jax
+
+    from jeagle.train.data import DraftData, _bucket_plan, _epoch_batches, batches, length_buckets
+
+    data = DraftData.load(args.data)
+    out = []
+    for n in sorted({1, args.length_buckets}):
+        buckets = length_buckets(args.seq_len, n)
+        epoch = _epoch_batches(_bucket_plan(data, args.batch, args.seq_len, buckets), 0, 0)
+        want = {s for s, _ in epoch}  # the row lengths that occur (a bucket may hold too few for a batch)
+        warm, shapes = batches(data, args.batch, args.seq_len, seed=0, buckets=buckets), set()
+        for _ in range(len(epoch)):  # one step of each row length: its compile
+            if shapes == want:
+                break
+            b = next(warm)
+            if b["tokens"].shape[1] not in shapes:
+                shapes.add(b["tokens"].shape[1])
+                jax.block_until_ready(trainer.train_step(b))
+        it = batches(data, args.batch, args.seq_len, seed=1, buckets=buckets)
+        steps = [next(it) for _ in range(args.data_steps)]
+        t0 = time.perf_counter()
+        for b in steps:
+            metrics = trainer.train_step(b)
+        jax.block_until_ready(metrics)
+        s = time.perf_counter() - t0
+        loss = sum(int(b["loss_mask"].sum()) for b in steps)
+        out.append({"what": f"data, {n} bucket(s)", "ttt_steps": trainer.tc.ttt_steps,
+                    "step_ms": round(s / len(steps) * 1e3, 2), "loss_tokens_per_s": round(loss / s),
+                    "buckets": list(buckets), "loss_tokens_per_step": round(loss / len(steps))})
+    return out
 
 
 def target_params(target):

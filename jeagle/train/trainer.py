@@ -31,9 +31,10 @@ class TrainConfig:
     steps: int = 2000
     batch_size: int = 16
     seq_len: int = 640
-    # Row lengths per batch (data.length_buckets): 4 groups samples by length into rows of seq_len/4 .. seq_len,
-    # each batch batch_size x seq_len positions; 1 pads every row to seq_len.
-    length_buckets: int = 4
+    # Row lengths per batch (data.length_buckets): 8 groups samples by length into rows of seq_len/8 .. seq_len,
+    # each batch batch_size x seq_len positions; 1 pads every row to seq_len. On the regenerated SmolLM2 mix
+    # (H200, 32 x 1,024, 7 TTT steps): 40,599 loss tokens/s at 1, 104,546 at 4, 134,651 at 8 (bench/RESULTS.md).
+    length_buckets: int = 8
     lr: float = 5e-4
     warmup_steps: int = 100
     min_lr_ratio: float = 0.05
