@@ -20,8 +20,8 @@ stage_in() {  # whatever staged parts this call carries -> $HOME/stage; unpack t
   [ -d .data ] || { [ -d "$HOME/.data" ] && ln -s "$HOME/.data" .data; }
   # A dataset from an earlier machine (its data.npz + data.json in a staged part of their own): trainhead takes
   # .data/data.npz as its run's dataset, and continues its regeneration where that stopped.
-  [ -f "$HOME/stage/data.npz" ] && [ -f "$HOME/stage/data.json" ] && [ -d "$HOME/.data" ] && [ ! -f "$HOME/.data/data.npz" ] \
-    && cp "$HOME/stage/data.npz" "$HOME/stage/data.json" "$HOME/.data/"
+  [ -f "$HOME/stage/data.npz" ] && [ -f "$HOME/stage/data.json" ] && [ -d .data ] && [ ! -f .data/data.npz ] \
+    && cp "$HOME/stage/data.npz" "$HOME/stage/data.json" .data/
   # An EAGLE-1 head from an earlier `eaglepeer` (its eagle1_head.tar in a staged part): no retraining.
   [ -f "$HOME/stage/eagle1_head.tar" ] && [ ! -d "$HOME/run_eagle1/head" ] && mkdir -p "$HOME/run_eagle1" \
     && tar xf "$HOME/stage/eagle1_head.tar" -C "$HOME/run_eagle1"
@@ -147,7 +147,10 @@ if [[ "$steps" == *" trainhead "* ]]; then  # issues 8, 23: regenerate data, tra
   # At most 60 MB back (the tool returns 64 MiB): a larger head (2 layers, a wider vocabulary) comes back as its
   # portable checkpoint alone (a loadable fp32 draft dir; export it as bf16 where it arrives).
   size() { (cd "$RUN" && du -cb "$@" | tail -1 | cut -f1); }
-  if [ ${#parts[@]} -gt 0 ] && [ "$(size "${parts[@]}")" -gt 60000000 ]; then
+  if [ -n "${COPY_DATA:-}" ] && [ ${#parts[@]} -gt 0 ] && [ "$(size "${parts[@]}")" -gt 60000000 ]; then
+    echo "trainhead: the dataset and the head are over 60 MB together: the dataset stays behind"
+    kept=(); for f in "${parts[@]}"; do [ "$f" = data.npz ] || kept+=("$f"); done; parts=("${kept[@]}")
+  elif [ ${#parts[@]} -gt 0 ] && [ "$(size "${parts[@]}")" -gt 60000000 ]; then
     parts=("${parts[@]/#head/head/README.md}"); parts+=(head/config.json head/training.json)
   fi
   [ ${#parts[@]} -gt 0 ] && (cd "$RUN" && tar cf - "${parts[@]}") | split -b 15000000 -d - "$OUT/run.tar.part"

@@ -334,6 +334,11 @@ def run(args) -> dict:
                          f"--kind is {args.kind}")
     if args.regenerate_block < 1:
         raise ValueError("--regenerate-block must be at least 1")
+    if args.seq_len < 2:
+        raise ValueError(f"--seq-len {args.seq_len}: at least 2 (a token and the one it predicts)")
+    from jeagle.train.data import length_buckets
+
+    length_buckets(args.seq_len, args.length_buckets)  # --length-buckets below 1 fails here, not after regenerating
     excluded = read_exclude(args.exclude)
     out.mkdir(parents=True, exist_ok=True)
     compile_cache(args)

@@ -239,6 +239,9 @@ def test_train_draft_bad_input(tiny_target_dir, tmp_path):
     bad.write_bytes(b"not a zip")
     proc = _train_cli("--out", str(tmp_path / "o"), "--target", str(tiny_target_dir), "--data", str(bad))
     assert proc.returncode == 2 and "not a jeagle draft-training dataset" in proc.stderr
+    proc = _train_cli("--out", str(tmp_path / "o"), "--target", str(tiny_target_dir), "--prompts", str(bad),
+                      "--length-buckets", "0")  # refused before the prompts are read, let alone answered
+    assert proc.returncode == 2 and "length buckets: 0" in proc.stderr
 
 
 def test_eagle1_training_lowers_loss_and_decodes(tiny_target_dir):

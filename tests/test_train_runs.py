@@ -75,7 +75,7 @@ def test_dataset_sources_survive_save_concat_split(tmp_path):
         DraftData.load(old)
 
 
-def test_portable_checkpoint_resumes_the_schedule(tiny_target_dir, tmp_path):
+def test_portable_checkpoint_resumes_the_schedule(tiny_target_dir, tmp_path, capsys):
     """The portable checkpoint (fp32 weights + step, no optimizer moments) restores the weights exactly,
     the step and tokens seen, and the learning-rate schedule's position; training goes on from it."""
     from jeagle.checkpoint import load_model
@@ -109,6 +109,13 @@ def test_portable_checkpoint_resumes_the_schedule(tiny_target_dir, tmp_path):
     other = Trainer(model, cfg, tc, used_ids=used + 1)
     with pytest.raises(ValueError, match="draft vocabulary"):
         other.load_portable(path)
+    # Other batching resumes, with a word: the samples come in another order from there on.
+    regrouped = Trainer(model, cfg, TrainConfig(**{**tc.__dict__, "length_buckets": 1}), used_ids=used)
+    capsys.readouterr()
+    regrouped.load_portable(path)
+    assert "samples come in another order" in capsys.readouterr().out and regrouped.step == 6
+    b.load_portable(path)
+    assert "another order" not in capsys.readouterr().out
 
 
 def test_regeneration_continues_where_it_stopped(tiny_target_dir, tmp_path):

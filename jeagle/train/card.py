@@ -101,10 +101,11 @@ def steps_line(info: dict, tc) -> str:
     from jeagle.train.data import length_buckets
 
     done = info.get("completed_steps", tc.steps)
-    steps = f"{done} steps" if done == tc.steps else f"{done} of {tc.steps} planned steps (stopped by the time limit)"
+    steps = (f"{done} of {tc.steps} planned steps (stopped by the time limit)" if done < tc.steps else
+             f"{done} steps")
     rows = length_buckets(tc.seq_len, getattr(tc, "length_buckets", 1))
     shape = (f"batch {tc.batch_size} × {tc.seq_len} tokens" if len(rows) == 1 else
-             f"{tc.batch_size * tc.seq_len:,} positions per batch, in rows of {'/'.join(map(str, rows))} tokens by "
-             "sample length")
+             f"up to {tc.batch_size * tc.seq_len:,} positions per batch ({tc.batch_size} × {tc.seq_len}), in rows of "
+             f"{'/'.join(map(str, rows))} tokens by sample length")
     start = f"; started from `{info['init_from']}`" if info.get("init_from") else ""
     return f"{steps} × {shape}{start}"

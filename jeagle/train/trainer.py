@@ -131,7 +131,8 @@ class Trainer:
         if not mngr.save(self.step, args=ocp.args.StandardSave(state)):
             raise RuntimeError(f"orbax did not save step {self.step} (newest on disk: {mngr.latest_step()})")
         mngr.wait_until_finished()
-        _write_progress(Path(mngr.directory), self.step, self.tokens_seen, self.data_fingerprint, self.schedule_settings())
+        _write_progress(Path(mngr.directory), self.step, self.tokens_seen, self.data_fingerprint, self.schedule_settings(),
+                        batching=self.batching_settings())
 
     def restore(self, mngr) -> bool:
         """Resume from the latest checkpoint in `mngr`; False when there is none."""
@@ -159,13 +160,22 @@ class Trainer:
         tc = self.tc
         return {"steps": tc.steps, "lr": tc.lr, "warmup_steps": tc.warmup_steps, "min_lr_ratio": tc.min_lr_ratio}
 
+    def batching_settings(self) -> dict:
+        """What decides the order of the batches (`data.batches`): a resume under the same continues it."""
+        tc = self.tc
+        return {"batch_size": tc.batch_size, "seq_len": tc.seq_len, "length_buckets": tc.length_buckets, "seed": tc.seed}
+
     def _check_schedule(self, state: dict, where) -> None:
         """A resume under another schedule is allowed (e.g. training on past the planned steps), but the
-        learning rate jumps: say so."""
+        learning rate jumps: say so. Likewise under other batching: the order of the samples changes."""
         if state.get("schedule") and state["schedule"] != self.schedule_settings():
             print(f"warning: {where} was trained under the schedule {state['schedule']}; this run's is "
                   f"{self.schedule_settings()}: the learning rate jumps to the new schedule's value at step {self.step}",
                   flush=True)
+        if state and state.get("batching") != self.batching_settings():
+            print(f"warning: {where} was trained with the batches of {state.get('batching') or 'an older jeagle'}; "
+                  f"this run's are {self.batching_settings()}: from step {self.step} the samples come in another "
+                  "order (some of this epoch's may repeat or be skipped)", flush=True)
 
     def _check_data(self, state: dict, where) -> None:
         if state.get("data") and self.data_fingerprint and state["data"] != self.data_fingerprint:
@@ -185,7 +195,7 @@ class Trainer:
         cfg = draft_cfg.replace(dtype="float32")
         save_safetensors(tmp, cfg, export_params(self.params, cfg, self.d2t), metadata={k: str(v) for k, v in metadata.items()})
         _write_progress(tmp, self.step, self.tokens_seen, self.data_fingerprint, self.schedule_settings(),
-                        name="trainer_state.json")
+                        batching=self.batching_settings(), name="trainer_state.json")
         if directory.exists():
             import shutil
 
@@ -218,11 +228,11 @@ class Trainer:
         self.opt_state = _own_buffers(optax.tree_utils.tree_set(fresh, count=jnp.asarray(self.step, jnp.int32)))
 
 
-def _write_progress(directory: Path, step: int, tokens_seen: int, data: str, schedule: dict,
+def _write_progress(directory: Path, step: int, tokens_seen: int, data: str, schedule: dict, *, batching: dict,
                     name: str = "progress.json") -> None:
     directory.mkdir(parents=True, exist_ok=True)
     (directory / name).write_text(json.dumps({"step": int(step), "tokens_seen": int(tokens_seen), "data": data,
-                                              "schedule": schedule}))
+                                              "schedule": schedule, "batching": batching}))
 
 
 def _read_progress(directory: Path, name: str = "progress.json") -> dict:
