@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # One GPU session's work, run on the device machine from the repo root (see bench/RESULTS.md).
+# bench/make_stages.sh builds the staged parts below on the development machine.
 # The SmolLM2 GGUF (98.4 MB) travels in three parts (a call carries 64 MiB, the repo ~21 MB of it):
 #   .stage1 = smolpart.aa + data.tar.xz (the prompt files: `tar cJf data.tar.xz .data` after
 #   `python -m jeagle.train.sources eval ... --out-dir .data` and `... build ... --out .data/mix.jsonl`, README's
