@@ -158,8 +158,14 @@ if [[ "$steps" == *" trainhead "* ]]; then  # issues 8, 23: regenerate data, tra
   [ "$(du -cb "$OUT"/run.tar.part* 2>/dev/null | tail -1 | cut -f1)" -gt 62000000 ] && echo "trainhead: over 62 MB to return"
 fi
 if [[ "$steps" == *" trainstep "* ]]; then  # issue 23: where a training step's time goes (random weights, no staging)
+  # TRAINSTEP_TRACE=1: a profiler trace of the last configuration, back as one archive (the trace's own folders
+  # nest deeper than the device tool returns). A staged dataset (.stage4) is timed too (its real batches).
+  trace=(); [ -n "${TRAINSTEP_TRACE:-}" ] && trace=(--trace "$HOME/trainstep_trace")
+  data=(); [ -f .data/data.npz ] && data=(--data .data/data.npz)
   python3 bench/probes/train_step.py --shape smollm2 --batch "${TRAIN_BATCH:-32}" --seq-len "${SEQ_LEN:-640}" \
-    --ttt-steps "${TTT_STEPS:-1,4,7}" ${TRAINSTEP_ARGS:-} --json-out "$OUT/train_step.json" 2>&1 | tee "$OUT/train_step.log"
+    --ttt-steps "${TTT_STEPS:-1,4,7}" "${trace[@]}" "${data[@]}" ${TRAINSTEP_ARGS:-} --json-out "$OUT/train_step.json" \
+    2>&1 | tee "$OUT/train_step.log"
+  [ -d "$HOME/trainstep_trace" ] && tar czf "$OUT/trainstep_trace.tar.gz" -C "$HOME" trainstep_trace
 fi
 if [[ "$steps" == *" acceptlen "* ]]; then  # issue 8: accept length of the head on MT-bench and GSM8K, lossless check
   python3 bench/accept_length.py --head "${HEAD:-$HOME/run/head}" --dataset mtbench=.data/mtbench.jsonl:80 \
