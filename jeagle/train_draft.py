@@ -306,7 +306,7 @@ def run(args) -> dict:
     from jeagle.checkpoint import load_model, save_safetensors
     from jeagle.fetch import resolve_target
     from jeagle.tokenizer import Tokenizer
-    from jeagle.train.data import DataError, DraftData
+    from jeagle.train.data import DataError, DraftData, length_buckets
     from jeagle.train.records import read_exclude
     from jeagle.train.card import fmt_tau, model_card
     from jeagle.train.evaluate import read_eval_set
@@ -336,8 +336,6 @@ def run(args) -> dict:
         raise ValueError("--regenerate-block must be at least 1")
     if args.seq_len < 2:
         raise ValueError(f"--seq-len {args.seq_len}: at least 2 (a token and the one it predicts)")
-    from jeagle.train.data import length_buckets
-
     length_buckets(args.seq_len, args.length_buckets)  # --length-buckets below 1 fails here, not after regenerating
     excluded = read_exclude(args.exclude)
     out.mkdir(parents=True, exist_ok=True)

@@ -12,8 +12,8 @@ import pytest
 from flax import nnx
 
 from jeagle.models.common import AttnInputs
-from jeagle.train.data import (DataError, DraftData, _bucket_plan, _epoch_batches, batches, iter_sharegpt,
-                               length_buckets, read_prompts)
+from jeagle.train.data import (DataError, DraftData, batches, epoch_batches, iter_sharegpt, length_buckets,
+                               read_prompts)
 from jeagle.train.model import draft_unrolled, target_outputs
 from jeagle.train.vocab import coverage, draft_vocab
 from tests.spec_models import draft_config, target_config
@@ -279,11 +279,11 @@ def test_length_bucketed_batches_cover_an_epoch_and_resume():
     lens = rng.integers(3, 40, 203)  # some longer than seq_len 32: cut to it
     samples = [(list(rng.integers(1, 4096, n)), int(rng.integers(1, n))) for n in lens]  # told apart by prefix
     data = DraftData.from_samples(samples, vocab_size=4096)
-    assert length_buckets(32) == (8, 16, 24, 32) and length_buckets(32, 1) == (32,) and length_buckets(5) == (5,)
+    assert length_buckets(32, 4) == (8, 16, 24, 32) and length_buckets(32, 1) == (32,) and length_buckets(5, 4) == (5,)
     with pytest.raises(ValueError, match="largest seq_len"):
         next(batches(data, 4, 32, seed=0, buckets=(8, 16)))
-    it = batches(data, 4, 32, seed=1, buckets=length_buckets(32))
-    per_epoch = len(_epoch_batches(_bucket_plan(data, 4, 32, length_buckets(32)), 1, 0))
+    it = batches(data, 4, 32, seed=1, buckets=length_buckets(32, 4))
+    per_epoch = len(epoch_batches(data, 4, 32, seed=1, buckets=length_buckets(32, 4)))
     seen, shapes = [], set()
     for _ in range(per_epoch):
         b = next(it)
@@ -299,13 +299,18 @@ def test_length_bucketed_batches_cover_an_epoch_and_resume():
             assert m.tolist() == [p - 1 <= j < n - 1 for j in range(s)]
     assert shapes == {(16, 8), (8, 16), (5, 24), (4, 32)}
     assert len(seen) == len(set(seen)) and len(data) - len(seen) < 4  # each sample once; < one long batch left
+    # Leftovers ride up: 17 short samples fill one batch of 16 rows of 8, the 17th joins the 3 long ones.
+    few = DraftData.from_samples([([1] * 5, 2)] * 17 + [([2] * 30, 2)] * 3, vocab_size=4096)
+    plan = epoch_batches(few, 4, 32, seed=0, buckets=length_buckets(32, 4))
+    assert sorted((s, len(ids)) for s, ids in plan) == [(8, 16), (32, 4)]
+    assert sorted(np.concatenate([ids for _, ids in plan]).tolist()) == list(range(20))
     # The same samples in fewer steps than rows of seq_len take (lengths uniform in 3..39 here): less padding.
     assert per_epoch <= 0.8 * (len(data) // 4)
     # A resumed run continues the order, into the next epoch too.
-    full = batches(data, 4, 32, seed=1, buckets=length_buckets(32))
+    full = batches(data, 4, 32, seed=1, buckets=length_buckets(32, 4))
     seq = [next(full)["tokens"] for _ in range(per_epoch + 3)]
     for k in (2, per_epoch + 1):
         np.testing.assert_array_equal(next(batches(data, 4, 32, seed=1, start_step=k,
-                                                   buckets=length_buckets(32)))["tokens"], seq[k])
+                                                   buckets=length_buckets(32, 4)))["tokens"], seq[k])
     with pytest.raises(DataError, match="fewer than one batch"):
         next(batches(DraftData.from_samples(samples[:3], vocab_size=4096), 4, 32, seed=0))

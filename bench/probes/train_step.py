@@ -55,7 +55,7 @@ def main(argv=None) -> None:
     p.add_argument("--compute-dtype", default="bfloat16")
     p.add_argument("--trace", default=None, help="write a profiler trace of the last configuration here")
     p.add_argument("--data", default=None, help="a train_draft dataset (data.npz): also time the real batches of "
-                   "it at 7 TTT steps, rows all seq-len long against --length-buckets")
+                   "it at the last --ttt-steps, rows all seq-len long against --length-buckets")
     p.add_argument("--length-buckets", type=int, default=8)
     p.add_argument("--data-steps", type=int, default=24, help="timed steps per batching (after every shape is warm)")
     p.add_argument("--json-out", default=None)
@@ -121,13 +121,13 @@ def data_rows(args, trainer) -> list[dict]:
 
     import jax
 
-    from jeagle.train.data import DraftData, _bucket_plan, _epoch_batches, batches, length_buckets
+    from jeagle.train.data import DraftData, batches, epoch_batches, length_buckets
 
     data = DraftData.load(args.data)
     out = []
     for n in sorted({1, args.length_buckets}):
         buckets = length_buckets(args.seq_len, n)
-        epoch = _epoch_batches(_bucket_plan(data, args.batch, args.seq_len, buckets), 0, 0)
+        epoch = epoch_batches(data, args.batch, args.seq_len, seed=0, buckets=buckets)
         want = {s for s, _ in epoch}  # the row lengths that occur (a bucket may hold too few for a batch)
         warm, shapes = batches(data, args.batch, args.seq_len, seed=0, buckets=buckets), set()
         for _ in range(len(epoch)):  # one step of each row length: its compile

@@ -3,6 +3,8 @@ licences the training mix recorded), training, and evaluations."""
 
 from __future__ import annotations
 
+from jeagle.train.data import length_buckets
+
 
 def fmt_tau(x) -> str:
     """An accept length for people: 2 decimals, n/a where there were no rounds."""
@@ -98,12 +100,10 @@ def model_card(cfg, tc, info: dict) -> str:
 
 def steps_line(info: dict, tc) -> str:
     """How many steps of what shape: the steps done of those planned, the positions per batch and their rows."""
-    from jeagle.train.data import length_buckets
-
     done = info.get("completed_steps", tc.steps)
     steps = (f"{done} of {tc.steps} planned steps (stopped by the time limit)" if done < tc.steps else
              f"{done} steps")
-    rows = length_buckets(tc.seq_len, getattr(tc, "length_buckets", 1))
+    rows = length_buckets(tc.seq_len, tc.length_buckets)
     shape = (f"batch {tc.batch_size} × {tc.seq_len} tokens" if len(rows) == 1 else
              f"up to {tc.batch_size * tc.seq_len:,} positions per batch ({tc.batch_size} × {tc.seq_len}), in rows of "
              f"{'/'.join(map(str, rows))} tokens by sample length")

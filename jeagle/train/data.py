@@ -390,7 +390,7 @@ def regenerate_records(engine, tokenizer, records: list, *, max_new_tokens: int,
     return [a[2] for a in answered], [records[a[0]].source or "unknown" for a in answered], [a[1] for a in answered]
 
 
-def length_buckets(seq_len: int, n: int = 4) -> tuple[int, ...]:
+def length_buckets(seq_len: int, n: int) -> tuple[int, ...]:
     """Row lengths of the training batches: n steps up to seq_len (multiples of 8, the last seq_len)."""
     if n < 1:
         raise ValueError(f"length buckets: {n} (1 or more; 1 pads every row to seq_len)")
@@ -422,6 +422,13 @@ def _epoch_batches(plan, seed: int, epoch: int) -> list[tuple[int, np.ndarray]]:
     return [out[i] for i in rng.permutation(len(out))]
 
 
+def epoch_batches(data: DraftData, batch_size: int, seq_len: int, *, seed: int, epoch: int = 0,
+                  buckets=None) -> list[tuple[int, np.ndarray]]:
+    """Epoch `epoch` of `batches`: (row length, sample ids) per step, in training order. Every epoch has
+    as many steps (which row lengths occur, and how often, depends on the lengths only, not the order)."""
+    return _epoch_batches(_bucket_plan(data, batch_size, seq_len, buckets), seed, epoch)
+
+
 def batches(data: DraftData, batch_size: int, seq_len: int, *, seed: int, start_step: int = 0,
             buckets=None) -> Iterator[dict]:
     """Endless training batches: samples shuffled per epoch (deterministic in `seed` and the epoch, so a
@@ -434,11 +441,11 @@ def batches(data: DraftData, batch_size: int, seq_len: int, *, seed: int, start_
     of them padding when most samples are much shorter than seq_len (one compiled step per bucket). None: every
     row seq_len long, batch_size rows."""
     plan = _bucket_plan(data, batch_size, seq_len, buckets)
-    per_epoch = len(_epoch_batches(plan, seed, 0))  # the same count every epoch (only the order changes)
+    epoch, cached = 0, _epoch_batches(plan, seed, 0)
+    per_epoch = len(cached)  # the same count every epoch (only the order changes)
     if per_epoch == 0:
         raise DataError(f"{len(data)} training samples are fewer than one batch of {plan[-1][1]}")
     step = start_step
-    epoch, cached = -1, []
     while True:
         e, k = divmod(step, per_epoch)
         if e != epoch:

@@ -153,7 +153,7 @@ class Trainer:
         else:
             print(f"warning: {mngr.directory} does not record the tokens seen up to step {self.step}; counting from 0",
                   flush=True)
-        self._check_schedule(progress, mngr.directory)
+        self._check_settings(progress, mngr.directory)
         return True
 
     def schedule_settings(self) -> dict:
@@ -165,7 +165,7 @@ class Trainer:
         tc = self.tc
         return {"batch_size": tc.batch_size, "seq_len": tc.seq_len, "length_buckets": tc.length_buckets, "seed": tc.seed}
 
-    def _check_schedule(self, state: dict, where) -> None:
+    def _check_settings(self, state: dict, where) -> None:
         """A resume under another schedule is allowed (e.g. training on past the planned steps), but the
         learning rate jumps: say so. Likewise under other batching: the order of the samples changes."""
         if state.get("schedule") and state["schedule"] != self.schedule_settings():
@@ -223,7 +223,7 @@ class Trainer:
             raise ValueError(f"{directory}: not this head's parameters (differing: {sorted(differing)[:4]})")
         self.params = _own_buffers({k: jnp.asarray(pure[k], jnp.float32) for k in self.params})
         self.step, self.tokens_seen = int(state["step"]), int(state["tokens_seen"])
-        self._check_schedule(state, directory)
+        self._check_settings(state, directory)
         fresh = self.optimizer.init(self.params)
         self.opt_state = _own_buffers(optax.tree_utils.tree_set(fresh, count=jnp.asarray(self.step, jnp.int32)))
 
