@@ -110,6 +110,9 @@ def jsonl_rows(lines: Iterable[str], where) -> Iterator[tuple[str, object]]:
                 raise DataError(f"{where}:{n}: not JSON ({e.msg})") from e
 
 
+MAX_TURNS = 8  # user turns a conversation record may hold (records.Record); each turn has a seed of its own
+
+
 def normalise(text: str) -> str:
     return re.sub(r"\s+", " ", text).strip().lower()
 
@@ -378,7 +381,7 @@ def regenerate_records(engine, tokenizer, records: list, *, max_new_tokens: int,
             break
         temps = [temperatures[(first_index + i) % len(temperatures)] for i in asked]
         outs = regenerate(engine, ids, max_new_tokens=max_new_tokens, temperatures=temps, chunk=chunk, progress=progress,
-                          seeds=[seed + (first_index + i) * 8 + turn for i in asked])  # ≤ 8 turns a record
+                          seeds=[seed + (first_index + i) * MAX_TURNS + turn for i in asked])
         for i, (full, plen) in zip(asked, outs):
             answered.append((i, turn, (full, plen)))
             answers[i].append(tokenizer.decode(full[plen:]))

@@ -13,10 +13,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from jeagle.train.data import DataError, jsonl_rows, read_prompts
-
-
-MAX_TURNS = 8
+from jeagle.train.data import MAX_TURNS, DataError, jsonl_rows, read_prompts
 
 
 @dataclass(frozen=True)
