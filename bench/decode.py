@@ -4,7 +4,8 @@ What is timed, for every system alike: greedy generation of `--max-new-tokens` t
 ignored: every request gets exactly that many) for a batch of `batch` MT-bench first turns (chat
 template applied, the same token ids for every system), after a warm-up run of the same batch that
 compiles everything the timed run uses; tokens/s = batch × new tokens ÷ wall time (prefill included),
-the median of `--repeats`. Systems:
+the median of `--repeats`. `--waves W` times W batches of distinct prompts one after another (batch 1
+with one prompt says little about a head; `--waves 8` runs the first 8 prompts one at a time). Systems:
 
     jeagle        target-only (`target_only`)
     jeagle-eagle  EAGLE-3 with the shipped head (`speculative`, `--tier`, default (5,4,8)); its accept
@@ -47,9 +48,19 @@ EAGLE_LLM_WHY = ("eagle-llm 1.2.1 (eagle.model.cnets.Model) implements EAGLE-1/2
                  "8k-vocabulary lm_head, d2t), which it cannot load")
 
 
-def batch_of(prompts_ids: list[list[int]], batch: int) -> list[list[int]]:
-    """The first `batch` prompts (cycled when there are fewer)."""
-    return [prompts_ids[i % len(prompts_ids)] for i in range(batch)]
+def batch_of(prompts_ids: list[list[int]], batch: int, wave: int = 0) -> list[list[int]]:
+    """Wave `wave`'s `batch` prompts: the first `batch` for wave 0, the next `batch` for wave 1, ... (cycled
+    when there are fewer)."""
+    return [prompts_ids[(wave * batch + i) % len(prompts_ids)] for i in range(batch)]
+
+
+def merge_waves(stats: list[dict]) -> dict:
+    """One run's stats over its waves: tokens listed wave after wave, the accept length weighted by each
+    wave's request-rounds."""
+    rounds = sum(s["rounds"] for s in stats)
+    out = dict(stats[-1]) | {"tokens": [t for s in stats for t in s["tokens"]], "rounds": rounds}
+    out["accept_length"] = sum(s["accept_length"] * s["rounds"] for s in stats) / rounds if rounds else 1.0
+    return out
 
 
 JEAGLE_SYSTEMS = ("jeagle", "jeagle-eagle", "jeagle-adaptive")
@@ -78,7 +89,7 @@ def token_agreement(got: list[list[int]], want: list[list[int]]) -> dict:
 
 def jeagle_rows(target_dir, head_dir, prompts_ids, batches, max_new, repeats, tier, systems=JEAGLE_SYSTEMS,
                 adaptive_config=None, engine_config: dict | None = None, sampling: dict | None = None,
-                tokenizer=None, kv_chunk: int | None = None) -> list[dict]:
+                tokenizer=None, kv_chunk: int | None = None, waves: int = 1) -> list[dict]:
     from jeagle.adaptive import AdaptiveConfig
     from jeagle.checkpoint import load_draft, load_model
     from jeagle.engine import EngineConfig, speculative, target_only
@@ -114,7 +125,8 @@ def jeagle_rows(target_dir, head_dir, prompts_ids, batches, max_new, repeats, ti
     sp = SamplingParams(max_new_tokens=max_new, **({"ignore_eos": True} | sampling))
     rows = []
     for batch in batches:
-        ids = batch_of(prompts_ids, batch)
+        wave_ids = [batch_of(prompts_ids, batch, w) for w in range(waves)]
+        ids = [p for w in wave_ids for p in w]
         tokens: dict[str, list[list[int]]] = {}
         for name, eng in engines.items():
             # Compile every executable this batch can reach (the smaller buckets it shrinks into as
@@ -122,19 +134,25 @@ def jeagle_rows(target_dir, head_dir, prompts_ids, batches, max_new, repeats, ti
             eng.warmup(batch_sizes=range(1, batch + 1), prefill_lengths=sorted({len(p) for p in ids}),
                        greedy=(sp.greedy,), logprobs=(sp.logprobs is not None,), penalties=(sp.penalized,),
                        prefix=(False, True), progress=False)
-            eng.generate(ids, sp)
+            for w in wave_ids:
+                eng.generate(w, sp)
 
             def once():
                 eng.flush_cache()  # every run starts cold: later waves reuse only what this run prefilled
                 if name == "jeagle-adaptive":
                     eng.decoder.reset_tier()  # every run starts from the initial tier with a fresh EMA
-                outs = eng.generate(ids, sp)
-                if eng.last_stats.compile_s:
-                    raise RuntimeError(f"{name}: the timed run compiled")
-                return sum(len(o.token_ids) for o in outs), eng.last_stats.to_dict() | {"tokens": [o.token_ids for o in outs]}
+                n, stats = 0, []
+                for w in wave_ids:  # --waves: batches of distinct prompts one after another
+                    outs = eng.generate(w, sp)
+                    if eng.last_stats.compile_s:
+                        raise RuntimeError(f"{name}: the timed run compiled")
+                    n += sum(len(o.token_ids) for o in outs)
+                    stats.append(eng.last_stats.to_dict() | {"tokens": [o.token_ids for o in outs]})
+                return n, merge_waves(stats)
 
             tps, stats = median_run(once, repeats)
             row = {"system": name, "batch": batch, "tokens_per_s": round(tps, 1)} | (
+                {"waves": waves} if waves > 1 else {}) | (
                 {"sampling": report} if report else {})
             if "grammar" in report:  # where a grammar batch's time goes (the median run's stats)
                 hb = stats["host_blocked_ms"] or {}
@@ -250,6 +268,9 @@ def main(argv=None) -> dict:
     p.add_argument("--kv-chunk", type=int, default=None,
                    help="positions a request's KV slots grow by ahead of need (default: runtime/kv.py's CHUNK)")
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--waves", type=int, default=1,
+                   help="batches of distinct prompts timed one after another per batch size (batch 1 with "
+                        "--waves 8: the first 8 prompts, one at a time); tokens/s over them all")
     p.add_argument("--json-out", default=None)
     p.add_argument("--plot", default=None, help="PNG path")
     p.add_argument("--plot-only", default=None, metavar="JSON", help="draw --plot from an earlier --json-out")
@@ -283,6 +304,8 @@ def main(argv=None) -> dict:
         p.error(f"--engine-config: not EngineConfig fields: {bad}")
     if fixed := sorted(set(engine_config) & {"max_batch_size", "batch_buckets", "max_context"}):
         p.error(f"--engine-config: {fixed} follow from --batch-sizes and the prompts")
+    if args.waves < 1:
+        p.error("--waves: at least 1")
     if "kernels" in engine_config:
         p.error("--engine-config: kernels follow from the environment (JEAGLE_KERNELS, JEAGLE_PAGED_ATTENTION_SPLITS, "
                 "JEAGLE_TRITON_GEMM, JEAGLE_XLA_OPTIONS)")
@@ -298,7 +321,7 @@ def main(argv=None) -> dict:
     doc["rows"] += jeagle_rows(target_dir, head_dir, prompts_ids, batches, args.max_new_tokens, args.repeats, tier,
                                systems, args.adaptive_config, engine_config,
                                json.loads(args.sampling) if args.sampling else None, tok,
-                               args.kv_chunk)
+                               args.kv_chunk, args.waves)
     hf_batches = [int(b) for b in args.hf_batch_sizes.split(",") if b.strip()]
     if hf_batches:
         if args.target is not None:

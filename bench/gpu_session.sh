@@ -249,6 +249,15 @@ if [[ "$steps" == *" phases "* ]]; then  # issue 22: each phase's share of a rou
     done
   done
 fi
+if [[ "$steps" == *" tiers "* ]]; then  # issue 23 item 3: tokens/s of each (S,K,N) with the shipped head, per batch
+  # Target-only once (the first run), then each tier alone; each run a fresh process bounded by TIER_TIMEOUT s.
+  first=1
+  for t in ${TIERS:-5,4,8 3,1,4 4,2,6 6,4,16 6,10,60 8,4,16}; do
+    sys=jeagle-eagle; [ -n "$first" ] && sys=jeagle,jeagle-eagle; first=
+    timeout "${TIER_TIMEOUT:-150}" bash -c "$(declare -f decode_variant); OUT='$OUT'; decode_variant tiers 'tier $t' \
+      --batch-sizes '${TIER_BATCHES:-1,16,48}' --tier '$t' --systems '$sys' --repeats '${TIER_REPEATS:-2}' ${TIER_ARGS:-}"
+  done
+fi
 if [[ "$steps" == *" commitab "* ]]; then  # one commit against another in one call: bench/decode.py, jeagle systems
   # An older tree travels as old.tar.gz (`git archive --prefix=old/ COMMIT -- . ':!jeagle/heads' ':!bench/results'
   # | gzip` in a staged part); it runs with this tree's shipped head and GGUF, its own conversion cache. Runs
