@@ -30,6 +30,9 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, default=256, help="new tokens per request (random head: one per round)")
     p.add_argument("--sync", action="store_true")
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--real", default=None, metavar="PROMPTS.jsonl",
+                   help="the real SmolLM2 target and the shipped head on these prompts (chat template), "
+                        "not random weights: rounds accept what the head accepts")
     args = p.parse_args(argv)
 
     import numpy as np
@@ -39,19 +42,42 @@ def main(argv=None):
     from jeagle.sampling import SamplingParams
     from jeagle.spec.round import SpecConfig
 
-    model, head = random_target_and_head(args.shape)
-    rng = np.random.default_rng(0)
-    prompts = [list(rng.integers(10, model.cfg.vocab_size, args.context)) for _ in range(args.batch)]
+    if args.real:
+        from common import chat_ids, read_prompts
+
+        from jeagle.checkpoint import load_draft, load_model
+        from jeagle.fetch import resolve_draft, resolve_target
+        from jeagle.heads import default_head_dir
+        from jeagle.tokenizer import Tokenizer
+
+        target_dir = resolve_target(None, quiet=True)
+        model = load_model(target_dir)
+        head = load_draft(resolve_draft(str(default_head_dir()), target_dir, quiet=True), target=model.cfg)
+        ids = chat_ids(Tokenizer.from_dir(target_dir), read_prompts(args.real, ""))
+        prompts = [ids[i % len(ids)] for i in range(args.batch)]
+        args.context = max(len(p) for p in prompts)
+    else:
+        model, head = random_target_and_head(args.shape)
+        rng = np.random.default_rng(0)
+        prompts = [list(rng.integers(10, model.cfg.vocab_size, args.context)) for _ in range(args.batch)]
     cfg = EngineConfig(max_batch_size=args.batch, max_context=args.context + args.tokens + 64,
                        batch_buckets=(args.batch,), verify_done_wait="sync" if args.sync else "dataflow",
                        kernels=KernelSettings.from_env())
     eng = speculative(model, head, cfg, SpecConfig(5, 4, 8))
     sp = SamplingParams(max_new_tokens=args.tokens, ignore_eos=True)
+    def cold():  # every run starts without prefix-cache hits (the first prefilled these prompts)
+        if hasattr(eng, "flush_cache"):
+            eng.flush_cache()
+
     eng.generate(prompts, sp)
+    cold()
     t0 = time.perf_counter()
     eng.generate(prompts, sp)
     wall = time.perf_counter() - t0
     rounds = eng.last_stats.speculative.round_dispatches
+    if eng.last_stats.compile_s:
+        print(f"warning: the timed run compiled for {eng.last_stats.compile_s:.2f} s")
+    cold()
     prof = cProfile.Profile()
     prof.enable()
     eng.generate(prompts, sp)
@@ -61,7 +87,8 @@ def main(argv=None):
     for (file, line, fn), (cc, nc, tt, ct, _) in stats.stats.items():
         rows.append({"function": f"{Path(file).name}:{line}({fn})", "calls_per_round": nc / rounds,
                      "own_us_per_round": 1e6 * tt / rounds, "cum_us_per_round": 1e6 * ct / rounds})
-    print(f"batch {args.batch}: {1e3 * wall / rounds:.3f} ms per round unprofiled ({rounds} rounds)")
+    print(f"batch {args.batch}: {1e3 * wall / rounds:.3f} ms per round unprofiled ({rounds} rounds, accept length "
+          f"{eng.last_stats.accept_length:.2f})")
     for key in ("own_us_per_round", "cum_us_per_round"):
         print(f"\n{'function':<70} {'calls':>6} {'own us':>8} {'cum us':>8}   (per round, by {key.split('_')[0]})")
         for r in sorted(rows, key=lambda r: -r[key])[: args.top]:

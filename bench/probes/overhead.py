@@ -66,6 +66,11 @@ def main(argv=None):
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--reps", type=int, default=32)
     p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--distinct", action="store_true",
+                   help="a different prompt per row (default: one prompt repeated, which the prefix cache shares)")
+    p.add_argument("--engine-config", default="{}", metavar="JSON",
+                   help='more EngineConfig fields, e.g. \'{"prefix_cache": false}\'')
+    p.add_argument("--kv-chunk", type=int, default=None, help="positions a request's slots grow by ahead of need")
     args = p.parse_args(argv)
 
     import tempfile
@@ -83,7 +88,7 @@ def main(argv=None):
     model, head = random_target_and_head(args.shape)
     kernels = KernelSettings.from_env()
     s, k, n = (int(x) for x in args.tier.split(","))
-    prompt = list(range(100, 100 + args.context))
+    extra = json.loads(args.engine_config)
     sp = SamplingParams(max_new_tokens=args.rounds, ignore_eos=True)
     rows = []
     print(f"{'batch':>5} {'mode':>17} {'wall ms':>9} {'blk mean':>8} {'blk p50':>8} {'blk p99':>8} {'device ms':>9} "
@@ -93,16 +98,24 @@ def main(argv=None):
         for mode in args.modes.split(","):
             overlap, wait = MODES[mode]
             eng = speculative(model, head, EngineConfig(max_batch_size=batch, max_context=1024, overlap=overlap,
-                                                        verify_done_wait=wait, kernels=kernels), SpecConfig(s, k, n))
-            eng.generate([prompt] * batch, sp)  # compiles
-            eng.generate([prompt] * batch, sp)
+                                                        verify_done_wait=wait, kernels=kernels, **extra),
+                              SpecConfig(s, k, n))
+            if args.kv_chunk:
+                eng.kv.chunk = args.kv_chunk
+            prompts = [list(range(100 + i * args.distinct, 100 + i * args.distinct + args.context)) for i in range(batch)]
+            eng.generate(prompts, sp)  # compiles
+            if hasattr(eng, "flush_cache"):
+                eng.flush_cache()  # the timed run starts cold, as the first did (no prefix-cache hits)
+            eng.generate(prompts, sp)
             st = eng.last_stats.to_dict()
+            if st.get("compile_s"):
+                print(f"warning: the timed run compiled for {st['compile_s']:.2f} s", flush=True)
             wall_ms = 1e3 * st["wall_s"] / st["steps"]
             if device_ms is None:
                 b, kv = eng.buckets.decode(batch, args.context + args.rounds + s + 1)  # kv capped at the context
                 device_ms = device_round_ms(eng, b, kv, args.reps)
             hb = st["host_blocked_ms"]
-            rows.append({"batch": batch, "mode": mode, "rounds": st["steps"], "wall_ms_per_round": round(wall_ms, 3),
+            rows.append({"batch": batch, "mode": mode, "rounds": st["steps"], "compile_s": st.get("compile_s"), "wall_ms_per_round": round(wall_ms, 3),
                          "host_blocked_ms": {k2: round(v, 3) for k2, v in hb.items()},
                          "host_blocked_share": round(hb["mean"] / wall_ms, 3), "device_ms_per_round": round(device_ms, 3),
                          "gpu_idle_share": round(max(0.0, 1 - device_ms / wall_ms), 3)})
@@ -110,6 +123,7 @@ def main(argv=None):
             print(f"{batch:>5} {mode:>17} {wall_ms:>9.3f} {hb['mean']:>8.3f} {hb['p50']:>8.3f} {hb['p99']:>8.3f} "
                   f"{device_ms:>9.3f} {r['gpu_idle_share']:>6.1%}", flush=True)
     print(json.dumps({"bench": "overhead", "shape": args.shape, "tier": [s, k, n], "device": device_kind(),
+                      "distinct": args.distinct, "engine_config": extra, "kv_chunk": args.kv_chunk,
                       "commit": git_commit(), "rows": rows}))
 
 
