@@ -10,7 +10,7 @@ import pytest
 from jeagle.engine import EngineConfig, speculative, target_only
 from jeagle.models.eagle import random_draft
 from jeagle.models.llama import random_model
-from jeagle.runtime.kv import MIN_CACHED, Committed, KVManager, ShortOfSlots
+from jeagle.runtime.kv import MIN_CACHED, SHARE_WAIT, Committed, KVManager, ShortOfSlots
 from jeagle.runtime.radix import RadixCache, bigram_keys
 from jeagle.runtime.requests import RequestLimits, make_request
 from jeagle.runtime.slots import SlotPool
@@ -208,3 +208,27 @@ def test_n_samples_of_one_prompt_share_its_prefill(models):
         engine.step()
     assert [r.cached_tokens for r in reqs] == [0, len(prompt) - 1, len(prompt) - 1]
     assert len({tuple(r.out.token_ids) for r in reqs}) > 1
+
+
+@pytest.mark.parametrize("shared, groups", [(24, 1), (SHARE_WAIT + 8, 2)])
+def test_a_short_shared_prefix_does_not_split_the_prefill(models, shared, groups):
+    """Prompts sharing a chat template's short system line are prefilled together (computing it again
+    costs less than another prefill dispatch); a long shared prefix is waited for and taken from the
+    cache. The output is the same either way."""
+    rng = np.random.default_rng(7)
+    system = list(rng.integers(4, 96, shared))
+    prompts = [system + list(rng.integers(4, 96, n)) for n in (9, 14, 11, 20)]
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    want = run(make(models, "target", max_batch_size=4, max_context=400, prefix_cache=False), prompts, params)
+    engine = make(models, "target", max_batch_size=4, max_context=400)
+    calls = []
+    prefill = engine.decoder.prefill
+
+    def counting(reqs, *a, **k):
+        calls.append(len(reqs))
+        return prefill(reqs, *a, **k)
+    engine.decoder.prefill = counting
+    assert run(engine, prompts, params) == want
+    assert calls == ([4] if groups == 1 else [1, 3])
+    cached = engine.last_stats.cached_tokens
+    assert cached == 0 if groups == 1 else 3 * shared <= cached < 3 * (shared + 9)
