@@ -210,14 +210,17 @@ def test_n_samples_of_one_prompt_share_its_prefill(models):
     assert len({tuple(r.out.token_ids) for r in reqs}) > 1
 
 
-@pytest.mark.parametrize("shared, groups", [(24, 1), (SHARE_WAIT + 8, 2)])
+@pytest.mark.parametrize("shared, groups", [(24, 1), (SHARE_WAIT + 8, 2), (40, "same")])
 def test_a_short_shared_prefix_does_not_split_the_prefill(models, shared, groups):
     """Prompts sharing a chat template's short system line are prefilled together (computing it again
-    costs less than another prefill dispatch); a long shared prefix is waited for and taken from the
-    cache. The output is the same either way."""
+    costs less than another prefill dispatch); a long shared prefix, or one prompt sent several times
+    (n > 1), is prefilled once and the rest take it from the cache, together in the next prefill (not
+    one prefill each). The output is the same either way."""
     rng = np.random.default_rng(7)
     system = list(rng.integers(4, 96, shared))
     prompts = [system + list(rng.integers(4, 96, n)) for n in (9, 14, 11, 20)]
+    if groups == "same":
+        prompts = [prompts[0]] * 4
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
     want = run(make(models, "target", max_batch_size=4, max_context=400, prefix_cache=False), prompts, params)
     engine = make(models, "target", max_batch_size=4, max_context=400)
@@ -231,4 +234,7 @@ def test_a_short_shared_prefix_does_not_split_the_prefill(models, shared, groups
     assert run(engine, prompts, params) == want
     assert calls == ([4] if groups == 1 else [1, 3])
     cached = engine.last_stats.cached_tokens
-    assert cached == 0 if groups == 1 else 3 * shared <= cached < 3 * (shared + 9)
+    if groups == "same":
+        assert cached == 3 * (len(prompts[0]) - 1)
+    else:
+        assert cached == 0 if groups == 1 else 3 * shared <= cached < 3 * (shared + 9)

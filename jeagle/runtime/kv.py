@@ -83,9 +83,13 @@ class KVManager:
         for g in group:
             if not self.usable(g):
                 continue
-            if len(seq) > MIN_CACHED and g.seq == seq and g.cached < len(seq) - 1:
-                return True
-            if len(g.seq) >= need <= len(seq) and g.cached < need and g.seq[:need] == seq[:need]:
+            if g.seq == seq:
+                run = len(seq) - 1  # what r would take from the cache: all but its last token
+            elif len(g.seq) >= need <= len(seq) and g.seq[:need] == seq[:need]:
+                run = min(need, len(seq) - 1)
+            else:
+                continue
+            if run >= MIN_CACHED and g.cached < run:
                 return True
         return False
 
