@@ -54,11 +54,16 @@ def batch_of(prompts_ids: list[list[int]], batch: int, wave: int = 0) -> list[li
     return [prompts_ids[(wave * batch + i) % len(prompts_ids)] for i in range(batch)]
 
 
+WAVE_SUMS = ("rounds", "round_dispatches", "steps", "wall_s", "new_tokens", "prompt_tokens", "grammar_mask_ms",
+             "grammar_rows_walked", "grammar_rows_masked")
+
+
 def merge_waves(stats: list[dict]) -> dict:
-    """One run's stats over its waves: tokens listed wave after wave, the accept length weighted by each
-    wave's request-rounds."""
-    rounds = sum(s["rounds"] for s in stats)
-    out = dict(stats[-1]) | {"tokens": [t for s in stats for t in s["tokens"]], "rounds": rounds}
+    """One run's stats over its waves: the counters and times summed, tokens listed wave after wave, the
+    accept length weighted by each wave's request-rounds; the rest (latencies, tier history) the last wave's."""
+    out = dict(stats[-1]) | {k: sum(s[k] for s in stats) for k in WAVE_SUMS}
+    out["tokens"] = [t for s in stats for t in s["tokens"]]
+    rounds = out["rounds"]
     out["accept_length"] = sum(s["accept_length"] * s["rounds"] for s in stats) / rounds if rounds else 1.0
     return out
 

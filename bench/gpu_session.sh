@@ -187,7 +187,8 @@ fi
 decode_variant() {  # STEM LABEL ARGS...: one bench/decode.py run (jeagle systems only); JSON to STEM.jsonl, rows to STEM.log
   local stem="$1" label="$2"; shift 2
   echo "$label" | tee -a "$OUT/$stem.log"
-  python3 bench/decode.py --prompts .data/mtbench.jsonl --hf-batch-sizes "" --systems jeagle,jeagle-eagle "$@" 2>&1 \
+  ${DECODE_TIMEOUT:+timeout "$DECODE_TIMEOUT"} python3 bench/decode.py --prompts .data/mtbench.jsonl --hf-batch-sizes "" \
+    --systems jeagle,jeagle-eagle "$@" 2>&1 \
     | grep '^{"bench"' | tee -a "$OUT/$stem.jsonl" \
     | python3 -c "import json,sys; [print(r) for r in json.load(sys.stdin)['rows']]" | tee -a "$OUT/$stem.log"
 }
@@ -254,8 +255,8 @@ if [[ "$steps" == *" tiers "* ]]; then  # issue 23 item 3: tokens/s of each (S,K
   first=1
   for t in ${TIERS:-5,4,8 3,1,4 4,2,6 6,4,16 6,10,60 8,4,16}; do
     sys=jeagle-eagle; [ -n "$first" ] && sys=jeagle,jeagle-eagle; first=
-    timeout "${TIER_TIMEOUT:-150}" bash -c "$(declare -f decode_variant); OUT='$OUT'; decode_variant tiers 'tier $t' \
-      --batch-sizes '${TIER_BATCHES:-1,16,48}' --tier '$t' --systems '$sys' --repeats '${TIER_REPEATS:-2}' ${TIER_ARGS:-}"
+    DECODE_TIMEOUT="${TIER_TIMEOUT:-150}" decode_variant tiers "tier $t" --batch-sizes "${TIER_BATCHES:-1,16,48}" \
+      --tier "$t" --systems "$sys" --repeats "${TIER_REPEATS:-2}" ${TIER_ARGS:-}
   done
 fi
 if [[ "$steps" == *" commitab "* ]]; then  # one commit against another in one call: bench/decode.py, jeagle systems

@@ -236,5 +236,7 @@ def test_a_short_shared_prefix_does_not_split_the_prefill(models, shared, groups
     cached = engine.last_stats.cached_tokens
     if groups == "same":
         assert cached == 3 * (len(prompts[0]) - 1)
-    else:
-        assert cached == 0 if groups == 1 else 3 * shared <= cached < 3 * (shared + 9)
+    elif groups == 1:
+        assert cached == 0
+    else:  # the shared run, and a suffix token now and then that happens to agree
+        assert 3 * shared <= cached < 3 * (shared + 9)

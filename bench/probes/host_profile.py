@@ -65,8 +65,9 @@ def main(argv=None):
                        kernels=KernelSettings.from_env())
     eng = speculative(model, head, cfg, SpecConfig(5, 4, 8))
     sp = SamplingParams(max_new_tokens=args.tokens, ignore_eos=True)
+
     def cold():  # every run starts without prefix-cache hits (the first prefilled these prompts)
-        if hasattr(eng, "flush_cache"):
+        if hasattr(eng, "flush_cache"):  # trees before the prefix cache have none (this probe runs them too)
             eng.flush_cache()
 
     eng.generate(prompts, sp)

@@ -79,7 +79,7 @@ class KVManager:
         if not self.usable(r):
             return False
         seq = r.seq
-        need = max(MIN_CACHED, SHARE_WAIT, len(seq) // 2)
+        need = max(SHARE_WAIT, len(seq) // 2)
         for g in group:
             if not self.usable(g):
                 continue
