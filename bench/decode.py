@@ -159,11 +159,14 @@ def jeagle_rows(target_dir, head_dir, prompts_ids, batches, max_new, repeats, ti
             row = {"system": name, "batch": batch, "tokens_per_s": round(tps, 1)} | (
                 {"waves": waves} if waves > 1 else {}) | (
                 {"sampling": report} if report else {})
-            if "grammar" in report:  # where a grammar batch's time goes (the median run's stats)
-                hb = stats["host_blocked_ms"] or {}
-                row |= {"steps": stats["steps"], "wall_s": round(stats["wall_s"], 3),
-                        "grammar_mask_ms": round(stats["grammar_mask_ms"], 1),
-                        "host_blocked_ms_p50": round(hb.get("p50", 0.0), 3),
+            # Where the median run's time went: decode steps / rounds dispatched, the engine's wall, the
+            # host's blocked time per step, prompt tokens taken from the prefix cache.
+            hb = stats["host_blocked_ms"] or {}
+            row |= {"steps": stats["steps"], "wall_s": round(stats["wall_s"], 3),
+                    "host_blocked_ms_p50": round(hb.get("p50", 0.0), 3),
+                    "cached_tokens": stats.get("cached_tokens", 0)}
+            if "grammar" in report:  # where a grammar batch's time goes
+                row |= {"grammar_mask_ms": round(stats["grammar_mask_ms"], 1),
                         "grammar_rows_walked": stats["grammar_rows_walked"],
                         "grammar_rows_masked": stats["grammar_rows_masked"]}
             tokens[name] = stats["tokens"]

@@ -280,6 +280,27 @@ if [[ "$steps" == *" commitab "* ]]; then  # one commit against another in one c
     done
   done
 fi
+if [[ "$steps" == *" hostprof "* ]]; then  # the host's time per round, real model and head (bench/probes/host_profile.py)
+  # This tree, and with old.tar.gz staged (see commitab) the older tree too, alternating; HP_BATCHES, HP_TOKENS.
+  head="$PWD/jeagle/heads/smollm2-135m-instruct-eagle3"
+  trees="new"
+  if [ -f "$HOME/stage/old.tar.gz" ]; then
+    trees="old new"
+    [ -d "$HOME/old" ] || { tar xzf "$HOME/stage/old.tar.gz" -C "$HOME" && ln -sfn "$PWD/.data" "$HOME/old/.data" \
+      && cp -r jeagle/heads "$HOME/old/jeagle/"; }
+    mkdir -p "$HOME/jcache_old/gguf" && ln -sf "$gguf" "$HOME/jcache_old/gguf/"
+  fi
+  for b in ${HP_BATCHES:-48}; do
+    for tree in $trees; do
+      dir="$PWD"; cache="$JEAGLE_CACHE"
+      [ "$tree" = old ] && dir="$HOME/old" && cache="$HOME/jcache_old"
+      echo "== $tree batch $b" | tee -a "$OUT/hostprof.log"
+      (cd "$dir" && JEAGLE_CACHE="$cache" PYTHONPATH="$HOME/site:$dir" timeout "${HP_TIMEOUT:-240}" python3 \
+        bench/probes/host_profile.py --real .data/mtbench.jsonl --batch "$b" --tokens "${HP_TOKENS:-256}" --top 30 2>&1 \
+        | grep -v "Converting\|Loading" | tee -a "$OUT/hostprof.log" | grep '^{"bench"' >> "$OUT/hostprof_$tree.jsonl")
+    done
+  done
+fi
 if [[ "$steps" == *" partings "* ]]; then  # issue 27: where bf16 EAGLE parts from target-only, fp32 gaps; --deterministic cost
   # The default mode over every question; deterministic mode (its cost, its equality) over the first DET_PROMPTS.
   python3 bench/probes/partings.py --prompts .data/mtbench.jsonl --num-prompts "${PARTINGS_PROMPTS:-80}" \
