@@ -254,6 +254,12 @@ class SlotTables:
         return len(rows), tables, lengths
 
     @staticmethod
+    def tables_ready(handle) -> bool:
+        """Whether a `read_tables` handle's copies are done (`tables_of` would not wait)."""
+        _, tables, lengths = handle
+        return tables.is_ready() and lengths.is_ready()
+
+    @staticmethod
     def tables_of(handle) -> tuple[np.ndarray, np.ndarray]:
         n, tables, lengths = handle
         return np.asarray(tables)[:n], np.asarray(lengths)[:n]

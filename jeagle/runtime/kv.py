@@ -197,14 +197,11 @@ class KVManager:
             had, node = self.cache.insert(keys, table)
             adopted = table[had:]
             if len(adopted):
-                keep = np.ones(len(own), bool)
-                pos = {int(s): i for i, s in enumerate(own)}
-                for s in adopted:
-                    i = pos.get(int(s))
-                    if i is None:
-                        raise AssertionError(f"request {r.index}: committed slot {int(s)} is not its own")
-                    keep[i] = False
-                own = own[keep]
+                taken = np.isin(own, adopted)
+                if taken.sum() != len(adopted):
+                    stray = adopted[~np.isin(adopted, own)]
+                    raise AssertionError(f"request {r.index}: committed slots {stray[:8].tolist()} are not its own")
+                own = own[~taken]
         if len(own):
             self.pool.allocator.free(own)
         if r.node is not None:

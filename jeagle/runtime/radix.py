@@ -22,14 +22,15 @@ import numpy as np
 
 def token_keys(tokens, n: int) -> list[int]:
     """Keys of positions 0..n-1 for target-only decoding: the tokens themselves."""
-    return [int(t) for t in tokens[:n]]
+    return np.asarray(tokens[:n], np.int64).tolist()
 
 
 def bigram_keys(tokens, n: int, vocab: int) -> list[int]:
     """Keys of positions 0..n-1 for speculative decoding: (t_i, t_{i+1}) as one int (needs n + 1 tokens)."""
     if n >= len(tokens):
         raise ValueError("bigram keys of n positions need n + 1 tokens")
-    return [int(tokens[i]) * vocab + int(tokens[i + 1]) for i in range(n)]
+    t = np.asarray(tokens[:n + 1], np.int64)  # a request finishing computes ~its whole sequence's: no Python loop
+    return (t[:-1] * vocab + t[1:]).tolist()
 
 
 class Node:

@@ -223,9 +223,11 @@ class Engine:
             if r.table is not None:
                 self.kv.release(r, Committed(int(n), table))
 
-    def _complete_releases(self) -> None:
-        """Release the finished requests whose slot tables were read."""
-        while self._releasing:
+    def _complete_releases(self, wait: bool = True) -> None:
+        """Release the finished requests whose slot tables were read: all of them (wait: the host
+        blocks on reads still in flight), or only those whose reads are done (a read dispatched behind
+        the round in flight is not done before that round is: waiting on it would idle the device)."""
+        while self._releasing and (wait or self.decoder.tables_ready(self._releasing[0][1])):
             self._complete(*self._releasing.popleft())
 
     def _deliver(self, r: Request, tokens, logprobs=None) -> None:
@@ -280,11 +282,13 @@ class Engine:
         dec, pending, acct = self.decoder, self._pending, self._acct
         # The next host step starts with the wait on the last round's verify results (sync: hard).
         blocked = self.verify_done.wait()
-        self._complete_releases()  # their reads were started a step ago
+        if not self._running:  # nothing runs that waiting on the finished requests' table reads would stall
+            self._complete_releases()
         self._admit_waiting()
         live = [r for r in self._running if dec.wants_step(r)]
+        longest = 0
         if live:
-            live, waited = self._reserve(live)
+            live, waited, longest = self._reserve(live)
             blocked += waited
         grammar = wants_grammar(live)
 
@@ -299,7 +303,7 @@ class Engine:
             self._running = [r for r in self._running if not r.done]
             live = [r for r in self._running if dec.wants_step(r)]
         if live:
-            b, kv = self.buckets.decode(len(live), max(dec.prefix_needed(r) for r in live))
+            b, kv = self.buckets.decode(len(live), longest)
             acct["buckets_used"].add(b)
             result = dec.step(live, b, kv, drain)
             pending.append(("step", live, result))
@@ -313,6 +317,7 @@ class Engine:
         while len(pending) > keep:
             blocked += self._process(*pending.popleft())
         self._ask_tables()
+        self._complete_releases(wait=False)  # after the dispatch: their host work overlaps the device's
         if live:
             acct["blocked_per_step"].append(blocked)
         self._running = [r for r in self._running if not r.done]
@@ -321,25 +326,34 @@ class Engine:
             self._complete_releases()
 
     # ---- slots on demand, retraction ------------------------------------------------------------------------
-    def _reserve(self, live: list[Request]) -> tuple[list[Request], float]:
+    def _reserve(self, live: list[Request]) -> tuple[list[Request], float, int]:
         """Slots for every position the next dispatch over `live` may write (written into the device's
         slot table), retracting the youngest requests while the pool cannot give them. Returns (the
-        batch to dispatch, seconds the host waited on results in flight)."""
+        batch to dispatch, seconds the host waited on results in flight, the longest prefix it needs).
+        When a row needs slots, every row within half a chunk of its end gets its next chunk in the
+        same slot-table update: one update every few dozen rounds, not one per row crossing a chunk
+        (each is a dispatch of its own on the host's critical path)."""
         dec, waited = self.decoder, 0.0
         while True:
+            need = [dec.prefix_needed(r) for r in live]
             entries, short = [], False
-            for r in live:
-                try:
-                    got = self.kv.ensure(r, dec.prefix_needed(r))
-                except ShortOfSlots:
-                    short = True
-                    break
-                if got is not None:
-                    entries.append((r.row, *got))
+            if any(n > len(r.table) for r, n in zip(live, need)):
+                ahead = self.kv.chunk // 2
+                for r, n in zip(live, need):
+                    try:
+                        got = self.kv.ensure(r, n + ahead)
+                    except ShortOfSlots:
+                        try:  # without the half chunk ahead
+                            got = self.kv.ensure(r, n)
+                        except ShortOfSlots:
+                            short = True
+                            break
+                    if got is not None:
+                        entries.append((r.row, *got))
             if entries:
                 dec.assign_slots(entries)
             if not short:
-                return live, waited
+                return live, waited, max(need, default=0)
             if self._pending or self._to_read or self._releasing:
                 # Read every result in flight (finished requests free their slots; the rest's state
                 # is final), then try again.
@@ -357,7 +371,7 @@ class Engine:
             self._running = [r for r in self._running if not r.done]
             live = [r for r in self._running if dec.wants_step(r)]
             if not live:
-                return live, waited
+                return live, waited, 0
 
     def _retract(self, r: Request) -> None:
         """Take r out of the batch (nothing of it in flight): its committed KV to the prefix cache,
