@@ -296,7 +296,7 @@ if [[ "$steps" == *" hostprof "* ]]; then  # the host's time per round, real mod
       [ "$tree" = old ] && dir="$HOME/old" && cache="$HOME/jcache_old"
       echo "== $tree batch $b" | tee -a "$OUT/hostprof.log"
       (cd "$dir" && JEAGLE_CACHE="$cache" PYTHONPATH="$HOME/site:$dir" timeout "${HP_TIMEOUT:-240}" python3 \
-        bench/probes/host_profile.py --real .data/mtbench.jsonl --batch "$b" --tokens "${HP_TOKENS:-256}" --top 30 2>&1 \
+        bench/probes/host_profile.py --real .data/mtbench.jsonl --batch "$b" --tokens "${HP_TOKENS:-256}" --top 30 ${HP_ARGS:-} 2>&1 \
         | grep -v "Converting\|Loading" | tee -a "$OUT/hostprof.log" | grep '^{"bench"' >> "$OUT/hostprof_$tree.jsonl")
     done
   done

@@ -30,6 +30,11 @@ def main(argv=None):
     p.add_argument("--tokens", type=int, default=256, help="new tokens per request (random head: one per round)")
     p.add_argument("--sync", action="store_true")
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--engine-config", default=None, metavar="JSON", help="EngineConfig overrides")
+    p.add_argument("--kv-chunk", type=int, default=None, help="positions a request's slots grow by ahead of need")
+    p.add_argument("--trace", action="store_true",
+                   help="also a jax.profiler trace of one more run: the device's busy and idle time per round, "
+                        "busy time by executable (HLO module) and the top kernels")
     p.add_argument("--real", default=None, metavar="PROMPTS.jsonl",
                    help="the real SmolLM2 target and the shipped head on these prompts (chat template), "
                         "not random weights: rounds accept what the head accepts")
@@ -63,8 +68,10 @@ def main(argv=None):
     cfg = EngineConfig(max_batch_size=args.batch, max_context=args.context + args.tokens + 64,
                        batch_buckets=tuple(sorted({min(b, args.batch) for b in (1, 16, args.batch)})),
                        verify_done_wait="sync" if args.sync else "dataflow",
-                       kernels=KernelSettings.from_env())
+                       kernels=KernelSettings.from_env(), **json.loads(args.engine_config or "{}"))
     eng = speculative(model, head, cfg, SpecConfig(5, 4, 8))
+    if args.kv_chunk:
+        eng.kv.chunk = args.kv_chunk
     sp = SamplingParams(max_new_tokens=args.tokens, ignore_eos=True)
 
     def cold():  # every run starts without prefix-cache hits (the first prefilled these prompts)
@@ -103,10 +110,60 @@ def main(argv=None):
         for r in sorted(rows, key=lambda r: -r[key])[: args.top]:
             print(f"{r['function'][:70]:<70} {r['calls_per_round']:>6.1f} {r['own_us_per_round']:>8.1f} "
                   f"{r['cum_us_per_round']:>8.1f}")
+    device = trace_device(eng, prompts, sp, cold, rounds, args.top) if args.trace else None
     print(json.dumps({"bench": "host_profile", "shape": args.shape, "device": device_kind(),
                       "commit": git_commit(), "batch": args.batch,
-                      "ms_per_round": 1e3 * wall / rounds,
+                      "ms_per_round": 1e3 * wall / rounds, "device_trace": device,
                       "top_own": sorted(rows, key=lambda r: -r["own_us_per_round"])[: args.top]}))
+
+
+def trace_device(eng, prompts, sp, cold, rounds: int, top: int) -> dict:
+    """One more cold run under jax.profiler: the device's busy time (overlapping ops merged) and its
+    idle time between the first and the last op, per round; busy time per round by HLO module
+    (which executable) and by kernel name."""
+    import collections
+    import tempfile
+
+    import jax
+
+    from common import device_events_by_device
+
+    cold()
+    with tempfile.TemporaryDirectory() as d:
+        t0 = time.perf_counter()
+        with jax.profiler.trace(d):
+            eng.generate(prompts, sp)
+        traced = time.perf_counter() - t0
+        events = [e for evs in device_events_by_device(d, with_module=True).values() for e in evs]
+    if not events:
+        print("\nno device ops in the trace (a CPU run)")
+        return {}
+    spans = sorted((e[2], e[2] + e[1]) for e in events)
+    busy, idle, end = 0.0, 0.0, None
+    for a, b in spans:
+        if end is None or a >= end:
+            idle += 0.0 if end is None else a - end
+            busy += b - a
+            end = b
+        elif b > end:
+            busy += b - end
+            end = b
+    by_module, by_kernel = collections.Counter(), collections.Counter()
+    for name, dur, _, module in events:
+        by_module[module or "?"] += dur
+        by_kernel[name] += dur
+    per = 1e3 * rounds
+    out = {"traced_wall_ms_per_round": 1e3 * traced / rounds, "busy_ms_per_round": busy / per,
+           "idle_ms_per_round": idle / per,
+           "busy_ms_per_round_by_module": {k: round(v / per, 4) for k, v in by_module.most_common(top)},
+           "busy_ms_per_round_by_kernel": {k[:80]: round(v / per, 4) for k, v in by_kernel.most_common(top)}}
+    print(f"\ndevice, traced run: busy {out['busy_ms_per_round']:.3f} ms, idle {out['idle_ms_per_round']:.3f} ms per "
+          f"round (traced wall {out['traced_wall_ms_per_round']:.3f})")
+    for title, table in (("module", out["busy_ms_per_round_by_module"]), ("kernel", out["busy_ms_per_round_by_kernel"])):
+        print(f"\n{'busy ms per round by ' + title:<84} {'ms':>8}")
+        for k, v in table.items():
+            print(f"{k[:84]:<84} {v:>8.4f}")
+    return out
 
 
 if __name__ == "__main__":

@@ -3,7 +3,8 @@
 A running request holds one request row and
     positions [0, cached)        slots the prefix cache owns (`RadixCache`), locked by the request
     positions [cached, allocated) slots of its own, allocated on demand (`ensure`): a round's worth
-                                  ahead plus `CHUNK`, never more than its whole context (`SlotLayout`)
+                                  ahead plus `CHUNK` (doubling while the pool has room to spare), never
+                                  more than its whole context (`SlotLayout`)
     extra                         its tree and draft scratch slots (speculative), allocated at admission
 A speculative round swaps accepted tree slots into positions on the device (`kernels/commit_slots.py`),
 so the host knows the request's own slots as a set; which of them holds which position it learns by
@@ -41,6 +42,8 @@ MIN_CACHED = 16
 # (a chat template's system line: 24 tokens for SmolLM2) costs less computed again in the same prefill
 # than another prefill dispatch does; waiting on it split 48 MT-bench chat prompts into 7 prefills, not 3.
 SHARE_WAIT = 256
+# A request's slots grow geometrically (`KVManager.ensure`) while this share of the pool stays free.
+GROW_FREE = 0.25
 
 
 @dataclass
@@ -59,6 +62,7 @@ class KVManager:
         self.chunk = CHUNK
         self.cached_tokens_total = 0
         self.evicted_total = 0
+        self.trimmed_total = 0  # slots given back from requests' tables grown ahead of need (`trim`)
 
     # ---- keys ----------------------------------------------------------------------------------------
     def keys(self, seq, n: int) -> list[int]:
@@ -144,18 +148,41 @@ class KVManager:
 
     def ensure(self, r, upto: int) -> tuple[int, np.ndarray] | None:
         """Own slots for positions up to `upto` (plus CHUNK, within r's context): (first new position,
-        new slots), or None when nothing was needed. Raises ShortOfSlots when the pool cannot."""
+        new slots), or None when nothing was needed. Raises ShortOfSlots when the pool cannot.
+        While the pool has room to spare (GROW_FREE of it free afterwards), r's table grows
+        geometrically instead, to twice its length: every growth is a slot-table update, a dispatch
+        between two rounds that costs the device more than a round's idle host time (bench/HISTORY.md
+        session 20), and this keeps them to a few per request."""
         have = len(r.table)
         if upto <= have:
             return None
         n = min(upto + self.chunk, r.position_cap) - have
         if n <= 0:
             return None
+        grow = min(max(upto + self.chunk, 2 * have), r.position_cap) - have
+        if grow > n and self.pool.free_slots - grow >= GROW_FREE * (self.pool.num_slots - 1):
+            n = grow  # from free slots only: nothing cached is evicted for room r may never use
         if not self._make_room(n):
             raise ShortOfSlots(n)
         new = self.pool.allocator.alloc(n)
         r.table = np.concatenate([r.table, new])
         return have, new
+
+    def trim(self, r, keep: int) -> int:
+        """Give back r's own slots of positions `keep` and later (the pool runs short and r grew
+        ahead of need): `keep` must bound every position a dispatched step may write (the decoder's
+        `prefix_needed`), so the device's slot-table row past it is never read or written again
+        (a round swaps slots only below the length it commits). Returns the slots freed."""
+        if r.table is None:
+            return 0
+        keep = max(keep, r.cached)
+        n = len(r.table) - keep
+        if n <= 0:
+            return 0
+        self.pool.allocator.free(r.table[keep:])
+        r.table = r.table[:keep]
+        self.trimmed_total += n
+        return n
 
     # ---- the prefix cache takes KV --------------------------------------------------------------------------
     def prefilled(self, r) -> None:

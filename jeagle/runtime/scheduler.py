@@ -119,7 +119,7 @@ class Engine:
 
     def check_kv(self) -> None:
         """Raise unless every KV slot is free, cached once or owned once (`KVManager.check`)."""
-        holders = list(self._running) + [r for done, _ in self._releasing for r in done]
+        holders = list(self._running) + self._to_read + [r for done, _ in self._releasing for r in done]
         self.kv.check(holders)
 
     def flush_cache(self) -> int:
@@ -169,6 +169,8 @@ class Engine:
         for r in reqs:
             self.abort(r)
         self._pending.clear()
+        for r in self._to_read:  # finished, their tables never read: their KV is freed, not cached
+            self.kv.release(r)
         self._to_read.clear()
         while self._releasing:  # finished before the failure: their tables' reads may have failed too
             done, handle = self._releasing.popleft()
@@ -283,6 +285,7 @@ class Engine:
         # The next host step starts with the wait on the last round's verify results (sync: hard).
         blocked = self.verify_done.wait()
         if not self._running:  # nothing runs that waiting on the finished requests' table reads would stall
+            self._ask_tables()
             self._complete_releases()
         self._admit_waiting()
         live = [r for r in self._running if dec.wants_step(r)]
@@ -316,11 +319,15 @@ class Engine:
         keep = 1 if live and self.config.overlap and (dec.speculative or not grammar) else 0
         while len(pending) > keep:
             blocked += self._process(*pending.popleft())
-        self._ask_tables()
+        self._running = [r for r in self._running if not r.done]
+        # The finished requests' slot tables are read when their rows and slots are wanted (requests
+        # wait) or nothing else runs: a read between two rounds stalls the device more than a round's
+        # host work would (bench/HISTORY.md session 20), and until then their KV stays where it is.
+        if self._waiting or not self._running:
+            self._ask_tables()
         self._complete_releases(wait=False)  # after the dispatch: their host work overlaps the device's
         if live:
             acct["blocked_per_step"].append(blocked)
-        self._running = [r for r in self._running if not r.done]
         if not self.has_work:
             self.verify_done.wait()  # nothing may stay pending once idle
             self._complete_releases()
@@ -354,6 +361,9 @@ class Engine:
                 dec.assign_slots(entries)
             if not short:
                 return live, waited, max(need, default=0)
+            # Short: first the slots requests hold ahead of need (grown while the pool had room).
+            if sum(self.kv.trim(r, dec.prefix_needed(r)) for r in self._running):
+                continue
             if self._pending or self._to_read or self._releasing:
                 # Read every result in flight (finished requests free their slots; the rest's state
                 # is final), then try again.
