@@ -2,13 +2,21 @@
 
 A running request holds one request row and
     positions [0, cached)        slots the prefix cache owns (`RadixCache`), locked by the request
-    positions [cached, allocated) slots of its own, allocated on demand (`ensure`): a round's worth
-                                  ahead plus `CHUNK` (doubling while the pool has room to spare), never
-                                  more than its whole context (`SlotLayout`)
+    positions [cached, allocated) slots of its own: while the pool has room to spare (`roomy`) its
+                                  whole context at admission, else its prompt and `CHUNK` more, then
+                                  on demand (`ensure`): a round's worth ahead plus `CHUNK` (doubling
+                                  while roomy); tails past need go back (`trim`) before anything is
+                                  refused or retracted
     extra                         its tree and draft scratch slots (speculative), allocated at admission
 A speculative round swaps accepted tree slots into positions on the device (`kernels/commit_slots.py`),
 so the host knows the request's own slots as a set; which of them holds which position it learns by
 reading the request's slot-table row back (`Committed`) when it caches them.
+
+Why not on demand always: each growth is a slot-table update, an executable dispatched between two
+rounds that stalls the device (H200, SmolLM2 + EAGLE-3 at batch 48, ms per round: 2.41 with no
+updates and no table reads, 2.65 with 64-slot updates, 3.04 with the reads of finished requests'
+tables as well; bench/HISTORY.md session 20). Under pressure the pool is used on demand, as SGLang
+does; with room to spare on-demand growth gains nothing.
 
 The prefix cache takes positions at two moments: after a prefill is dispatched (the prompt's, whose
 slots the host assigned itself), and when a request finishes or is retracted (everything committed
@@ -115,6 +123,11 @@ class KVManager:
                 self.evicted_total += len(slots)
         return self.pool.free_slots >= n
 
+    def roomy(self, n: int) -> bool:
+        """Whether n slots can go ahead of need: GROW_FREE of the pool stays free after them (free
+        slots only; nothing cached is evicted for room a request may never use)."""
+        return self.pool.free_slots - n >= GROW_FREE * (self.pool.num_slots - 1)
+
     # ---- admission ---------------------------------------------------------------------------------------
     def admit(self, r, positions: int, extra: int, headroom: int = 0) -> bool:
         """Give r a row, its cached prefix, its own slots up to `positions` and `extra` tree/scratch
@@ -160,7 +173,7 @@ class KVManager:
         if n <= 0:
             return None
         grow = min(max(upto + self.chunk, 2 * have), r.position_cap) - have
-        if grow > n and self.pool.free_slots - grow >= GROW_FREE * (self.pool.num_slots - 1):
+        if grow > n and self.roomy(grow):
             n = grow  # from free slots only: nothing cached is evicted for room r may never use
         if not self._make_room(n):
             raise ShortOfSlots(n)
@@ -223,12 +236,16 @@ class KVManager:
             table = np.asarray(committed.table[:w], np.int32)
             had, node = self.cache.insert(keys, table)
             adopted = table[had:]
-            if len(adopted):
-                taken = np.isin(own, adopted)
-                if taken.sum() != len(adopted):
-                    stray = adopted[~np.isin(adopted, own)]
-                    raise AssertionError(f"request {r.index}: committed slots {stray[:8].tolist()} are not its own")
-                own = own[~taken]
+            if len(adopted):  # the tree owns these now: not r's to free (sorted lookups, no Python loop)
+                order = np.argsort(own, kind="stable")
+                at = np.minimum(np.searchsorted(own[order], adopted), max(len(own) - 1, 0))
+                found = own[order[at]] == adopted if len(own) else np.zeros(len(adopted), bool)
+                if not found.all():
+                    raise AssertionError(f"request {r.index}: committed slots {adopted[~found][:8].tolist()} "
+                                         "are not its own")
+                keep = np.ones(len(own), bool)
+                keep[order[at]] = False
+                own = own[keep]
         if len(own):
             self.pool.allocator.free(own)
         if r.node is not None:

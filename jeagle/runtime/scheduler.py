@@ -187,12 +187,20 @@ class Engine:
         return reqs
 
     def _admit(self, r: Request) -> bool:
-        lay = self.decoder.layout
-        # Room for the prompt and a chunk more; the running requests keep a chunk each to grow into.
-        chunk = self.kv.chunk
+        lay, kv = self.decoder.layout, self.kv
+        extra = lay.tree + lay.scratch
+        # Room for the prompt and a chunk more (its whole context while the pool has room to spare:
+        # no slot-table update while it runs); the running requests keep a chunk each to grow into.
+        chunk = kv.chunk
         headroom = sum(min(chunk, x.position_cap - len(x.table)) for x in self._running if x.table is not None)
-        if not self.kv.admit(r, min(r.position_cap, len(r.seq) + chunk), lay.tree + lay.scratch, headroom):
-            return False
+        positions = r.position_cap if kv.roomy(r.position_cap + extra + headroom) else min(r.position_cap,
+                                                                                           len(r.seq) + chunk)
+        if not kv.admit(r, positions, extra, headroom):
+            # Tails the running requests grew ahead of need go back before r is turned away.
+            if not (self.pool.free_rows and sum(kv.trim(x, self.decoder.prefix_needed(x)) for x in self._running)):
+                return False
+            if not kv.admit(r, min(r.position_cap, len(r.seq) + chunk), extra, headroom):
+                return False
         if not r.retractions:
             r.cached_tokens = r.cached
         self._admitted += 1
