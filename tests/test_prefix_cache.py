@@ -245,3 +245,27 @@ def test_a_short_shared_prefix_does_not_split_the_prefill(models, shared, groups
         assert cached == 0
     else:  # the shared run, and a suffix token now and then that happens to agree
         assert 3 * shared <= cached < 3 * (shared + 9)
+
+
+@pytest.mark.parametrize("kind", ["target", "eagle"])
+def test_the_next_turn_continues_a_request_that_finished_while_others_run(models, kind):
+    """A finished request's slot table is read lazily (not between two rounds of a running batch),
+    but before anything waiting is admitted: the next turn of a chat, sent while other requests still
+    run, takes the finished turn from the prefix cache. Its output equals a cold engine's."""
+    rng = np.random.default_rng(9)
+    first, other = list(rng.integers(4, 96, 30)), list(rng.integers(4, 96, 12))
+    engine = make(models, kind)
+    a = engine.submit(first, SamplingParams(max_new_tokens=6, ignore_eos=True))
+    b = engine.submit(other, SamplingParams(max_new_tokens=60, ignore_eos=True))
+    while not a.done:
+        engine.step()
+    assert not b.done and engine.num_running == 1
+    turn = first + a.out.token_ids + list(rng.integers(4, 96, 5))
+    c = engine.submit(turn, SamplingParams(max_new_tokens=8, ignore_eos=True))
+    while engine.has_work:
+        engine.step()
+        engine.check_kv()
+    # Everything the first turn committed (speculative keys need the next token: all but its last).
+    assert c.cached_tokens >= len(first) + len(a.out.token_ids) - 2
+    cold = make(models, kind, prefix_cache=False)
+    assert c.out.token_ids == cold.generate([turn], SamplingParams(max_new_tokens=8, ignore_eos=True))[0].token_ids

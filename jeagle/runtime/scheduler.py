@@ -267,6 +267,11 @@ class Engine:
 
         if self._hold_admission and running:
             return
+        if waiting and (self._to_read or self._releasing) and len(running) < self.max_running:
+            # Finished requests' KV into the prefix cache before admitting: a waiting request may
+            # continue one of them (the next turn of a chat). This waits for the round in flight.
+            self._ask_tables()
+            self._complete_releases()
         while waiting and len(running) + len(group) < self.max_running:
             nxt = waiting[0]
             if group and (not self.buckets.prefill_fits(len(group) + 1, max(longest, len(nxt.seq) - nxt.start))
