@@ -353,12 +353,12 @@ class Engine:
         When a row needs slots, every row within half a chunk of its end gets its next chunk in the
         same slot-table update: one update every few dozen rounds, not one per row crossing a chunk
         (each is a dispatch of its own on the host's critical path)."""
-        dec, waited = self.decoder, 0.0
+        dec, waited, trimmed = self.decoder, 0.0, False
         while True:
             need = [dec.prefix_needed(r) for r in live]
             entries, short = [], False
             if any(n > len(r.table) for r, n in zip(live, need)):
-                ahead = self.kv.chunk // 2
+                ahead = 0 if trimmed else self.kv.chunk // 2  # none once the pool ran short
                 for r, n in zip(live, need):
                     try:
                         got = self.kv.ensure(r, n + ahead)
@@ -374,9 +374,12 @@ class Engine:
                 dec.assign_slots(entries)
             if not short:
                 return live, waited, max(need, default=0)
-            # Short: first the slots requests hold ahead of need (grown while the pool had room).
-            if sum(self.kv.trim(r, dec.prefix_needed(r)) for r in self._running):
-                continue
+            # Short: first the slots requests hold ahead of need (grown while the pool had room), once
+            # (what this loop allocates again past need would be trimmed again, without end).
+            if not trimmed:
+                trimmed = True
+                if sum(self.kv.trim(r, dec.prefix_needed(r)) for r in self._running):
+                    continue
             if self._pending or self._to_read or self._releasing:
                 # Read every result in flight (finished requests free their slots; the rest's state
                 # is final), then try again.
