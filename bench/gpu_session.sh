@@ -42,7 +42,7 @@ if [ -f "$HOME/stage/smolpart.ac" ] && [ ! -f "$gguf" ]; then  # the real model;
   echo "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53  $gguf" | sha256sum -c - || { rm -f "$gguf"; exit 3; }
 fi
 if [ -d .whl ]; then
-  [ -d "$HOME/site/gguf" ] || python3 -m pip install -q --no-index --no-deps --no-compile --target "$HOME/site" .whl/*.whl || exit 4
+  [ -d "$HOME/site/gguf" ] && [ -d "$HOME/site/eagle" -o -z "$(ls .whl/eagle_llm-*.whl 2>/dev/null)" ] || python3 -m pip install -q --no-index --no-deps --no-compile --target "$HOME/site" .whl/*.whl || exit 4
 fi
 export PYTHONPATH="$HOME/site:$PWD" PYTHONUNBUFFERED=1 JEAGLE_TEST_GPU=1 TOKENIZERS_PARALLELISM=false
 python3 -c "import jax, flax, transformers; print(jax.__version__, flax.__version__, transformers.__version__, jax.devices())"

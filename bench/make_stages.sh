@@ -2,7 +2,7 @@
 # Build the staged parts that bench/gpu_session.sh expects, on the development machine (see its header):
 #   .stage1 = smolpart.aa + data.tar.xz (the prompt and evaluation files of .data/), .stage2 = smolpart.ab,
 #   .stage3 = smolpart.ac, .stage4 = data.npz + data.json of an earlier trainhead (optional: DATASET=DIR),
-#   .whl = the gguf wheel (the GPU image lacks it).
+#   .whl = the gguf and eagle-llm wheels (the GPU image lacks them).
 # Each part stays under what one call carries beside the repo (64 MiB in all; the repo is ~23 MB of it).
 #   bash bench/make_stages.sh                              # GGUF parts, data.tar.xz, .whl
 #   DATASET=.data/run4/partial bash bench/make_stages.sh   # also .stage4 (the regeneration continues it)
@@ -22,6 +22,9 @@ files=(); for f in mtbench.jsonl gsm8k.jsonl code_eval.jsonl exclude.jsonl mix.j
 if [ -n "${DATASET:-}" ]; then
   mkdir -p .stage4 && cp "$DATASET/data.npz" "$DATASET/data.json" .stage4/
 fi
-ls .whl/gguf-*.whl >/dev/null 2>&1 || python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
-  --implementation cp --platform manylinux_2_28_x86_64 -d .whl gguf==0.17.1
+# gguf (the GGUF reader) and eagle-llm (the official EAGLE code tests/test_gpu.py compares against).
+for w in gguf==0.17.1 eagle-llm==1.2.1; do
+  ls ".whl/$(echo "${w%%==*}" | tr - _)"-*.whl >/dev/null 2>&1 || python3 -m pip download -q --no-deps --only-binary=:all: \
+    --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 -d .whl "$w"
+done
 du -sh .stage* .whl
