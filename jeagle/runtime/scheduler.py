@@ -5,7 +5,8 @@ prefix and slots for its prompt and a little more, `runtime/kv.py`), grouping of
 demand before each dispatch, retraction when the pool runs short, the batch of each decode step or
 speculative round, the overlap of host and device, reading results back, the verify_done wait and
 the stats. The decoder (`runtime/decoder.py` says what it provides) owns the device state and the
-executables. Requests wait in the queue while the pool lacks room; retraction: `runtime/kv.py`.
+executables. Requests wait in the queue while the pool lacks room; when the engine asks for slots,
+retracts and releases: `runtime/kv_flow.py`; the books it keeps: `runtime/kv.py`.
 
 Pipelining: the host dispatches step c+1 (its inputs live on the device) before it reads the tokens
 of step c, whose device→host copy was started right after dispatch. A request that finishes inside
@@ -25,7 +26,8 @@ from typing import Callable
 import numpy as np
 
 from jeagle.runtime.decoder import wants_grammar
-from jeagle.runtime.kv import Committed, KVManager, ShortOfSlots
+from jeagle.runtime.kv import KVManager
+from jeagle.runtime.kv_flow import KVFlow
 from jeagle.runtime.requests import Output, Request, RequestLimits, make_request
 from jeagle.runtime.slots import OutOfSlots, SlotPool
 from jeagle.runtime.stats import Stats, latency_stats
@@ -37,7 +39,7 @@ log = logging.getLogger("jeagle.runtime")
 HISTORY = 100_000  # per-step records kept between reset_stats() calls (a server runs for days)
 
 
-class Engine:
+class Engine(KVFlow):
     def __init__(self, decoder, config):
         self.decoder, self.config = decoder, config
         self.model_cfg = decoder.model_cfg
@@ -186,60 +188,6 @@ class Engine:
             log.warning("abort_all: the last step's results failed; dropped", exc_info=True)
         return reqs
 
-    def _admit(self, r: Request) -> bool:
-        lay, kv = self.decoder.layout, self.kv
-        extra = lay.tree + lay.scratch
-        # Room for the prompt and a chunk more (its whole context while the pool has room to spare:
-        # no slot-table update while it runs); the running requests keep a chunk each to grow into.
-        chunk = kv.chunk
-        headroom = sum(min(chunk, x.position_cap - len(x.table)) for x in self._running if x.table is not None)
-        positions = r.position_cap if kv.roomy(r.position_cap + extra + headroom) else min(r.position_cap,
-                                                                                           len(r.seq) + chunk)
-        if not kv.admit(r, positions, extra, headroom):
-            # Tails the running requests grew ahead of need go back before r is turned away.
-            if not (self.pool.free_rows and sum(kv.trim(x, self.decoder.prefix_needed(x)) for x in self._running)):
-                return False
-            if not kv.admit(r, min(r.position_cap, len(r.seq) + chunk), extra, headroom):
-                return False
-        if not r.retractions:
-            r.cached_tokens = r.cached
-        self._admitted += 1
-        r.admit_order = self._admitted
-        return True
-
-    def _release(self, r: Request) -> None:
-        """A finished request's KV: what it committed to the prefix cache, the rest freed. Where rounds
-        swap slots on the device, its slot-table row is read back first (asynchronously)."""
-        if r.table is None:  # released already: an abort from the request's own token callback
-            return
-        if not self.kv.usable(r):
-            self.kv.release(r)
-        elif self.decoder.swaps_slots:
-            self._to_read.append(r)
-        else:
-            self.kv.release(r, Committed(len(r.seq) - 1, r.table))
-
-    def _ask_tables(self) -> None:
-        """Start reading the slot tables of the requests that finished in this processing."""
-        if self._to_read:
-            done = [r for r in self._to_read if r.table is not None]
-            self._to_read = []
-            if done:
-                self._releasing.append((done, self.decoder.read_tables([r.row for r in done])))
-
-    def _complete(self, done, handle) -> None:
-        tables, lengths = self.decoder.tables_of(handle)
-        for r, table, n in zip(done, tables, lengths):
-            if r.table is not None:
-                self.kv.release(r, Committed(int(n), table))
-
-    def _complete_releases(self, wait: bool = True) -> None:
-        """Release the finished requests whose slot tables were read: all of them (wait: the host
-        blocks on reads still in flight), or only those whose reads are done (a read dispatched behind
-        the round in flight is not done before that round is: waiting on it would idle the device)."""
-        while self._releasing and (wait or self.decoder.tables_ready(self._releasing[0][1])):
-            self._complete(*self._releasing.popleft())
-
     def _deliver(self, r: Request, tokens, logprobs=None) -> None:
         new = r.take(tokens, self.compile_seconds, logprobs)
         if new and r.on_tokens is not None:
@@ -344,79 +292,6 @@ class Engine:
         if not self.has_work:
             self.verify_done.wait()  # nothing may stay pending once idle
             self._complete_releases()
-
-    # ---- slots on demand, retraction ------------------------------------------------------------------------
-    def _reserve(self, live: list[Request]) -> tuple[list[Request], float, int]:
-        """Slots for every position the next dispatch over `live` may write (written into the device's
-        slot table), retracting the youngest requests while the pool cannot give them. Returns (the
-        batch to dispatch, seconds the host waited on results in flight, the longest prefix it needs).
-        When a row needs slots, every row within half a chunk of its end gets its next chunk in the
-        same slot-table update: one update every few dozen rounds, not one per row crossing a chunk
-        (each is a dispatch of its own on the host's critical path)."""
-        dec, waited, trimmed = self.decoder, 0.0, False
-        while True:
-            need = [dec.prefix_needed(r) for r in live]
-            entries, short = [], False
-            if any(n > len(r.table) for r, n in zip(live, need)):
-                ahead = 0 if trimmed else self.kv.chunk // 2  # none once the pool ran short
-                for r, n in zip(live, need):
-                    try:
-                        got = self.kv.ensure(r, n + ahead)
-                    except ShortOfSlots:
-                        try:  # without the half chunk ahead
-                            got = self.kv.ensure(r, n)
-                        except ShortOfSlots:
-                            short = True
-                            break
-                    if got is not None:
-                        entries.append((r.row, *got))
-            if entries:
-                dec.assign_slots(entries)
-            if not short:
-                return live, waited, max(need, default=0)
-            # Short: first the slots requests hold ahead of need (grown while the pool had room), once
-            # (what this loop allocates again past need would be trimmed again, without end).
-            if not trimmed:
-                trimmed = True
-                if sum(self.kv.trim(r, dec.prefix_needed(r)) for r in self._running):
-                    continue
-            if self._pending or self._to_read or self._releasing:
-                # Read every result in flight (finished requests free their slots; the rest's state
-                # is final), then try again.
-                t1 = time.perf_counter()
-                while self._pending:
-                    self._process(*self._pending.popleft())
-                self._ask_tables()
-                self._complete_releases()
-                waited += time.perf_counter() - t1
-            elif len(self._running) > 1:
-                self._retract(max(self._running, key=lambda x: x.admit_order))
-            else:
-                raise OutOfSlots(f"request {live[0].index} alone cannot get the KV slots it needs "
-                                 f"({self.kv.available} available of {self.pool.num_slots - 1})")
-            self._running = [r for r in self._running if not r.done]
-            live = [r for r in self._running if dec.wants_step(r)]
-            if not live:
-                return live, waited, 0
-
-    def _retract(self, r: Request) -> None:
-        """Take r out of the batch (nothing of it in flight): its committed KV to the prefix cache,
-        the rest freed, r back at the head of the queue to resume from its tokens so far."""
-        dec = self.decoder
-        if dec.swaps_slots:
-            tables, lengths = dec.tables_of(dec.read_tables([r.row]))
-            committed = Committed(int(lengths[0]), tables[0])
-        else:
-            committed = Committed(len(r.seq) - 1, r.table)
-        self.kv.release(r, committed)
-        r.row, r.start, r.length, r.dispatched, r.processed = -1, 0, 0, 0, 0
-        r.retractions += 1
-        self.retractions += 1
-        self._hold_admission = True
-        self._running = [x for x in self._running if x is not r]
-        self._waiting.appendleft(r)
-        log.info("retracted request %d after %d tokens (%d KV slots free)", r.index, len(r.out.token_ids),
-                 self.pool.free_slots)
 
     def _process(self, kind, batch, result) -> float:
         """Read one dispatched result and deliver its tokens; returns the seconds the host waited."""
