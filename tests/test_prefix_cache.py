@@ -269,3 +269,21 @@ def test_the_next_turn_continues_a_request_that_finished_while_others_run(models
     assert c.cached_tokens >= len(first) + len(a.out.token_ids) - 2
     cold = make(models, kind, prefix_cache=False)
     assert c.out.token_ids == cold.generate([turn], SamplingParams(max_new_tokens=8, ignore_eos=True))[0].token_ids
+
+
+def test_a_roomy_pool_updates_no_slot_table_while_requests_run(models):
+    """Each slot-table update is a dispatch between two rounds that stalls the device: with room to
+    spare a request gets its whole context at admission and nothing grows while it runs; a pool
+    without room grows requests on demand, with the same output."""
+    prompts = prompts_with_prefixes()
+    params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in (40, 30, 50, 35, 30, 45, 40)]
+    outs = {}
+    for pool in (None, 200):
+        engine = make(models, "eagle", **({} if pool is None else {"max_total_tokens": pool}))
+        engine.kv.chunk = 4
+        updates = []
+        assign = engine.decoder.assign_slots
+        engine.decoder.assign_slots = lambda entries: (updates.append(len(entries)), assign(entries))
+        outs[pool] = run(engine, prompts, params)
+        assert (len(updates) == 0) == (pool is None), (pool, updates)
+    assert outs[None] == outs[200]

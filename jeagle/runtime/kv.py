@@ -123,10 +123,15 @@ class KVManager:
                 self.evicted_total += len(slots)
         return self.pool.free_slots >= n
 
-    def roomy(self, n: int) -> bool:
-        """Whether n slots can go ahead of need: GROW_FREE of the pool stays free after them (free
-        slots only; nothing cached is evicted for room a request may never use)."""
-        return self.pool.free_slots - n >= GROW_FREE * (self.pool.num_slots - 1)
+    def roomy(self, n: int, elsewhere: int | None = None) -> bool:
+        """Whether n slots can go ahead of need: GROW_FREE of the pool stays free after them, or at
+        least `elsewhere` (what every other request could still ask, when the caller knows it: a pool
+        that holds every row's whole context is never short). Free slots only: nothing cached is
+        evicted for room a request may never use."""
+        reserve = GROW_FREE * (self.pool.num_slots - 1)
+        if elsewhere is not None:
+            reserve = min(reserve, elsewhere)
+        return self.pool.free_slots - n >= reserve
 
     # ---- admission ---------------------------------------------------------------------------------------
     def admit(self, r, positions: int, extra: int, headroom: int = 0) -> bool:

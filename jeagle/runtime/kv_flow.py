@@ -31,9 +31,14 @@ class KVFlow:
         # Room for the prompt and a chunk more (its whole context while the pool has room to spare:
         # no slot-table update while it runs); the running requests keep a chunk each to grow into.
         chunk = kv.chunk
-        headroom = sum(min(chunk, x.position_cap - len(x.table)) for x in self._running if x.table is not None)
-        positions = r.position_cap if kv.roomy(r.position_cap + extra + headroom) else min(r.position_cap,
-                                                                                           len(r.seq) + chunk)
+        running = [x for x in self._running if x.table is not None]
+        headroom = sum(min(chunk, x.position_cap - len(x.table)) for x in running)
+        # What everything else could still ask: the running requests' whole contexts, a whole context
+        # for every other free row.
+        elsewhere = (sum(x.position_cap - len(x.table) for x in running)
+                     + (self.pool.free_rows - 1) * (self.max_context + extra))
+        positions = (r.position_cap if kv.roomy(r.position_cap + extra + headroom, elsewhere)
+                     else min(r.position_cap, len(r.seq) + chunk))
         if not kv.admit(r, positions, extra, headroom):
             # Tails the running requests grew ahead of need go back before r is turned away.
             if not (self.pool.free_rows and sum(kv.trim(x, self.decoder.prefix_needed(x)) for x in self._running)):
