@@ -239,6 +239,18 @@ def device_events_by_device(trace_dir: str, with_module: bool = False,
     return out
 
 
+def idle_gaps(events: list[tuple], top: int = 5) -> tuple[float, list[float]]:
+    """(total idle us, the `top` largest gaps in us) between the first and last device op of `events`:
+    time the device waited (on the host, or on a host->device copy), overlapping ops merged."""
+    spans = sorted((e[2], e[2] + e[1]) for e in events)
+    gaps, end = [], None
+    for s, t in spans:
+        if end is not None and s > end:
+            gaps.append(s - end)
+        end = t if end is None else max(end, t)
+    return sum(gaps), sorted(gaps, reverse=True)[:top]
+
+
 # ---- device time by phase: named scopes through the optimized HLO -----------------------------------------
 # A GPU kernel's trace event carries as args the key=value pairs of the XLA annotations on the launching
 # thread (openxla/xla: xla/backends/gpu/runtime/annotation.cc writes "XlaModule:#hlo_module=M,program_id=..#"

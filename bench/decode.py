@@ -164,7 +164,7 @@ def jeagle_rows(target_dir, head_dir, prompts_ids, batches, max_new, repeats, ti
             hb = stats["host_blocked_ms"] or {}
             row |= {"steps": stats["steps"], "wall_s": round(stats["wall_s"], 3),
                     "host_blocked_ms_p50": round(hb.get("p50", 0.0), 3),
-                    "cached_tokens": stats.get("cached_tokens", 0)}
+                    "cached_tokens": stats["cached_tokens"]}
             if "grammar" in report:  # where a grammar batch's time goes
                 row |= {"grammar_mask_ms": round(stats["grammar_mask_ms"], 1),
                         "grammar_rows_walked": stats["grammar_rows_walked"],

@@ -184,6 +184,11 @@ if [[ "$steps" == *" bench "* ]]; then  # issue 9: jeagle target-only / EAGLE-3 
     --hf-batch-sizes "${HF_BATCHES:-1,16}" --json-out "$OUT/decode.json" --plot "$OUT/decode.png" 2>&1 \
     | grep -v '^{"bench"' | tee "$OUT/decode.log"
 fi
+old_tree() {  # the staged older tree (old.tar.gz, see commitab) in $HOME/old, once, with this tree's head and GGUF
+  [ -d "$HOME/old" ] || { tar xzf "$HOME/stage/old.tar.gz" -C "$HOME" && ln -sfn "$PWD/.data" "$HOME/old/.data" \
+    && cp -r jeagle/heads "$HOME/old/jeagle/"; }  # the shipped head (left out of the archive): the same files
+  mkdir -p "$HOME/jcache_old/gguf" && ln -sf "$gguf" "$HOME/jcache_old/gguf/"
+}
 decode_variant() {  # STEM LABEL ARGS...: one bench/decode.py run (jeagle systems only); JSON to STEM.jsonl, rows to STEM.log
   local stem="$1" label="$2"; shift 2
   echo "$label" | tee -a "$OUT/$stem.log"
@@ -264,10 +269,8 @@ if [[ "$steps" == *" commitab "* ]]; then  # one commit against another in one c
   # | gzip` in a staged part); it runs with this tree's shipped head and GGUF, its own conversion cache. Runs
   # alternate old, new, old, new (each a fresh process): the spread of the two runs of one tree is the noise.
   [ -f "$HOME/stage/old.tar.gz" ] || { echo "no old.tar.gz staged"; exit 5; }
-  rm -rf "$HOME/old" && tar xzf "$HOME/stage/old.tar.gz" -C "$HOME" && ln -sfn "$PWD/.data" "$HOME/old/.data" \
-    && cp -r jeagle/heads "$HOME/old/jeagle/"  # the shipped head (left out of the archive): the same files
+  rm -rf "$HOME/old" && old_tree
   head="$PWD/jeagle/heads/smollm2-135m-instruct-eagle3"
-  mkdir -p "$HOME/jcache_old/gguf" && ln -sf "$gguf" "$HOME/jcache_old/gguf/"
   for i in ${AB_ROUNDS:-1 2}; do
     for tree in old new; do
       dir="$PWD"; cache="$JEAGLE_CACHE"
@@ -284,12 +287,7 @@ if [[ "$steps" == *" hostprof "* ]]; then  # the host's time per round, real mod
   # This tree, and with old.tar.gz staged (see commitab) the older tree too, alternating; HP_BATCHES, HP_TOKENS.
   head="$PWD/jeagle/heads/smollm2-135m-instruct-eagle3"
   trees="new"
-  if [ -f "$HOME/stage/old.tar.gz" ]; then
-    trees="old new"
-    [ -d "$HOME/old" ] || { tar xzf "$HOME/stage/old.tar.gz" -C "$HOME" && ln -sfn "$PWD/.data" "$HOME/old/.data" \
-      && cp -r jeagle/heads "$HOME/old/jeagle/"; }
-    mkdir -p "$HOME/jcache_old/gguf" && ln -sf "$gguf" "$HOME/jcache_old/gguf/"
-  fi
+  [ -f "$HOME/stage/old.tar.gz" ] && trees="old new" && old_tree
   for b in ${HP_BATCHES:-48}; do
     for tree in $trees; do
       dir="$PWD"; cache="$JEAGLE_CACHE"

@@ -32,7 +32,7 @@ import json
 import tempfile
 import time
 
-from common import SHAPES, PhaseMap, device_events_by_device, device_kind, emit, random_eagle3_head
+from common import SHAPES, PhaseMap, device_events_by_device, device_kind, emit, idle_gaps, random_eagle3_head
 
 
 def decode_phase(events: list[tuple]) -> tuple[list[tuple], bool]:
@@ -41,18 +41,6 @@ def decode_phase(events: list[tuple]) -> tuple[list[tuple], bool]:
     if not events or not any(e[3] for e in events):
         return events, False
     return [e for e in events if e[3] and "prefill" not in e[3]], True
-
-
-def idle_gaps(events: list[tuple], top: int = 5) -> tuple[float, list[float]]:
-    """(total idle us, the `top` largest gaps in us) between the first and last device op of `events`:
-    time the device waited (on the host, or on a host->device copy), overlapping ops merged."""
-    spans = sorted((e[2], e[2] + e[1]) for e in events)
-    gaps, end = [], None
-    for s, t in spans:
-        if end is not None and s > end:
-            gaps.append(s - end)
-        end = t if end is None else max(end, t)
-    return sum(gaps), sorted(gaps, reverse=True)[:top]
 
 
 def phase_busy(events: list[tuple], hlo_texts: list[str]) -> tuple[dict[str, tuple[int, float]], list]:

@@ -126,7 +126,7 @@ def trace_device(eng, prompts, sp, cold, rounds: int, top: int) -> dict:
 
     import jax
 
-    from common import device_events_by_device
+    from common import device_events_by_device, idle_gaps
 
     cold()
     with tempfile.TemporaryDirectory() as d:
@@ -138,16 +138,8 @@ def trace_device(eng, prompts, sp, cold, rounds: int, top: int) -> dict:
     if not events:
         print("\nno device ops in the trace (a CPU run)")
         return {}
-    spans = sorted((e[2], e[2] + e[1]) for e in events)
-    busy, idle, end = 0.0, 0.0, None
-    for a, b in spans:
-        if end is None or a >= end:
-            idle += 0.0 if end is None else a - end
-            busy += b - a
-            end = b
-        elif b > end:
-            busy += b - end
-            end = b
+    idle, _ = idle_gaps(events)
+    busy = max(e[2] + e[1] for e in events) - min(e[2] for e in events) - idle  # overlapping ops merged
     by_module, by_kernel = collections.Counter(), collections.Counter()
     for name, dur, _, module in events:
         by_module[module or "?"] += dur

@@ -41,7 +41,7 @@ class KVFlow:
                      else min(r.position_cap, len(r.seq) + chunk))
         if not kv.admit(r, positions, extra, headroom):
             # Tails the running requests grew ahead of need go back before r is turned away.
-            if not (self.pool.free_rows and sum(kv.trim(x, self.decoder.prefix_needed(x)) for x in self._running)):
+            if not (self.pool.free_rows and self._trim_running()):
                 return False
             if not kv.admit(r, min(r.position_cap, len(r.seq) + chunk), extra, headroom):
                 return False
@@ -50,6 +50,10 @@ class KVFlow:
         self._admitted += 1
         r.admit_order = self._admitted
         return True
+
+    def _trim_running(self) -> int:
+        """The running requests' slots past what any dispatch may write back to the pool; returns how many."""
+        return sum(self.kv.trim(x, self.decoder.prefix_needed(x)) for x in self._running)
 
     def _release(self, r: Request) -> None:
         """A finished request's KV: what it committed to the prefix cache, the rest freed. Where rounds
@@ -116,7 +120,7 @@ class KVFlow:
             # (what this loop allocates again past need would be trimmed again, without end).
             if not trimmed:
                 trimmed = True
-                if sum(self.kv.trim(r, dec.prefix_needed(r)) for r in self._running):
+                if self._trim_running():
                     continue
             if self._pending or self._to_read or self._releasing:
                 # Read every result in flight (finished requests free their slots; the rest's state
