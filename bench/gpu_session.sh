@@ -59,6 +59,31 @@ if [[ "$steps" == *" prefix "* ]]; then  # issue 25: prefix cache TTFT, slots on
   python3 bench/prefix.py --prompts .data/mtbench.jsonl --scenarios "${PREFIX_SCENARIOS:-ttft,capacity}" \
     --json-out "$OUT/prefix.json" ${PREFIX_ARGS:-} 2>&1 | grep -v "Converting\|Loading" | tee "$OUT/prefix.log"
 fi
+if [[ "$steps" == *" ttft "* ]]; then  # issue 25: where a prefix-cache hit's time to first token goes (host phases + trace)
+  python3 bench/probes/ttft_phases.py --prompts .data/mtbench.jsonl --requests "${TTFT_REQUESTS:-12}" \
+    --trace "$OUT/ttft_trace" --json-out "$OUT/ttft_phases.json" ${TTFT_ARGS:-} 2>&1 | grep -v "^{\"bench" | tee "$OUT/ttft_phases.log"
+  python3 - "$OUT/ttft_trace" <<'PY' 2>&1 | tee -a "$OUT/ttft_phases.log"
+import glob, os, sys
+sys.path.insert(0, "bench")
+from collections import defaultdict
+from common import device_events_by_device, idle_gaps
+for d in sorted(glob.glob(sys.argv[1] + "/*")):
+    ev = [e for evs in device_events_by_device(d, with_module=True).values() for e in evs]
+    if not ev:
+        continue
+    idle, gaps = idle_gaps(ev, top=6)
+    t0 = min(e[2] for e in ev)
+    span = max(e[2] + e[1] for e in ev) - t0
+    per = defaultdict(lambda: [0.0, 1e18, 0.0])  # module: busy us, first start, last end (from t0)
+    for name, dur, start, mod in ev:
+        p = per[mod or name[:40]]
+        p[0] += dur; p[1] = min(p[1], start - t0); p[2] = max(p[2], start + dur - t0)
+    print(f"{os.path.basename(d)}: kernels span {span / 1e3:.3f} ms, idle {idle / 1e3:.3f} ms; largest gaps (ms) "
+          f"{[round(g / 1e3, 3) for g in gaps]}")
+    for mod, (busy, a, b) in sorted(per.items(), key=lambda kv: kv[1][1])[:12]:
+        print(f"    {mod[:60]:60s} busy {busy / 1e3:7.3f} ms  from {a / 1e3:8.3f} to {b / 1e3:8.3f} ms")
+PY
+fi
 if [[ "$steps" == *" specbench "* ]]; then
   python3 bench/probes/spec_round.py --shape smollm2 --batch-sizes 1,16 --tiers 5,4,8:3,1,4 2>&1 | tee "$OUT/spec_round.log"
 fi
@@ -358,13 +383,18 @@ if [[ "$steps" == *" masks "* ]]; then  # issue 24: grammar masks on the host, o
 fi
 if [[ "$steps" == *" startup "* ]]; then  # issue 27: the README command, first and second start in a fresh cache
   # Run 1 converts the staged GGUF and compiles (no fetch: the GGUF is linked in), run 2 is the second start
-  # (the README form, text output), run 3 the same with --json (its stats), then bench/probes/startup.py's
-  # phases of a fourth start. One JSON line per run in startup.jsonl (wall_s: the whole process).
+  # (the README form, text output), run 3 the same with --json (its stats), runs 4-5 the same two with
+  # jeagle byte-compiled, then an import-time log and bench/probes/startup.py's phases of two more starts.
+  # One JSON line per run in startup.jsonl (wall_s: the whole process).
   [ -f "$gguf" ] || { echo "startup: needs the staged GGUF (.stage1-3)"; exit 6; }
   sc="$HOME/jcache_startup"; rm -rf "$sc"; mkdir -p "$sc/gguf" && ln -s "$gguf" "$sc/gguf/"
+  find jeagle checkpoints_conv -name __pycache__ -prune -exec rm -rf {} +  # runs 1-3: no bytecode (as the image)
   q="What is the capital of France?"
-  for i in 1 2 3; do
-    json=(); [ $i = 3 ] && json=(--json)
+  for i in 1 2 3 4 5; do
+    json=(); [ $i = 3 ] || [ $i = 5 ] && json=(--json)
+    # Runs 4-5: jeagle's modules byte-compiled first, as `pip install` leaves them (the image sets
+    # PYTHONDONTWRITEBYTECODE=1, so runs 1-3 compile jeagle's source at every start).
+    [ $i = 4 ] && python3 -m compileall -q -j 0 jeagle checkpoints_conv > /dev/null
     t0=$(date +%s.%N)
     JEAGLE_CACHE="$sc" python3 -m jeagle.generate "${json[@]}" "$q" > "$sc/run$i.out" 2> "$sc/run$i.err"
     rc=$?; t1=$(date +%s.%N)
@@ -373,7 +403,8 @@ import json, re, sys
 i, rc, t0, t1, sc = sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4]), sys.argv[5]
 out, err = open(f"{sc}/run{i}.out").read(), open(f"{sc}/run{i}.err").read()
 row = {"step": "startup", "run": int(i), "rc": rc, "wall_s": round(t1 - t0, 3)}
-if i == "3" and rc == 0:
+row["bytecode"] = int(i) >= 4
+if i in ("3", "5") and rc == 0:
     s = json.loads(out)["stats"]
     row |= {k: s.get(k) for k in ("time_to_first_token_s", "load_s", "compile_s", "compilations",
                                    "executables_from_store", "new_tokens", "dtype")} | {"decode_wall_s": s.get("wall_s")}
@@ -385,6 +416,7 @@ else:
 print(json.dumps(row))
 PY
   done
+  JEAGLE_CACHE="$sc" python3 -X importtime -m jeagle.generate "$q" > /dev/null 2> "$OUT/startup_importtime.log"
   JEAGLE_CACHE="$sc" python3 bench/probes/startup.py --json "$q" 2> "$OUT/startup_probe.log" \
     | python3 -c "import json,sys; print(json.dumps({'step': 'startup', 'run': 'probe'} | json.loads(sys.stdin.read())))" \
     | tee -a "$OUT/startup.jsonl"

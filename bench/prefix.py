@@ -9,6 +9,8 @@ capacity  `--concurrent` requests at once with max_tokens = the context (real an
           pool of `--pool-contexts` contexts: the old policy (every request reserves its whole
           context at admission, no cache) vs the default (slots on demand, retraction, prefix cache):
           output tokens/s, requests running at once, retractions, and how many outputs agree.
+steady    the same clients in a closed loop (each sends its next request when its last one ends) for
+          `--steady-seconds`: output tokens/s of a server kept busy, without capacity's drain.
 
     python bench/prefix.py --prompts .data/mtbench.jsonl --json-out bench/results/prefix.json
 """
@@ -137,6 +139,78 @@ def capacity_rows(model, head, tok, texts, args, tier) -> list[dict]:
     return compare(rows, "vs_reserve", lambda old, new: new["tokens_per_s"] / old["tokens_per_s"])
 
 
+def steady_rows(model, head, tok, texts, args, tier) -> list[dict]:
+    """`--concurrent` clients, each sending its next request as soon as its last one finished (a closed
+    loop: a server kept busy, not a batch draining), max_tokens = the context, for `--steady-seconds`:
+    output tokens delivered per second in that window, the old policy vs the default. Without the
+    drain the longest answers do not set the wall (they do in `capacity`)."""
+    import time
+
+    from jeagle.engine import EngineConfig
+    from jeagle.kernels.settings import KernelSettings
+    from jeagle.sampling import SamplingParams
+
+    ctx = args.context
+    ids = [p for p in chat_ids(tok, texts) if len(p) <= ctx // 2]  # room to answer in every context
+    pool = args.pool_contexts * ctx
+    buckets = tuple(b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128) if b < args.concurrent) + (args.concurrent,)
+    rows = []
+    for kind in ("target-only", "eagle"):
+        for policy in ("reserve", "on-demand"):
+            ec = EngineConfig(max_batch_size=args.concurrent, batch_buckets=buckets, max_context=ctx,
+                              max_total_tokens=pool, prefix_cache=policy == "on-demand",
+                              kernels=KernelSettings.from_env())
+            eng = make_engine(kind, model, head, ec, tier)
+            if policy == "reserve":
+                eng.kv.chunk = 1 << 30  # admission takes the request's whole context: the policy before issue 25
+            eng.warmup(prefill_lengths=sorted({len(p) for p in ids}), greedy=(args.temperature == 0,),
+                       prefix=(False, True), progress=False)
+            eng.generate(ids[:4], [SamplingParams(max_new_tokens=32, temperature=args.temperature, seed=i)
+                                   for i in range(4)])
+            eng.flush_cache()
+            delivered = [0]
+            sent = [0]
+            running_samples = []
+
+            def on_tokens(_i, new):
+                delivered[0] += len(new)
+
+            def send():
+                n = sent[0]
+                sent[0] += 1
+                sp = SamplingParams(max_new_tokens=ctx, temperature=args.temperature, seed=n)
+                return eng.submit(ids[n % len(ids)], sp, on_tokens=on_tokens)
+
+            clients = [send() for _ in range(args.concurrent)]
+            eng.reset_stats()
+            t0 = time.perf_counter()
+            finished = 0
+            while time.perf_counter() - t0 < args.steady_seconds:
+                eng.step()
+                running_samples.append(eng.num_running)
+                for c, r in enumerate(clients):
+                    if r.done:
+                        finished += 1
+                        clients[c] = send()
+            wall = time.perf_counter() - t0
+            tokens = delivered[0]
+            stats = eng.stats(clients)
+            eng.abort_all()
+            eng.check_kv()
+            row = {"scenario": "steady", "system": kind, "policy": policy, "clients": args.concurrent,
+                   "context": ctx, "pool_slots": pool, "seconds": round(wall, 3), "new_tokens": tokens,
+                   "tokens_per_s": round(tokens / wall, 1), "requests_finished": finished,
+                   "mean_running": round(statistics.fmean(running_samples), 1), "peak_running": max(running_samples),
+                   "retractions": stats.retractions, "compilations_after_warmup": stats.compilations_after_warmup,
+                   "accept_length": round(stats.accept_length, 3) if kind == "eagle" else None}
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    for kind in ("target-only", "eagle"):
+        old, new = [r for r in rows if r["system"] == kind]
+        new["vs_reserve"] = round(new["tokens_per_s"] / old["tokens_per_s"], 2)
+    return rows
+
+
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompts", default=None, help=".jsonl with a 'prompt' per line (MT-bench first turns)")
@@ -148,6 +222,7 @@ def main(argv=None) -> dict:
     p.add_argument("--context", type=int, default=2048)
     p.add_argument("--pool-contexts", type=int, default=16, help="capacity: the pool holds this many contexts")
     p.add_argument("--temperature", type=float, default=0.7, help="capacity: sampling temperature (seed i per request)")
+    p.add_argument("--steady-seconds", type=float, default=20.0, help="steady: the measured window")
     p.add_argument("--tier", default="5,4,8")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
@@ -171,6 +246,8 @@ def main(argv=None) -> dict:
         doc["rows"] += ttft_rows(model, head, tok, texts, args, tier)
     if "capacity" in scenarios:
         doc["rows"] += capacity_rows(model, head, tok, texts, args, tier)
+    if "steady" in scenarios:
+        doc["rows"] += steady_rows(model, head, tok, texts, args, tier)
     for r in doc["rows"]:
         r.pop("tokens", None)
     emit(doc, args.json_out)

@@ -1,12 +1,13 @@
 """jeagle's converted checkpoint directory: save and load.
 
     OUT_DIR/config.json             ModelConfig (format "jeagle-target-v1")
-    OUT_DIR/params/                 orbax checkpoint of the parameter dict (names in models/llama.py)
+    OUT_DIR/model.safetensors       the parameter dict (names in models/llama.py), in cfg.dtype
     OUT_DIR/tokenizer.json          fast tokenizer
     OUT_DIR/tokenizer_config.json   special tokens and chat template
 
-A draft head may instead hold its tensors in one `model.safetensors` (jeagle's parameter names), the
-form a trained head ships in (`save_safetensors`, jeagle/heads/).
+A draft head is the same with a DraftConfig (format "jeagle-draft-v1"), the form a trained head ships
+in (jeagle/heads/). Directories converted before 2026-11-26 hold an orbax checkpoint in `params/`
+instead; they still load (orbax is imported only then: it costs a start ~0.2-0.3 s of imports).
 
 Every converter ends in `save_checkpoint`, which checks each tensor's shape against the model the
 config describes, so a converter bug or a config/weight mismatch fails at conversion, not at run time.
@@ -21,7 +22,6 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 from flax import nnx
 
 from jeagle.config import DraftConfig, ModelConfig
@@ -68,26 +68,10 @@ def check_params(cfg, params: dict[str, np.ndarray], source: str) -> None:
             raise CheckpointError(f"{source}: {name} has shape {tuple(params[name].shape)}, the config implies {shape}")
 
 
-def save_checkpoint(out_dir, cfg, params: dict[str, np.ndarray], *, source: str = "") -> Path:
-    """Write config + params (floating point cast to cfg.dtype; integer buffers kept as int32) for a
-    target (ModelConfig) or a draft head (DraftConfig). Tokenizer files are the caller's."""
-    out_dir = Path(out_dir).absolute()
-    check_params(cfg, params, source or str(out_dir))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    if (out_dir / "params").exists():
-        shutil.rmtree(out_dir / "params")
-    want = expected_shapes(cfg)
-    tree = {k: jnp.asarray(np.asarray(v), dtype=want[k][1]) for k, v in params.items()}
-    ckptr = ocp.StandardCheckpointer()
-    ckptr.save(out_dir / "params", tree)
-    ckptr.wait_until_finished()
-    cfg.save(out_dir / "config.json")
-    return out_dir
-
-
-def save_safetensors(out_dir, cfg, params: dict[str, np.ndarray], *, source: str = "", metadata=None) -> Path:
-    """Write config + model.safetensors (floating point tensors in cfg.dtype, integer buffers int32): the
-    compact, framework-neutral form of a checkpoint (a shipped draft head)."""
+def save_checkpoint(out_dir, cfg, params: dict[str, np.ndarray], *, source: str = "", metadata=None) -> Path:
+    """Write config + model.safetensors (floating point tensors cast to cfg.dtype, integer buffers
+    int32) for a target (ModelConfig) or a draft head (DraftConfig), replacing an older checkpoint in
+    the directory (an orbax `params/` included). Tokenizer files are the caller's."""
     import ml_dtypes
     from safetensors.numpy import save_file
 
@@ -98,9 +82,16 @@ def save_safetensors(out_dir, cfg, params: dict[str, np.ndarray], *, source: str
     np_dtype = {"bfloat16": ml_dtypes.bfloat16, "float32": np.float32, "float16": np.float16}
     tensors = {k: np.ascontiguousarray(np.asarray(v).astype(np_dtype.get(want[k][1], want[k][1])))
                for k, v in params.items()}
-    save_file(tensors, str(out_dir / SAFETENSORS), metadata={"format": cfg.FORMAT, **(metadata or {})})
+    tmp = out_dir / f"{SAFETENSORS}.tmp"
+    save_file(tensors, str(tmp), metadata={"format": cfg.FORMAT, **(metadata or {})})
+    tmp.replace(out_dir / SAFETENSORS)
+    if (out_dir / "params").exists():
+        shutil.rmtree(out_dir / "params")
     cfg.save(out_dir / "config.json")
     return out_dir
+
+
+save_safetensors = save_checkpoint  # the name trained heads were saved with
 
 
 def load_config(path) -> ModelConfig:
@@ -136,27 +127,49 @@ def load_draft(path, *, target: ModelConfig | None = None, dtype: str | None = N
     return _restore(path, cfg)
 
 
+def _read_orbax(path: Path) -> dict:
+    import orbax.checkpoint as ocp
+
+    try:
+        return ocp.StandardCheckpointer().restore(path / "params")
+    except Exception as e:  # orbax raises many types for a damaged directory
+        raise CheckpointError(f"cannot read the parameters in {path / 'params'}: {e}") from e
+
+
+def _read_safetensors(source: Path, target: dict) -> dict:
+    """Each tensor read and put on the device in the target's dtype one at a time (host memory: one
+    tensor, not the model)."""
+    from safetensors import SafetensorError, safe_open
+
+    out = {}
+    try:
+        with safe_open(str(source), framework="numpy") as f:
+            names = set(f.keys())
+            missing, extra = sorted(set(target) - names), sorted(names - set(target))
+            if missing or extra:
+                raise CheckpointError(f"{source}: tensors do not match the config: missing {missing}, "
+                                      f"unexpected {extra}")
+            for name, t in target.items():
+                x = f.get_tensor(name)
+                if tuple(x.shape) != tuple(t.shape):
+                    raise CheckpointError(f"{source}: {name} has shape {tuple(x.shape)}, the config implies "
+                                          f"{tuple(t.shape)}")
+                out[name] = jnp.asarray(x, dtype=t.dtype)
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"cannot read the parameters in {source}: {e}") from e
+    return out
+
+
 def _restore(path: Path, cfg):
     graphdef, state = nnx.split(_abstract(cfg))
     target = nnx.to_pure_dict(state)
-    if (path / "params").is_dir():
-        try:
-            restored = ocp.StandardCheckpointer().restore(path / "params")
-        except Exception as e:  # orbax raises many types for a damaged directory
-            raise CheckpointError(f"cannot read the parameters in {path / 'params'}: {e}") from e
-        source = path / "params"
-    elif (path / SAFETENSORS).is_file():
-        from safetensors import SafetensorError
-        from safetensors.numpy import load_file
-
-        source = path / SAFETENSORS
-        try:
-            restored = load_file(str(source))
-        except (SafetensorError, OSError) as e:
-            raise CheckpointError(f"cannot read the parameters in {source}: {e}") from e
+    if (path / SAFETENSORS).is_file():
+        restored = _read_safetensors(path / SAFETENSORS, target)
+    elif (path / "params").is_dir():
+        restored = _read_orbax(path)
+        check_params(cfg, restored, str(path / "params"))
+        restored = jax.tree.map(lambda x, t: jnp.asarray(x, dtype=t.dtype), restored, target)
     else:
-        raise CheckpointError(f"{path} is not a jeagle checkpoint: neither {path / 'params'} nor {path / SAFETENSORS}")
-    check_params(cfg, restored, str(source))
-    restored = jax.tree.map(lambda x, t: jnp.asarray(x, dtype=t.dtype), restored, target)
+        raise CheckpointError(f"{path} is not a jeagle checkpoint: neither {path / SAFETENSORS} nor {path / 'params'}")
     nnx.replace_by_pure_dict(state, restored)
     return nnx.merge(graphdef, state)

