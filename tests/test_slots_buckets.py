@@ -112,3 +112,26 @@ def test_kv_buckets_follow_the_kernel_settings():
     ker = Buckets.for_engine(config(kernels=KernelSettings(backend="interpret")), 4, 1024, heads)
     assert len(ref.kv) > 1 and ref.kv[-1] == 1024
     assert ker.kv == (1024,)
+
+
+def test_small_prefills_unroll_their_layers_on_a_gpu(monkeypatch):
+    """Prefills of b x t <= SMALL_PREFILL_TOKENS unroll every layer on a GPU (their time is the layer
+    loop's launches); larger ones keep the loop; an explicit unroll_layers applies to both; the
+    choice is part of every prefill step key."""
+    import jax
+
+    from jeagle.config import ModelConfig
+    from jeagle.runtime import steps
+
+    mc = ModelConfig(arch="llama", vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=2, num_heads=2,
+                     num_kv_heads=1, head_dim=8)
+    cfg = EngineConfig()
+    assert steps.layer_unroll("prefill", cfg, mc) is False
+    assert steps.layer_unroll("small_prefill", cfg, mc) is (jax.default_backend() == "gpu")
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert steps.layer_unroll("small_prefill", cfg, mc) is True
+    assert steps.layer_unroll("small_prefill", EngineConfig(unroll_layers=3), mc) == 3
+    static = type("S", (), {"unroll_prefill": False, "unroll_small_prefill": True})()
+    n = steps.SMALL_PREFILL_TOKENS
+    assert steps.prefill_unroll(static, 1, n) is True and steps.prefill_unroll(static, 4, n // 4) is True
+    assert steps.prefill_unroll(static, 1, 2 * n) is False and steps.prefill_unroll(static, 2, n) is False

@@ -4,7 +4,7 @@ another), with the host's time in each part of the request's first scheduler ste
 `--trace`, the device's busy time between submit and first token.
 
     python bench/probes/ttft_phases.py --prompts .data/mtbench.jsonl [--systems eagle,target-only]
-        [--cache on,off] [--requests 12] [--trace DIR]
+        [--cache on,off] [--small-prefill-unroll auto,loop,3] [--requests 12] [--trace DIR]
 
 Per request (the first is not counted: it prefills the system prompt either way), the phases are
 wall-clock host seconds from submit to the first token's delivery:
@@ -69,7 +69,9 @@ def instrument(eng, acc: dict):
     eng._admit_waiting = timed_admit
 
 
-def run(kind, cache, model, head, ids, shared, args, tier):
+def run(kind, cache, model, head, ids, shared, args, tier, small_unroll="auto"):
+    import dataclasses
+
     import jax
 
     from jeagle.engine import EngineConfig
@@ -80,8 +82,13 @@ def run(kind, cache, model, head, ids, shared, args, tier):
     ec = EngineConfig(max_batch_size=1, max_context=max(map(len, ids)) + args.new_tokens + 16,
                       prefix_cache=cache, kernels=KernelSettings.from_env())
     eng = make_engine(kind, model, head, ec, tier)
+    if small_unroll != "auto":  # the unroll of prefills of <= SMALL_PREFILL_TOKENS (part of their step keys)
+        value = {"loop": False, "full": True}.get(small_unroll) or int(small_unroll)
+        eng.decoder.static = dataclasses.replace(eng.decoder.static, unroll_small_prefill=value)
+    t_warm = time.perf_counter()
     eng.warmup(batch_sizes=[1], prefill_lengths=[len(p) for p in ids] + [len(p) - shared for p in ids],
                greedy=(True,), prefix=(False, True), progress=False)
+    warm_s = time.perf_counter() - t_warm
     for p in ids[:2]:
         eng.generate([p], sp)
     eng.flush_cache()
@@ -96,7 +103,7 @@ def run(kind, cache, model, head, ids, shared, args, tier):
         eng.reset_stats()
         tracing = args.trace and i == len(ids) - 1
         if tracing:
-            jax.profiler.start_trace(f"{args.trace}/{kind}-{'on' if cache else 'off'}")
+            jax.profiler.start_trace(f"{args.trace}/{kind}-{'on' if cache else 'off'}-{small_unroll}")
         acc["on"] = True
         steps = 0
         while not first:
@@ -114,7 +121,9 @@ def run(kind, cache, model, head, ids, shared, args, tier):
         row["other_ms"] = round((ttft - sum(acc[k] for k in PHASES)) * 1e3, 3)
         rows.append(row)
     later = rows[1:]
-    summary = {"system": kind, "prefix_cache": cache, "requests": len(rows),
+    summary = {"system": kind, "prefix_cache": cache, "small_prefill_unroll": small_unroll,
+               "unroll_small_prefill": eng.decoder.static.unroll_small_prefill,
+               "warmup_s": round(warm_s, 2), "requests": len(rows),
                "shared_tokens": shared, "prompt_tokens": [min(map(len, ids)), max(map(len, ids))]}
     for k in ("ttft", *PHASES, "other"):
         summary[f"{k}_ms_p50"] = round(statistics.median(r[f"{k}_ms"] for r in later), 3)
@@ -132,6 +141,9 @@ def main(argv=None) -> dict:
     p.add_argument("--system-tokens", type=int, default=1000)
     p.add_argument("--requests", type=int, default=12)
     p.add_argument("--new-tokens", type=int, default=16)
+    p.add_argument("--small-prefill-unroll", default="auto",
+                   help="comma list of the small prefills' layer unroll to compare: auto (the engine's), loop, "
+                        "full, or k layers per iteration (with the cache on; off runs the engine's)")
     p.add_argument("--tier", default="5,4,8")
     p.add_argument("--dtype", default=None, help="default: the target's (bf16; pass float32 on a CPU)")
     p.add_argument("--trace", default=None, help="a jax.profiler trace of each configuration's last request")
@@ -158,9 +170,11 @@ def main(argv=None) -> dict:
            "args": vars(args), "summary": [], "rows": []}
     for kind in args.systems.split(","):
         for c in args.cache.split(","):
-            summary, rows = run(kind, c == "on", model, head, ids, shared, args, tier)
-            doc["summary"].append(summary)
-            doc["rows"].append({"system": kind, "prefix_cache": c == "on", "requests": rows})
+            for u in args.small_prefill_unroll.split(",") if c == "on" else ["auto"]:
+                summary, rows = run(kind, c == "on", model, head, ids, shared, args, tier, u)
+                doc["summary"].append(summary)
+                doc["rows"].append({"system": kind, "prefix_cache": c == "on", "small_prefill_unroll": u,
+                                    "requests": rows})
     emit(doc, args.json_out)
     return doc
 

@@ -46,13 +46,23 @@ def layer_weight_bytes(cfg) -> int:
     return n * jnp.dtype(cfg.dtype).itemsize
 
 
+# Prefills of at most this many padded tokens (b x t) unroll their layers (`layer_unroll("small_prefill")`):
+# the prefill after a prefix-cache hit, a lone short prompt. Their device time is the launch of the
+# layer loop's kernels, which the host walks iteration by iteration (a 64-token prefill after a
+# 1,238-token cached prefix: 4.0 ms of host dispatch, 3.5 ms on the device, H200; bench/HISTORY.md
+# session 21), while unrolled they run as one command buffer. On a GPU only.
+SMALL_PREFILL_TOKENS = 256
+
+
 def layer_unroll(phase: str, config, model_cfg) -> bool | int:
-    """The layer-loop unroll of the "prefill", "step" (target-only decode) or "round" executables
-    (EngineConfig.unroll_layers; None: see there)."""
+    """The layer-loop unroll of the "prefill", "small_prefill" (`SMALL_PREFILL_TOKENS`), "step"
+    (target-only decode) or "round" executables (EngineConfig.unroll_layers; None: see there)."""
     if config.unroll_layers is not None:
         return config.unroll_layers
     if phase == "prefill":
         return False
+    if phase == "small_prefill":  # a CPU launches no kernels: the loop compiles faster and runs as fast
+        return jax.default_backend() == "gpu"
     # Per device: a loop's slice copies are of each device's shard of the layer.
     per_device = layer_weight_bytes(model_cfg) // config.tp
     return True if phase == "step" and per_device >= UNROLL_ALL_BYTES else 3
@@ -126,6 +136,7 @@ class TargetStatic:
     unroll_prefill: bool | int
     unroll_step: bool | int
     kernels: KernelSettings
+    unroll_small_prefill: bool | int = False  # prefills of b x t <= SMALL_PREFILL_TOKENS (`prefill_unroll`)
 
     def shapes(self) -> DeviceShapes:
         """The device shapes these configs imply (no arrays allocated): for worker processes."""
@@ -236,6 +247,11 @@ class DecodeKey(_TargetKey):
         return StepBuild(fn, args, (1,), shapes.out_shardings(fn, args))
 
 
+def prefill_unroll(static, b: int, t: int) -> bool | int:
+    """The layer unroll of a (b, t) prefill executable of a decoder with statics `static`."""
+    return static.unroll_small_prefill if b * t <= SMALL_PREFILL_TOKENS else static.unroll_prefill
+
+
 def prefill_step(key: PrefillKey, graphdef, params, state: TargetState, inputs: PrefillInputs):
     """The prompts' KV written, each row's first token sampled. Returns (tokens [B, 1] (with
     `key.logprobs` their packed logprobs appended, then with `key.prompt_logprobs` the prompts'),
@@ -247,7 +263,7 @@ def prefill_step(key: PrefillKey, graphdef, params, state: TargetState, inputs: 
     req_to_token, table = assign_rows(cache.req_to_token, row_ids, inputs.slot_count, inputs.slot_flat)
     attn, pos = prefill_attn(table, inputs.starts, lengths, t, key.context)
     out = model(tokens, attn, cache.k, cache.v, logits_index=jnp.maximum(lengths - 1, 0),
-                unroll=key.static.unroll_prefill)
+                unroll=prefill_unroll(key.static, b, t))
     total = inputs.starts + lengths  # the sequence's length: the sampled token's position
     # The rows' penalties written and applied (neutral ones leave the logits as they are).
     pen = prefill_rows(state.penalties, row_ids, inputs.penalties, tokens, lengths, pos)

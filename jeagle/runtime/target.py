@@ -54,7 +54,8 @@ class TargetDecoder(SlotTables, GrammarMasks):
         self.buckets = Buckets.for_engine(config, self.max_reqs, self.max_ctx, (mc.head_dim,))
         self.static = TargetStatic(model=mc, max_reqs=self.max_reqs, max_ctx=self.max_ctx, num_slots=self.num_slots,
                                    unroll_prefill=layer_unroll("prefill", config, mc),
-                                   unroll_step=layer_unroll("step", config, mc), kernels=config.kernels)
+                                   unroll_step=layer_unroll("step", config, mc), kernels=config.kernels,
+                                   unroll_small_prefill=layer_unroll("small_prefill", config, mc))
         self.executables = Executables(DeviceShapes.of((self.graphdef,), self.params, state, mesh),
                                        store_dir=config.executable_cache_dir, compile_workers=config.compile_workers,
                                        compile_processes=config.compile_processes)

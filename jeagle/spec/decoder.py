@@ -110,7 +110,8 @@ class SpecDecoder(SlotTables, GrammarMasks):
         self.static = SpecStatic(model=mc, draft=draft.cfg, layout=rl, max_reqs=self.max_reqs, max_ctx=self.max_ctx,
                                  num_slots=self.num_slots, unroll_prefill=layer_unroll("prefill", config, mc),
                                  unroll_round=layer_unroll("round", config, mc), kernels=config.kernels,
-                                 simulate_accept=simulate_accept)
+                                 simulate_accept=simulate_accept,
+                                 unroll_small_prefill=layer_unroll("small_prefill", config, mc))
         self.executables = Executables(DeviceShapes.of((graphdef, draft_graphdef), self.params, state, mesh),
                                        store_dir=config.executable_cache_dir, compile_workers=config.compile_workers,
                                        compile_processes=config.compile_processes)

@@ -32,7 +32,7 @@ from jeagle.models.llama import ForwardOut
 from jeagle.penalties import (PenaltyInputs, PenaltyRows, add_tokens, apply as apply_penalties,
                               gather as gather_penalties, init_penalty_rows, penalty_shapes, prefill_rows)
 from jeagle.runtime.executables import DeviceShapes, StepBuild, compiler_options
-from jeagle.runtime.steps import Sampling, prefill_attn, sampling_shapes
+from jeagle.runtime.steps import Sampling, prefill_attn, prefill_unroll, sampling_shapes
 from jeagle.sampling import sample
 from jeagle.spec.round import (MAX_STOP, RowLayout, SpecConfig, SpecRows, draft_topk, draft_tree, draft_vocab_ids, init_rows,
                                pack_result, spec_round, verify_commit, verify_forward)
@@ -87,6 +87,7 @@ class SpecStatic:
     unroll_round: bool | int
     kernels: KernelSettings
     simulate_accept: float = 0.0  # bench only: a forced accept length (round.verify_commit)
+    unroll_small_prefill: bool | int = False  # prefills of b x t <= SMALL_PREFILL_TOKENS (runtime/steps.py)
 
     @property
     def aux_layers(self) -> tuple[int, ...]:
@@ -230,7 +231,7 @@ def spec_prefill_step(key: SpecPrefillKey, graphdef, draft_graphdef, params, sta
     attn, pos = prefill_attn(table, x.starts, lengths, t, key.context)
     last = jnp.maximum(lengths - 1, 0)
     out = target(tokens, attn, cache.k, cache.v, logits_index=last, aux_layers=static.aux_layers,
-                 unroll=static.unroll_prefill)
+                 unroll=prefill_unroll(static, b, t))
     s = x.sampling
     total = x.starts + lengths  # the sequence's length: the first new token's position
     generated = jnp.maximum(total - x.penalties.prompt_len, 0)  # > 0 for a request resumed after a retraction
