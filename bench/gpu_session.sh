@@ -82,6 +82,13 @@ for d in sorted(glob.glob(sys.argv[1] + "/*")):
           f"{[round(g / 1e3, 3) for g in gaps]}")
     for mod, (busy, a, b) in sorted(per.items(), key=lambda kv: kv[1][1])[:12]:
         print(f"    {mod[:60]:60s} busy {busy / 1e3:7.3f} ms  from {a / 1e3:8.3f} to {b / 1e3:8.3f} ms")
+    kern = defaultdict(lambda: [0.0, 0])  # the prefill's kernels by name: total us, count
+    for name, dur, start, mod in ev:
+        if "prefill" in mod:
+            kern[name][0] += dur; kern[name][1] += 1
+    print(f"    prefill: {sum(c for _, c in kern.values())} kernels; the largest by total time:")
+    for name, (us, n) in sorted(kern.items(), key=lambda kv: -kv[1][0])[:10]:
+        print(f"      {us / 1e3:7.3f} ms  x{n:<4d} {name[:90]}")
 PY
 fi
 if [[ "$steps" == *" specbench "* ]]; then

@@ -83,7 +83,7 @@ def run(kind, cache, model, head, ids, shared, args, tier, small_unroll="auto"):
                       prefix_cache=cache, kernels=KernelSettings.from_env())
     eng = make_engine(kind, model, head, ec, tier)
     if small_unroll != "auto":  # the unroll of prefills of <= SMALL_PREFILL_TOKENS (part of their step keys)
-        value = {"loop": False, "full": True}.get(small_unroll) or int(small_unroll)
+        value = {"loop": False, "full": True}[small_unroll] if small_unroll in ("loop", "full") else int(small_unroll)
         eng.decoder.static = dataclasses.replace(eng.decoder.static, unroll_small_prefill=value)
     t_warm = time.perf_counter()
     eng.warmup(batch_sizes=[1], prefill_lengths=[len(p) for p in ids] + [len(p) - shared for p in ids],
