@@ -423,10 +423,10 @@ else:
 print(json.dumps(row))
 PY
   done
-  for i in 1 2; do  # the README form with the allocator's preallocation off (bytecode as runs 4-5)
+  for pre in true false true false; do  # the README form, JAX's preallocation on / off set explicitly (bytecode as runs 4-5)
     t0=$(date +%s.%N)
-    XLA_PYTHON_CLIENT_PREALLOCATE=false JEAGLE_CACHE="$sc" python3 -m jeagle.generate "$q" > /dev/null 2>&1
-    python3 -c "import json,sys; print(json.dumps({'step': 'startup', 'run': 'prealloc-off', 'wall_s': round(float(sys.argv[2]) - float(sys.argv[1]), 3)}))" "$t0" "$(date +%s.%N)" | tee -a "$OUT/startup.jsonl"
+    XLA_PYTHON_CLIENT_PREALLOCATE=$pre JEAGLE_CACHE="$sc" python3 -m jeagle.generate "$q" > /dev/null 2>&1
+    python3 -c "import json,sys; print(json.dumps({'step': 'startup', 'run': 'preallocate=' + sys.argv[3], 'wall_s': round(float(sys.argv[2]) - float(sys.argv[1]), 3)}))" "$t0" "$(date +%s.%N)" "$pre" | tee -a "$OUT/startup.jsonl"
   done
   python3 bench/probes/device_init.py --repeats 2 2>&1 | tee "$OUT/device_init.jsonl"
   JEAGLE_CACHE="$sc" python3 -X importtime -m jeagle.generate "$q" > /dev/null 2> "$OUT/startup_importtime.log"

@@ -158,7 +158,9 @@ def run(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from jeagle.runtime.startup import warm_devices
+    from jeagle.runtime.startup import on_demand_allocation, warm_devices
+
+    on_demand_allocation()  # a one-shot command: no preallocation of most of the GPU's memory
 
     devices = warm_devices()  # the devices come up on a thread while the rest imports and the tokenizer loads
     try:

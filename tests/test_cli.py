@@ -293,3 +293,18 @@ def test_serve_cli_bad_target_fails_fast_with_one_line():
                        capture_output=True, text=True, timeout=300)
     assert r.returncode == 2, r.stderr[-2000:]
     assert "/no/such/model" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_generate_allocates_on_demand_unless_told(monkeypatch):
+    """`jeagle.generate` turns JAX's preallocation off for its process, unless the user set one of
+    the allocator's variables (then nothing changes)."""
+    import os
+
+    from jeagle.runtime.startup import ALLOCATOR_VARIABLES, on_demand_allocation
+
+    for v in ALLOCATOR_VARIABLES:
+        monkeypatch.delenv(v, raising=False)
+    assert on_demand_allocation() and os.environ["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE")
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
+    assert not on_demand_allocation() and "XLA_PYTHON_CLIENT_PREALLOCATE" not in os.environ

@@ -115,9 +115,9 @@ def test_kv_buckets_follow_the_kernel_settings():
 
 
 def test_small_prefills_unroll_their_layers_on_a_gpu(monkeypatch):
-    """Prefills of b x t <= SMALL_PREFILL_TOKENS unroll every layer on a GPU (their time is the layer
-    loop's launches); larger ones keep the loop; an explicit unroll_layers applies to both; the
-    choice is part of every prefill step key."""
+    """Prefills of b x t <= SMALL_PREFILL_TOKENS run 3 layers per iteration on a GPU (their time is the
+    layer loop's launches); larger ones keep the plain loop; an explicit unroll_layers applies to
+    both."""
     import jax
 
     from jeagle.config import ModelConfig
@@ -127,11 +127,11 @@ def test_small_prefills_unroll_their_layers_on_a_gpu(monkeypatch):
                      num_kv_heads=1, head_dim=8)
     cfg = EngineConfig()
     assert steps.layer_unroll("prefill", cfg, mc) is False
-    assert steps.layer_unroll("small_prefill", cfg, mc) is (jax.default_backend() == "gpu")
+    assert steps.layer_unroll("small_prefill", cfg, mc) == (3 if jax.default_backend() == "gpu" else False)
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-    assert steps.layer_unroll("small_prefill", cfg, mc) is True
-    assert steps.layer_unroll("small_prefill", EngineConfig(unroll_layers=3), mc) == 3
-    static = type("S", (), {"unroll_prefill": False, "unroll_small_prefill": True})()
+    assert steps.layer_unroll("small_prefill", cfg, mc) == 3
+    assert steps.layer_unroll("small_prefill", EngineConfig(unroll_layers=True), mc) is True
+    static = type("S", (), {"unroll_prefill": False, "unroll_small_prefill": 3})()
     n = steps.SMALL_PREFILL_TOKENS
-    assert steps.prefill_unroll(static, 1, n) is True and steps.prefill_unroll(static, 4, n // 4) is True
+    assert steps.prefill_unroll(static, 1, n) == 3 and steps.prefill_unroll(static, 4, n // 4) == 3
     assert steps.prefill_unroll(static, 1, 2 * n) is False and steps.prefill_unroll(static, 2, n) is False

@@ -35,6 +35,12 @@ def main(argv=None) -> None:
 
     args = parse_args(argv)
     mark("parse args")
+    try:  # as jeagle.generate.main does: on-demand allocation (older trees: preallocation)
+        from jeagle.runtime.startup import on_demand_allocation
+
+        on_demand_allocation()
+    except ImportError:
+        pass
     try:  # as jeagle.generate.main does: the devices come up on a thread (older trees: no such thread)
         from jeagle.runtime.startup import warm_devices
 

@@ -25,7 +25,7 @@ class EngineConfig:
     # UNROLL_ALL_BYTES (a loop slices each layer's weights by a traced index, and XLA copies the slice
     # before a Triton GEMM: 2.5x the step time of a Llama-8B shape, bench/HISTORY.md "session 6"; the
     # round's GEMMs went to cuBLAS without copies there, and unrolling it measured no faster); a loop
-    # for prefill.
+    # for prefill, 3 per iteration for small ones on a GPU (runtime/steps.py SMALL_PREFILL_TOKENS).
     unroll_layers: bool | int | None = None
     batch_buckets: tuple[int, ...] | None = None  # default: SGLang's list capped at max_batch_size
     max_bucket: int | None = None  # cap the default list (the largest bucket is then max_batch_size)

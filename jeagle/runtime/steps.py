@@ -46,11 +46,12 @@ def layer_weight_bytes(cfg) -> int:
     return n * jnp.dtype(cfg.dtype).itemsize
 
 
-# Prefills of at most this many padded tokens (b x t) unroll their layers (`layer_unroll("small_prefill")`):
-# the prefill after a prefix-cache hit, a lone short prompt. Their device time is the launch of the
-# layer loop's kernels, which the host walks iteration by iteration (a 64-token prefill after a
-# 1,238-token cached prefix: 4.0 ms of host dispatch, 3.5 ms on the device, H200; bench/HISTORY.md
-# session 21), while unrolled they run as one command buffer. On a GPU only.
+# Prefills of at most this many padded tokens (b x t) run 3 layers per loop iteration, as decode steps
+# and rounds do (`layer_unroll("small_prefill")`): the prefill after a prefix-cache hit, a lone short
+# prompt. The host walks a layer loop's iterations launching their kernels, and for a small prefill
+# that launching is its time: a 64-token prefill after a 1,238-token cached prefix took 4.0 ms of host
+# dispatch with the plain loop, 2.6 ms with 3 layers per iteration, 2.1 ms unrolled, for a warm-up
+# compile of 6.2 / 6.4 / 19.7 s (H200, bench/HISTORY.md session 21). On a GPU only.
 SMALL_PREFILL_TOKENS = 256
 
 
@@ -61,8 +62,8 @@ def layer_unroll(phase: str, config, model_cfg) -> bool | int:
         return config.unroll_layers
     if phase == "prefill":
         return False
-    if phase == "small_prefill":  # a CPU launches no kernels: the loop compiles faster and runs as fast
-        return jax.default_backend() == "gpu"
+    if phase == "small_prefill":  # a CPU launches no kernels: the plain loop compiles faster, runs as fast
+        return 3 if jax.default_backend() == "gpu" else False
     # Per device: a loop's slice copies are of each device's shard of the layer.
     per_device = layer_weight_bytes(model_cfg) // config.tp
     return True if phase == "step" and per_device >= UNROLL_ALL_BYTES else 3
