@@ -39,7 +39,7 @@ def system_prompt(tok, texts, tokens: int) -> str:
 def compare(rows: list[dict], name: str, ratio) -> list[dict]:
     """Per system, the second row (the new way) gets `name` = ratio(first, second) and how many of its
     outputs equal the first row's."""
-    for kind in ("target-only", "eagle"):
+    for kind in {r["system"] for r in rows}:
         before, after = [r for r in rows if r["system"] == kind]
         after[name] = round(ratio(before, after), 2)
         after["same_tokens"] = sum(a == b for a, b in zip(before["tokens"], after["tokens"]))
@@ -64,7 +64,7 @@ def ttft_rows(model, head, tok, texts, args, tier) -> list[dict]:
     shared = len(tok.encode_chat([{"role": "system", "content": system}]))
     sp = SamplingParams(max_new_tokens=args.ttft_new_tokens)
     rows = []
-    for kind in ("target-only", "eagle"):
+    for kind in args.systems.split(","):
         for cache in (False, True):
             ec = EngineConfig(max_batch_size=1, max_context=max(map(len, ids)) + args.ttft_new_tokens + 16,
                               prefix_cache=cache, kernels=KernelSettings.from_env())
@@ -106,7 +106,7 @@ def capacity_rows(model, head, tok, texts, args, tier) -> list[dict]:
     sps = [SamplingParams(max_new_tokens=ctx, temperature=args.temperature, seed=i) for i in range(len(ids))]
     buckets = tuple(b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128) if b < args.concurrent) + (args.concurrent,)
     rows = []
-    for kind in ("target-only", "eagle"):
+    for kind in args.systems.split(","):
         for policy in ("reserve", "on-demand"):
             ec = EngineConfig(max_batch_size=args.concurrent, batch_buckets=buckets, max_context=ctx,
                               max_total_tokens=pool, prefix_cache=policy == "on-demand",
@@ -155,7 +155,7 @@ def steady_rows(model, head, tok, texts, args, tier) -> list[dict]:
     pool = args.pool_contexts * ctx
     buckets = tuple(b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128) if b < args.concurrent) + (args.concurrent,)
     rows = []
-    for kind in ("target-only", "eagle"):
+    for kind in args.systems.split(","):
         for policy in ("reserve", "on-demand"):
             ec = EngineConfig(max_batch_size=args.concurrent, batch_buckets=buckets, max_context=ctx,
                               max_total_tokens=pool, prefix_cache=policy == "on-demand",
@@ -205,7 +205,7 @@ def steady_rows(model, head, tok, texts, args, tier) -> list[dict]:
                    "accept_length": round(stats.accept_length, 3) if kind == "eagle" else None}
             rows.append(row)
             print(json.dumps(row), flush=True)
-    for kind in ("target-only", "eagle"):
+    for kind in {r["system"] for r in rows}:
         old, new = [r for r in rows if r["system"] == kind]
         new["vs_reserve"] = round(new["tokens_per_s"] / old["tokens_per_s"], 2)
     return rows
@@ -223,6 +223,7 @@ def main(argv=None) -> dict:
     p.add_argument("--pool-contexts", type=int, default=16, help="capacity: the pool holds this many contexts")
     p.add_argument("--temperature", type=float, default=0.7, help="capacity: sampling temperature (seed i per request)")
     p.add_argument("--steady-seconds", type=float, default=20.0, help="steady: the measured window")
+    p.add_argument("--systems", default="target-only,eagle")
     p.add_argument("--tier", default="5,4,8")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)

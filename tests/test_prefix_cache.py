@@ -41,6 +41,21 @@ def test_radix_match_insert_split_and_lru_eviction():
         c.unlock(b)
 
 
+def test_radix_matches_long_runs_to_the_first_difference():
+    """Matches end exactly where keys first differ, in long and short runs (the comparison takes a
+    different path for runs over 32 keys)."""
+    rng = np.random.default_rng(0)
+    base = rng.integers(0, 50, 1200).tolist()
+    cache = RadixCache()
+    cache.insert(base, np.arange(1, 1201, dtype=np.int32))
+    for cut in (0, 1, 31, 32, 33, 500, 1199):
+        key = base[:cut] + [99] + base[cut + 1:]
+        got, _ = cache.match(key)
+        assert len(got) == cut and got.tolist() == list(range(1, cut + 1)), cut
+    got, _ = cache.match(base + [7, 8])
+    assert len(got) == 1200
+
+
 def test_bigram_keys_need_the_next_token():
     assert bigram_keys([1, 2, 3], 2, 100) == [102, 203]
     with pytest.raises(ValueError):

@@ -167,8 +167,15 @@ class RadixCache:
 
 
 def _common(a: list[int], key: list[int], pos: int) -> int:
+    """How many leading keys of `a` equal key[pos:]. A match usually runs a node's whole key (a shared
+    system prompt: ~1,000 positions), which one list comparison settles in C; a mismatch in a long run
+    is found with NumPy."""
     n = min(len(a), len(key) - pos)
+    if a[:n] == key[pos:pos + n]:
+        return n
+    if n > 32:
+        return int(np.flatnonzero(np.asarray(a[:n]) != np.asarray(key[pos:pos + n]))[0])
     i = 0
-    while i < n and a[i] == key[pos + i]:
+    while a[i] == key[pos + i]:
         i += 1
     return i
