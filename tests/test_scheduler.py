@@ -110,11 +110,16 @@ def test_prefix_bound_covers_what_dispatch_asks_for(target, head):
 
 
 def test_prefill_buckets():
-    from jeagle.runtime.buckets import pow2_buckets, prefill_batch_buckets
+    from jeagle.runtime.buckets import pow2_buckets, prefill_batch_buckets, prefill_length_buckets
 
     assert prefill_batch_buckets(batch_buckets(48, EngineConfig()), EngineConfig()) == (1, 4, 16, 48)
     assert prefill_batch_buckets((1, 2, 4), EngineConfig(batch_buckets=(1, 2, 4))) == (1, 2, 4)  # as given
     assert pow2_buckets(64, 2048, factor=4) == (64, 256, 1024, 2048)
+    # Prompt lengths: x4 to 1,024, then x2 (a long prompt pads to at most twice its length).
+    assert prefill_length_buckets(64, 8192) == (64, 256, 1024, 2048, 4096, 8192)
+    assert prefill_length_buckets(64, 3000) == (64, 256, 1024, 2048, 3000)
+    assert prefill_length_buckets(16, 96) == (16, 64, 96)
+    assert prefill_length_buckets(64, 64) == (64,)
 
 
 def test_warm_start_loads_every_executable_from_the_store(target, head, workload, tmp_path, caplog, no_xla_cache):

@@ -3,7 +3,7 @@ batch is planned onto them, and how its inputs are padded and its results trimme
 
     batch         decode / round batch sizes (SGLang's capture list by default)
     prefill_batch the batch sizes of prefill (a subset: a prefill is one call per admitted group)
-    prefill_len   prompt-length buckets (powers of 4 from min_prefill_bucket)
+    prefill_len   prompt-length buckets (`prefill_length_buckets`: x4 steps up to 1,024, then x2)
     kv            prefix-length buckets of decode / round (one, the context, when the paged-attention
                   kernel serves every attention; else powers of 2)
 """
@@ -22,6 +22,23 @@ def pow2_buckets(lo: int, hi: int, factor: int = 2) -> tuple[int, ...]:
     while b < hi:
         out.append(b)
         b *= factor
+    out.append(hi)
+    return tuple(out)
+
+
+# Prompt-length buckets grow x4 up to here, then x2: a prefill's padded positions cost compute (and
+# attention over them, quadratically), which for long prompts outweighs the compile time of one more
+# bucket. A 1,300-token prompt padded to 4,096 spent 12.9 of its 15.9 ms TTFT in the prefill (H100,
+# bench/HISTORY.md session 21); the context of a prefill after a prefix-cache hit uses the same table.
+PREFILL_X4_UNTIL = 1024
+
+
+def prefill_length_buckets(lo: int, hi: int) -> tuple[int, ...]:
+    """lo, lo·4, lo·16, ... while below PREFILL_X4_UNTIL, then doubling, then hi."""
+    out, b = [], lo
+    while b < hi:
+        out.append(b)
+        b *= 4 if b < PREFILL_X4_UNTIL else 2
     out.append(hi)
     return tuple(out)
 
@@ -109,7 +126,7 @@ class Buckets:
     def for_engine(cls, config, max_reqs: int, max_ctx: int, head_dims) -> "Buckets":
         batch = batch_buckets(max_reqs, config)
         return cls(batch=batch, prefill_batch=prefill_batch_buckets(batch, config),
-                   prefill_len=pow2_buckets(min(config.min_prefill_bucket, max_ctx), max_ctx, factor=4),
+                   prefill_len=prefill_length_buckets(min(config.min_prefill_bucket, max_ctx), max_ctx),
                    kv=kv_buckets(max_ctx, config, head_dims), max_ctx=max_ctx,
                    max_prefill_tokens=config.max_prefill_tokens)
 
