@@ -46,6 +46,14 @@ def compare(rows: list[dict], name: str, ratio) -> list[dict]:
     return rows
 
 
+def reserve_policy(eng) -> None:
+    """The policy before issue 25 on a default engine: admission takes the request's whole context,
+    which is never trimmed back (the default's `_trim_running` gives unused tails back before turning
+    a request away: here that would trim the reservations, regrow them the next step, and so on)."""
+    eng.kv.chunk = 1 << 30
+    eng._trim_running = lambda: 0
+
+
 def make_engine(kind, model, head, ec, tier):
     from jeagle.engine import speculative, target_only
     from jeagle.spec.round import SpecConfig
@@ -113,7 +121,7 @@ def capacity_rows(model, head, tok, texts, args, tier) -> list[dict]:
                               kernels=KernelSettings.from_env())
             eng = make_engine(kind, model, head, ec, tier)
             if policy == "reserve":
-                eng.kv.chunk = 1 << 30  # admission takes the request's whole context: the policy before issue 25
+                reserve_policy(eng)
             eng.warmup(prefill_lengths=sorted({len(p) for p in ids}), greedy=(args.temperature == 0,),
                        prefix=(False, True), progress=False)
             eng.generate(ids[:4], [dataclasses.replace(sp, max_new_tokens=32) for sp in sps[:4]])
@@ -162,7 +170,7 @@ def steady_rows(model, head, tok, texts, args, tier) -> list[dict]:
                               kernels=KernelSettings.from_env())
             eng = make_engine(kind, model, head, ec, tier)
             if policy == "reserve":
-                eng.kv.chunk = 1 << 30  # admission takes the request's whole context: the policy before issue 25
+                reserve_policy(eng)
             eng.warmup(prefill_lengths=sorted({len(p) for p in ids}), greedy=(args.temperature == 0,),
                        prefix=(False, True), progress=False)
             eng.generate(ids[:4], [SamplingParams(max_new_tokens=32, temperature=args.temperature, seed=i)

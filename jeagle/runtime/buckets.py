@@ -27,9 +27,10 @@ def pow2_buckets(lo: int, hi: int, factor: int = 2) -> tuple[int, ...]:
 
 
 # Prompt-length buckets grow x4 up to here, then x2: a prefill's padded positions cost compute (and
-# attention over them, quadratically), which for long prompts outweighs the compile time of one more
-# bucket. A 1,300-token prompt padded to 4,096 spent 12.9 of its 15.9 ms TTFT in the prefill (H100,
-# bench/HISTORY.md session 21); the context of a prefill after a prefix-cache hit uses the same table.
+# attention over them, quadratically: a 1,300-token prefill of SmolLM2 spends 13-15 ms on an H100,
+# about half of it in the attention's masked softmax; bench/HISTORY.md session 21), which for long
+# prompts outweighs the compile time of one more bucket. The context of a prefill after a prefix-cache
+# hit uses the same table. (Not timed against x4 buckets.)
 PREFILL_X4_UNTIL = 1024
 
 
