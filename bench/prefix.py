@@ -164,14 +164,15 @@ def steady_rows(model, head, tok, texts, args, tier) -> list[dict]:
     buckets = tuple(b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128) if b < args.concurrent) + (args.concurrent,)
     rows = []
     for kind in args.systems.split(","):
-        for policy in ("reserve", "on-demand"):
+        for policy in args.policies.split(","):
             ec = EngineConfig(max_batch_size=args.concurrent, batch_buckets=buckets, max_context=ctx,
                               max_total_tokens=pool, prefix_cache=policy == "on-demand",
                               kernels=KernelSettings.from_env())
             eng = make_engine(kind, model, head, ec, tier)
             if policy == "reserve":
                 reserve_policy(eng)
-            eng.warmup(prefill_lengths=sorted({len(p) for p in ids}), greedy=(args.temperature == 0,),
+            # A retracted request resumes with its tokens so far: prefills after cache hits up to the context.
+            eng.warmup(prefill_lengths=sorted({len(p) for p in ids} | {ctx}), greedy=(args.temperature == 0,),
                        prefix=(False, True), progress=False)
             eng.generate(ids[:4], [SamplingParams(max_new_tokens=32, temperature=args.temperature, seed=i)
                                    for i in range(4)])
@@ -210,12 +211,14 @@ def steady_rows(model, head, tok, texts, args, tier) -> list[dict]:
                    "tokens_per_s": round(tokens / wall, 1), "requests_finished": finished,
                    "mean_running": round(statistics.fmean(running_samples), 1), "peak_running": max(running_samples),
                    "retractions": stats.retractions, "compilations_after_warmup": stats.compilations_after_warmup,
+                   "new_token_ratio": eng.info()["new_token_ratio"],
                    "accept_length": round(stats.accept_length, 3) if kind == "eagle" else None}
             rows.append(row)
             print(json.dumps(row), flush=True)
     for kind in {r["system"] for r in rows}:
-        old, new = [r for r in rows if r["system"] == kind]
-        new["vs_reserve"] = round(new["tokens_per_s"] / old["tokens_per_s"], 2)
+        pair = [r for r in rows if r["system"] == kind]
+        if len(pair) == 2:
+            pair[1]["vs_reserve"] = round(pair[1]["tokens_per_s"] / pair[0]["tokens_per_s"], 2)
     return rows
 
 
@@ -232,6 +235,7 @@ def main(argv=None) -> dict:
     p.add_argument("--temperature", type=float, default=0.7, help="capacity: sampling temperature (seed i per request)")
     p.add_argument("--steady-seconds", type=float, default=20.0, help="steady: the measured window")
     p.add_argument("--systems", default="target-only,eagle")
+    p.add_argument("--policies", default="reserve,on-demand", help="steady: the policies to run")
     p.add_argument("--tier", default="5,4,8")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)

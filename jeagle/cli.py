@@ -69,6 +69,10 @@ def build_parser(prog: str = "python -m jeagle.generate", prompts: bool = True,
     rt.add_argument("--disable-prefix-cache", action="store_true",
                     help="prefill every prompt whole (default: reuse the KV of the longest cached prefix — earlier "
                          "prompts and answers — and evict the least recently used when slots run short)")
+    rt.add_argument("--schedule-conservativeness", type=float, default=1.0,
+                    help="admission when KV slots are short (SGLang's flag): room is kept for this times the "
+                         "expected share of every running request's remaining tokens (0: admit what fits now, "
+                         "retract later)")
     rt.add_argument("--verify-done-wait", choices=["sync", "dataflow"], default=None,
                     help="after a round: data dependence only (dataflow, the default) or a hard wait (sync; also "
                          "JEAGLE_VERIFY_DONE_STREAM_WAIT=0)")

@@ -84,6 +84,7 @@ class EngineSpec:
     disable_padding: bool = False
     overlap: bool = True
     disable_prefix_cache: bool = False
+    schedule_conservativeness: float = 1.0
     verify_done_wait: str | None = None
     rounds_per_dispatch: int = 1
     compile_cache_dir: str | None = None
@@ -155,6 +156,7 @@ class EngineSpec:
                             batch_buckets=self.buckets, max_bucket=self.max_bucket,
                             disable_padding=self.disable_padding, overlap=self.overlap,
                             prefix_cache=not self.disable_prefix_cache,
+                            schedule_conservativeness=self.schedule_conservativeness,
                             verify_done_wait=self.verify_done_wait, rounds_per_dispatch=self.rounds_per_dispatch,
                             executable_cache_dir=executable_cache_dir,
                             compile_workers=self.compile_workers, tp=self.tp, tp_vocab=self.tp_vocab,

@@ -302,3 +302,30 @@ def test_a_roomy_pool_updates_no_slot_table_while_requests_run(models):
         outs[pool] = run(engine, prompts, params)
         assert (len(updates) == 0) == (pool is None), (pool, updates)
     assert outs[None] == outs[200]
+
+
+def test_admission_keeps_room_for_what_running_requests_will_decode(models):
+    """Under a short pool, admission keeps room for the expected share of the running requests'
+    remaining tokens (SGLang's new_token_ratio): fewer retractions than admitting whatever fits now,
+    the same tokens. A retraction raises the share; each step relaxes it towards its floor."""
+    from jeagle.runtime.kv_flow import INIT_NEW_TOKEN_RATIO, MIN_NEW_TOKEN_RATIO
+
+    prompts = prompts_with_prefixes()
+    params = [SamplingParams(max_new_tokens=40, ignore_eos=True)] * len(prompts)
+    want = run(make(models, "target", prefix_cache=False), prompts, params)
+    eager = make(models, "target", max_total_tokens=130, schedule_conservativeness=0.0)
+    eager.kv.chunk = 4
+    assert run(eager, prompts, params) == want and eager.new_token_ratio == 0.0
+    careful = make(models, "target", max_total_tokens=130)
+    careful.kv.chunk = 4
+    assert careful.new_token_ratio == INIT_NEW_TOKEN_RATIO
+    assert run(careful, prompts, params) == want
+    assert careful.last_stats.retractions < eager.last_stats.retractions, (careful.last_stats.retractions,
+                                                                           eager.last_stats.retractions)
+    assert MIN_NEW_TOKEN_RATIO <= careful.info()["new_token_ratio"] <= 1.0
+    before = careful.new_token_ratio  # idle now: the estimate only relaxes
+    for _ in range(1000):
+        careful._decay_ratio()
+    assert careful.new_token_ratio == MIN_NEW_TOKEN_RATIO <= before
+    with pytest.raises(ValueError, match="schedule_conservativeness"):
+        EngineConfig(schedule_conservativeness=-1.0)

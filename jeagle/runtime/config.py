@@ -34,6 +34,10 @@ class EngineConfig:
     # Prefix caching (runtime/radix.py): a request reuses the KV of the longest cached prefix of its
     # prompt (prompts and finished requests are cached; LRU eviction when slots run short).
     prefix_cache: bool = True
+    # Admission under a short pool (SGLang's --schedule-conservativeness): a request is admitted while
+    # the free slots cover the prompt plus this times the expected share of every running request's
+    # remaining tokens (`KVFlow._expected_fits`); 0: admit whatever fits now (and retract later).
+    schedule_conservativeness: float = 1.0
     verify_done_wait: str | None = None  # "sync" | "dataflow"; None: JEAGLE_VERIFY_DONE_STREAM_WAIT, else dataflow
     min_kv_bucket: int = 128
     executable_cache_dir: str | None = None  # ExecutableStore root (store.py); None: no store
@@ -57,5 +61,7 @@ class EngineConfig:
             raise ValueError(f"tp must be >= 1, got {self.tp}")
         if self.rounds_per_dispatch < 1:
             raise ValueError(f"rounds_per_dispatch must be >= 1, got {self.rounds_per_dispatch}")
+        if self.schedule_conservativeness < 0:
+            raise ValueError(f"schedule_conservativeness must be >= 0, got {self.schedule_conservativeness}")
         if self.decode_steps < 1:
             raise ValueError(f"decode_steps must be >= 1, got {self.decode_steps}")

@@ -62,6 +62,7 @@ class Engine(KVFlow):
         self._admitted = 0  # admissions so far (a request's admit_order: the youngest is retracted first)
         self._hold_admission = False  # after a retraction, until a request finishes
         self.retractions = 0
+        self._init_ratios(config.schedule_conservativeness)
         self._next_index = 0
         self.last_stats: Stats | None = None
         self.reset_stats()
@@ -117,7 +118,7 @@ class Engine(KVFlow):
                 "prefix_cache": cache is not None, "prefix_cache_slots": cache.cached_slots if cache else 0,
                 "prefix_cache_evictable_slots": cache.evictable_slots if cache else 0,
                 "cached_tokens_total": kv.cached_tokens_total, "evicted_slots_total": kv.evicted_total,
-                "retractions": self.retractions} | self.decoder.info()
+                "retractions": self.retractions, "new_token_ratio": round(self.new_token_ratio, 4)} | self.decoder.info()
 
     def check_kv(self) -> None:
         """Raise unless every KV slot is free, cached once or owned once (`KVManager.check`)."""
@@ -289,6 +290,7 @@ class Engine(KVFlow):
         self._complete_releases(wait=False)  # after the dispatch: their host work overlaps the device's
         if live:
             acct["blocked_per_step"].append(blocked)
+            self._decay_ratio()
         if not self.has_work:
             self.verify_done.wait()  # nothing may stay pending once idle
             self._complete_releases()
