@@ -329,3 +329,33 @@ def test_admission_keeps_room_for_what_running_requests_will_decode(models):
     assert careful.new_token_ratio == MIN_NEW_TOKEN_RATIO <= before
     with pytest.raises(ValueError, match="schedule_conservativeness"):
         EngineConfig(schedule_conservativeness=-1.0)
+    # Requests submitted together are admitted in one step: each admission counts the ones before it.
+    first_step = {}
+    short = [list(np.random.default_rng(i).integers(4, 96, 10)) for i in range(3)]
+    for name, c in (("eager", 0.0), ("careful", 1.0)):
+        engine = make(models, "target", max_total_tokens=100, schedule_conservativeness=c, prefix_cache=False)
+        engine.kv.chunk = 4
+        for p in short:
+            engine.submit(p, SamplingParams(max_new_tokens=60, ignore_eos=True))
+        engine.step()
+        first_step[name] = engine.num_running
+        engine.abort_all()
+    assert first_step["careful"] < first_step["eager"], first_step
+
+
+def test_admission_does_not_count_a_cached_prefix_against_the_pool(models):
+    """Three requests behind a cached 40-token prefix fit a pool that could not hold three copies of
+    it: the expected-growth rule counts what a request adds, not what it shares."""
+    system = prompts_with_prefixes()[0][:40]
+    engine = make(models, "target", max_total_tokens=95)
+    engine.kv.chunk = 4
+    run(engine, [system + [5, 6]], SamplingParams(max_new_tokens=2))  # the prefix is cached now
+    asks = [system + [10 + i, 11 + i, 12 + i] for i in range(3)]
+    reqs = [engine.submit(p, SamplingParams(max_new_tokens=12, ignore_eos=True)) for p in asks]
+    peak = 0
+    while engine.has_work:
+        engine.step()
+        peak = max(peak, engine.num_running)
+        engine.check_kv()
+    assert peak == 3 and engine.retractions == 0 and all(r.cached_tokens >= 40 for r in reqs)
+    assert 3 * (len(asks[0]) + 12) > engine.pool.num_slots - 1  # three uncached copies would not fit

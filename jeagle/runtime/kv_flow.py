@@ -13,6 +13,7 @@ updates that grow a request, are executables dispatched between two rounds: each
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 from jeagle.runtime.kv import Committed, ShortOfSlots
@@ -45,23 +46,25 @@ class KVFlow:
         step = (self._ratio_init - self._ratio_min) / RATIO_DECAY_STEPS
         self.new_token_ratio = max(self._ratio_min, self.new_token_ratio - step)
 
-    def _expected_fits(self, r: Request, extra: int) -> bool:
-        """Whether the pool has room for r's prompt and the expected share (`new_token_ratio`) of the
-        tokens r and every running request may still decode. Admitting only what fits now fills the
-        pool with requests that then outgrow it: under a closed loop of clients at max_tokens = the
-        context, the default policy of session 20 retracted 47 requests in 15 s and served 0.92x
-        (target-only) and 0.31x (EAGLE) the old whole-context reservation (H100, bench/HISTORY.md
-        session 21). Nothing running: r is admitted if it fits at all."""
+    def _expected_room(self, r: Request, positions: int) -> int:
+        """Slots to keep free beyond r's first `positions` (what its admission takes): the expected
+        share (`new_token_ratio`) of the tokens every running request and r may still decode, past
+        what they hold. Admitting only what fits now fills the pool with requests that then outgrow
+        it: under a closed loop of clients at max_tokens = the context, the policy of session 20
+        retracted 47 requests in 15 s and served 0.92x (target-only) and 0.31x (EAGLE) the old
+        whole-context reservation (H100, bench/HISTORY.md session 21). r's cached prefix is not
+        counted (`KVManager.admit` takes only what r adds). Nothing running: none (r is admitted if
+        it fits at all)."""
         ratio = self.new_token_ratio
-        running = [x for x in self._running if x.table is not None]
+        running = self._holders()
         if ratio <= 0 or not running:
-            return True
+            return 0
 
         def expected(x: Request) -> float:  # positions x is expected to reach
             return len(x.seq) + ratio * max(0, x.position_cap - len(x.seq))
 
-        want = sum(max(0.0, expected(x) - len(x.table)) for x in running) + expected(r) + extra
-        return want <= self.kv.available
+        grow = sum(max(0.0, expected(x) - len(x.table)) for x in running) + max(0.0, expected(r) - positions)
+        return math.ceil(grow)
 
     def _retracted_ratio(self) -> None:
         """After a retraction (SGLang's estimate): the share the running requests have used so far
@@ -73,15 +76,18 @@ class KVFlow:
             c = self._conservativeness
             self.new_token_ratio = min(c, max(self.new_token_ratio, c * used / total))
 
+    def _holders(self) -> list[Request]:
+        """The requests holding slots that admission must leave room for: running, and admitted
+        earlier in the same `_admit_waiting` call (their prefill not dispatched yet)."""
+        return [x for x in self._running + self._admitting if x.table is not None]
+
     def _admit(self, r: Request) -> bool:
         lay, kv = self.decoder.layout, self.kv
         extra = lay.tree + lay.scratch
-        if not self._expected_fits(r, extra):
-            return False
         # Room for the prompt and a chunk more (its whole context while the pool has room to spare:
         # no slot-table update while it runs); the running requests keep a chunk each to grow into.
         chunk = kv.chunk
-        running = [x for x in self._running if x.table is not None]
+        running = self._holders()
         headroom = sum(min(chunk, x.position_cap - len(x.table)) for x in running)
         # What everything else could still ask: the running requests' whole contexts, a whole context
         # for every other free row.
@@ -89,11 +95,12 @@ class KVFlow:
                      + (self.pool.free_rows - 1) * (self.max_context + extra))
         positions = (r.position_cap if kv.roomy(r.position_cap + extra + headroom, elsewhere)
                      else min(r.position_cap, len(r.seq) + chunk))
-        if not kv.admit(r, positions, extra, headroom):
+        if not kv.admit(r, positions, extra, max(headroom, self._expected_room(r, positions))):
             # Tails the running requests grew ahead of need go back before r is turned away.
             if not (self.pool.free_rows and self._trim_running()):
                 return False
-            if not kv.admit(r, min(r.position_cap, len(r.seq) + chunk), extra, headroom):
+            positions = min(r.position_cap, len(r.seq) + chunk)
+            if not kv.admit(r, positions, extra, max(headroom, self._expected_room(r, positions))):
                 return False
         if not r.retractions:
             r.cached_tokens = r.cached

@@ -61,6 +61,7 @@ class Engine(KVFlow):
         self._to_read: list[Request] = []  # finished in this processing, their tables not asked for yet
         self._admitted = 0  # admissions so far (a request's admit_order: the youngest is retracted first)
         self._hold_admission = False  # after a retraction, until a request finishes
+        self._admitting: list[Request] = []  # admitted by the current `_admit_waiting`, not yet prefilled
         self.retractions = 0
         self._init_ratios(config.schedule_conservativeness)
         self._next_index = 0
@@ -202,6 +203,7 @@ class Engine(KVFlow):
         """Admit what fits, in arrival order, and prefill it in groups of bounded padded size."""
         waiting, running, dec = self._waiting, self._running, self.decoder
         group: list[Request] = []
+        self._admitting = group  # admitted in this call, not running yet: admission counts them (`_holders`)
         longest = 0
 
         def flush():
