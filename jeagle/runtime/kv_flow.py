@@ -95,9 +95,12 @@ class KVFlow:
                      + (self.pool.free_rows - 1) * (self.max_context + extra))
         positions = (r.position_cap if kv.roomy(r.position_cap + extra + headroom, elsewhere)
                      else min(r.position_cap, len(r.seq) + chunk))
-        if not kv.admit(r, positions, extra, max(headroom, self._expected_room(r, positions))):
-            # Tails the running requests grew ahead of need go back before r is turned away.
-            if not (self.pool.free_rows and self._trim_running()):
+        room = max(headroom, self._expected_room(r, positions))
+        if not kv.admit(r, positions, extra, room):
+            # Tails the running requests grew ahead of need go back before r is turned away, unless the
+            # expected growth turned it away: a trim moves slots from the tables to the free list and as
+            # many into the growth still expected, so it would only cost slot-table updates.
+            if room > headroom or not (self.pool.free_rows and self._trim_running()):
                 return False
             positions = min(r.position_cap, len(r.seq) + chunk)
             if not kv.admit(r, positions, extra, max(headroom, self._expected_room(r, positions))):
