@@ -9,7 +9,8 @@
 #   data.json of an earlier trainhead (a partial dataset's regeneration continues). Calls, back to back while warm:
 #   carry .stage1: `bash bench/gpu_session.sh stage`; carry .stage2: `bash bench/gpu_session.sh stage`;
 #   carry .stage3 + .whl: `bash bench/gpu_session.sh run STEPS...` (later calls: carry .whl only).
-# startup (issue 27: first and second start of the README command) needs the staged GGUF like bench.
+# startup (issue 27: first and second start of the README command) needs the staged GGUF like bench;
+# so does ttft (issue 25: a prefix-cache hit's time to first token by host phase, with a trace).
 # masks needs the staged GGUF (its tokenizer). Random-weight steps (trainstep, tp, profile, phases, kerneltests, kernelbench, kernelround, specbench, overhead, warmup, cmdbuf, adaptive, autotune) need no staging: `bash bench/gpu_session.sh run kerneltests kernelbench kernelround`.
 set -uo pipefail
 mode="${1:-run}"
