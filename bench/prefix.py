@@ -54,6 +54,25 @@ def reserve_policy(eng) -> None:
     eng._trim_running = lambda: 0
 
 
+def policy_engine(kind, policy, model, head, args, tier, prefill_lengths):
+    """An engine of `--concurrent` rows over a pool of `--pool-contexts` contexts under `policy`
+    ("reserve": the policy before issue 25; "on-demand": the default), warmed up for these prompt
+    lengths (prefills after cache hits included)."""
+    from jeagle.engine import EngineConfig
+    from jeagle.kernels.settings import KernelSettings
+
+    n, ctx = args.concurrent, args.context
+    buckets = tuple(b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128) if b < n) + (n,)
+    ec = EngineConfig(max_batch_size=n, batch_buckets=buckets, max_context=ctx, max_total_tokens=args.pool_contexts * ctx,
+                      prefix_cache=policy == "on-demand", kernels=KernelSettings.from_env())
+    eng = make_engine(kind, model, head, ec, tier)
+    if policy == "reserve":
+        reserve_policy(eng)
+    eng.warmup(prefill_lengths=sorted(prefill_lengths), greedy=(args.temperature == 0,), prefix=(False, True),
+               progress=False)
+    return eng
+
+
 def make_engine(kind, model, head, ec, tier):
     from jeagle.engine import speculative, target_only
     from jeagle.spec.round import SpecConfig
@@ -102,8 +121,6 @@ def ttft_rows(model, head, tok, texts, args, tier) -> list[dict]:
 
 
 def capacity_rows(model, head, tok, texts, args, tier) -> list[dict]:
-    from jeagle.engine import EngineConfig
-    from jeagle.kernels.settings import KernelSettings
     from jeagle.sampling import SamplingParams
 
     ids = chat_ids(tok, texts)[: args.concurrent]
@@ -112,18 +129,10 @@ def capacity_rows(model, head, tok, texts, args, tier) -> list[dict]:
     # max_tokens = the context (capped per request at what its context leaves); sampled, as clients do:
     # greedy SmolLM2 often loops to the limit, which no policy can serve faster.
     sps = [SamplingParams(max_new_tokens=ctx, temperature=args.temperature, seed=i) for i in range(len(ids))]
-    buckets = tuple(b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128) if b < args.concurrent) + (args.concurrent,)
     rows = []
     for kind in args.systems.split(","):
         for policy in ("reserve", "on-demand"):
-            ec = EngineConfig(max_batch_size=args.concurrent, batch_buckets=buckets, max_context=ctx,
-                              max_total_tokens=pool, prefix_cache=policy == "on-demand",
-                              kernels=KernelSettings.from_env())
-            eng = make_engine(kind, model, head, ec, tier)
-            if policy == "reserve":
-                reserve_policy(eng)
-            eng.warmup(prefill_lengths=sorted({len(p) for p in ids}), greedy=(args.temperature == 0,),
-                       prefix=(False, True), progress=False)
+            eng = policy_engine(kind, policy, model, head, args, tier, {len(p) for p in ids})
             eng.generate(ids[:4], [dataclasses.replace(sp, max_new_tokens=32) for sp in sps[:4]])
             eng.flush_cache()
             peak = []
@@ -154,26 +163,16 @@ def steady_rows(model, head, tok, texts, args, tier) -> list[dict]:
     drain the longest answers do not set the wall (they do in `capacity`)."""
     import time
 
-    from jeagle.engine import EngineConfig
-    from jeagle.kernels.settings import KernelSettings
     from jeagle.sampling import SamplingParams
 
     ctx = args.context
     ids = [p for p in chat_ids(tok, texts) if len(p) <= ctx // 2]  # room to answer in every context
     pool = args.pool_contexts * ctx
-    buckets = tuple(b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128) if b < args.concurrent) + (args.concurrent,)
     rows = []
     for kind in args.systems.split(","):
         for policy in args.policies.split(","):
-            ec = EngineConfig(max_batch_size=args.concurrent, batch_buckets=buckets, max_context=ctx,
-                              max_total_tokens=pool, prefix_cache=policy == "on-demand",
-                              kernels=KernelSettings.from_env())
-            eng = make_engine(kind, model, head, ec, tier)
-            if policy == "reserve":
-                reserve_policy(eng)
             # A retracted request resumes with its tokens so far: prefills after cache hits up to the context.
-            eng.warmup(prefill_lengths=sorted({len(p) for p in ids} | {ctx}), greedy=(args.temperature == 0,),
-                       prefix=(False, True), progress=False)
+            eng = policy_engine(kind, policy, model, head, args, tier, {len(p) for p in ids} | {ctx})
             eng.generate(ids[:4], [SamplingParams(max_new_tokens=32, temperature=args.temperature, seed=i)
                                    for i in range(4)])
             eng.flush_cache()

@@ -58,14 +58,19 @@ def expected_shapes(cfg) -> dict[str, tuple[tuple[int, ...], str]]:
 
 
 def check_params(cfg, params: dict[str, np.ndarray], source: str) -> None:
-    want = expected_shapes(cfg)
-    missing = sorted(set(want) - set(params))
-    extra = sorted(set(params) - set(want))
+    _check_shapes({k: shape for k, (shape, _) in expected_shapes(cfg).items()},
+                  {k: tuple(v.shape) for k, v in params.items()}, source)
+
+
+def _check_shapes(want: dict[str, tuple], got: dict[str, tuple], source) -> None:
+    """Raise CheckpointError naming the first difference between the tensors' names and shapes."""
+    missing = sorted(set(want) - set(got))
+    extra = sorted(set(got) - set(want))
     if missing or extra:
         raise CheckpointError(f"{source}: tensors do not match the config: missing {missing}, unexpected {extra}")
-    for name, (shape, _) in want.items():
-        if tuple(params[name].shape) != shape:
-            raise CheckpointError(f"{source}: {name} has shape {tuple(params[name].shape)}, the config implies {shape}")
+    for name, shape in want.items():
+        if tuple(got[name]) != tuple(shape):
+            raise CheckpointError(f"{source}: {name} has shape {tuple(got[name])}, the config implies {tuple(shape)}")
 
 
 def save_checkpoint(out_dir, cfg, params: dict[str, np.ndarray], *, source: str = "", metadata=None) -> Path:
@@ -89,9 +94,6 @@ def save_checkpoint(out_dir, cfg, params: dict[str, np.ndarray], *, source: str 
         shutil.rmtree(out_dir / "params")
     cfg.save(out_dir / "config.json")
     return out_dir
-
-
-save_safetensors = save_checkpoint  # the name trained heads were saved with
 
 
 def load_config(path) -> ModelConfig:
@@ -144,17 +146,10 @@ def _read_safetensors(source: Path, target: dict) -> dict:
     out = {}
     try:
         with safe_open(str(source), framework="numpy") as f:
-            names = set(f.keys())
-            missing, extra = sorted(set(target) - names), sorted(names - set(target))
-            if missing or extra:
-                raise CheckpointError(f"{source}: tensors do not match the config: missing {missing}, "
-                                      f"unexpected {extra}")
+            _check_shapes({k: t.shape for k, t in target.items()},
+                          {k: f.get_slice(k).get_shape() for k in f.keys()}, source)
             for name, t in target.items():
-                x = f.get_tensor(name)
-                if tuple(x.shape) != tuple(t.shape):
-                    raise CheckpointError(f"{source}: {name} has shape {tuple(x.shape)}, the config implies "
-                                          f"{tuple(t.shape)}")
-                out[name] = jnp.asarray(x, dtype=t.dtype)
+                out[name] = jnp.asarray(f.get_tensor(name), dtype=t.dtype)
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"cannot read the parameters in {source}: {e}") from e
     return out

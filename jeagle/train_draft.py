@@ -303,7 +303,7 @@ def run(args) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from jeagle.checkpoint import load_model, save_safetensors
+    from jeagle.checkpoint import load_model, save_checkpoint
     from jeagle.fetch import resolve_target
     from jeagle.tokenizer import Tokenizer
     from jeagle.train.data import DataError, DraftData, length_buckets
@@ -451,7 +451,7 @@ def run(args) -> dict:
         print(f"eval: accept length {fmt_tau(ev['accept_length'])} at (S,K,N) = {spec} on {ev['prompts']} held-out "
               "prompts", flush=True)
     head_dir = out / "head"
-    save_safetensors(head_dir, head_cfg, export_params(trainer.params, head_cfg, trainer.d2t),
+    save_checkpoint(head_dir, head_cfg, export_params(trainer.params, head_cfg, trainer.d2t),
                      metadata={"target": target_name, "trained_with": "jeagle.train_draft"})
     info["train_config"] = {f.name: getattr(tc, f.name) for f in fields(tc) if f.name != "extra"}
     (head_dir / "README.md").write_text(model_card(head_cfg, tc, info))

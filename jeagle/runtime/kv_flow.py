@@ -69,7 +69,7 @@ class KVFlow:
     def _retracted_ratio(self) -> None:
         """After a retraction (SGLang's estimate): the share the running requests have used so far
         (times the conservativeness: 0 keeps admission eager)."""
-        running = [x for x in self._running if x.table is not None]
+        running = self._holders()
         total = sum(max(1, x.position_cap - len(x.prompt)) for x in running)
         if total:
             used = sum(len(x.out.token_ids) for x in running) + RETRACT_STEPS * len(running)

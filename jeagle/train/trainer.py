@@ -187,13 +187,13 @@ class Trainer:
         """The fp32 master weights as a jeagle draft dir (loadable with --draft, --init-from) plus
         trainer_state.json (step, tokens seen): a fraction of the orbax checkpoint's size (no optimizer
         moments), so it fits what a machine can send back. `load_portable` resumes from it."""
-        from jeagle.checkpoint import save_safetensors
+        from jeagle.checkpoint import save_checkpoint
         from jeagle.train.model import export_params
 
         directory = Path(directory)
         tmp = directory.with_name(directory.name + ".tmp")
         cfg = draft_cfg.replace(dtype="float32")
-        save_safetensors(tmp, cfg, export_params(self.params, cfg, self.d2t), metadata={k: str(v) for k, v in metadata.items()})
+        save_checkpoint(tmp, cfg, export_params(self.params, cfg, self.d2t), metadata={k: str(v) for k, v in metadata.items()})
         _write_progress(tmp, self.step, self.tokens_seen, self.data_fingerprint, self.schedule_settings(),
                         batching=self.batching_settings(), name="trainer_state.json")
         if directory.exists():
