@@ -1,5 +1,5 @@
 """Attention of a few new tokens per request over the paged KV pool, reading each request's own prefix
-length: the decode step, the tree verify and the draft steps. A Pallas kernel (Triton lowering), one
+length: the decode step, the tree verify, the draft steps and (causally) prefills. A Pallas kernel (Triton lowering), one
 program per (request, KV head); flash-decoding style online softmax over blocks of the prefix.
 
 Why a kernel: the pure-jnp reference gathers the prefix slots of a *static* length into a dense
@@ -12,6 +12,10 @@ Semantics (the reference is the specification). For request b, query t (of T) an
     keys = prefix positions j < kv_len[b], slots kv_slots[b, j]           (every query sees them)
          + extra keys e < E, slots extra_slots[b, e], where extra_mask[b, t, e]
     out[b, t, h] = softmax(q·k / sqrt(D)) · v over those keys, in fp32, cast to q's dtype.
+The causal form (`positions` [B, T], no extra keys): query t sees prefix position j only when also
+j <= positions[b, t]. This is a prefill over the pool, its own tokens already written: after a
+prefix-cache hit (the cached prefix plus the new suffix, causally) or from position 0. Its rows are cut
+into tiles of QUERY_TILE (a third grid axis), and a tile stops at its last query's position.
 Grouped-query: query head h reads KV head h // (Hq / Hkv). A query that sees no key gets zeros from
 the kernel (the reference: a uniform average); such queries are padding whose output nobody reads.
 
@@ -21,12 +25,12 @@ offsets once a pool passes 4 GiB, which the Triton lowering switches to by itsel
 
 Split prefixes (flash-decoding's split-K). One program per (request, KV head) is 3 programs at batch 1
 for SmolLM2 (3 KV heads) on a GPU with 132 SMs. With `KernelSettings.paged_attention_splits` = `auto`
-or a count (`JEAGLE_PAGED_ATTENTION_SPLITS` through `KernelSettings.from_env`) a third grid axis
+or a count (`JEAGLE_PAGED_ATTENTION_SPLITS` through `KernelSettings.from_env`) a fourth grid axis
 splits each prefix into that many contiguous runs of blocks, sized on the device from the request's
 own length; each program writes its unnormalised (max, sum, accumulator) and the wrapper merges them
 (one small XLA fusion). `auto`, the default since it measured faster on the H100 (a batch-1 SmolLM2
 round 15% faster, an 8B one 4%, no change at batch 48 where `auto` does not split; bench/HISTORY.md
-session 12), splits while requests x KV heads stay under TARGET_PROGRAMS; None (= 1) is the
+session 12), splits while requests x KV heads x query tiles stay under TARGET_PROGRAMS; None (= 1) is the
 single-pass kernel.
 
 Layers, as in JAX's own Pallas ops: `_kernel`, `_pallas` (wrapper: queries regrouped per KV head and
@@ -53,6 +57,7 @@ __all__ = ["paged_attention", "paged_attention_reference", "dense_attention", "k
 BLOCK = 64  # prefix positions per loop iteration
 _NEG = -1e30  # finite "minus infinity": exp(_NEG - _NEG) stays defined in the online softmax
 MAX_SPLITS = 16
+QUERY_TILE = 64  # query rows (token x group) per program in the causal (prefill) form
 TARGET_PROGRAMS = 128  # `auto`: split until (requests x KV heads x splits) reaches about this many programs
 
 
@@ -97,12 +102,17 @@ def dense_attention(q, k_ctx, v_ctx, visible):
     return out.astype(q.dtype).reshape(b, t, hq, d)
 
 
-def paged_attention_reference(q, k_pool, v_pool, layer, kv_slots, kv_len, extra_slots=None, extra_mask=None):
+def paged_attention_reference(q, k_pool, v_pool, layer, kv_slots, kv_len, extra_slots=None, extra_mask=None,
+                              positions=None):
     """q [B,T,Hq,D]; k_pool/v_pool [L,num_slots,Hkv,D]; layer int32 scalar; kv_slots [B,S] (S >= every
-    kv_len); kv_len [B]; extra_slots [B,E] and extra_mask [B,T,E] bool, or both None. → [B,T,Hq,D]."""
+    kv_len); kv_len [B]; extra_slots [B,E] and extra_mask [B,T,E] bool, or both None; positions [B,T]
+    int32 or None (the causal form: query t also needs j <= positions[b, t]). → [B,T,Hq,D]."""
     b, t = q.shape[:2]
     s = kv_slots.shape[1]
-    visible = jnp.broadcast_to((jnp.arange(s)[None, :] < kv_len[:, None])[:, None, :], (b, t, s))
+    j = jnp.arange(s)
+    visible = jnp.broadcast_to((j[None, :] < kv_len[:, None])[:, None, :], (b, t, s))
+    if positions is not None:
+        visible = visible & (j[None, None, :] <= positions[:, :, None])
     slots = kv_slots
     if extra_slots is not None:
         slots = jnp.concatenate([kv_slots, extra_slots], 1)
@@ -110,16 +120,19 @@ def paged_attention_reference(q, k_pool, v_pool, layer, kv_slots, kv_len, extra_
     return dense_attention(q, k_pool[layer, slots], v_pool[layer, slots], visible)
 
 
-def _kernel(layer_ref, len_ref, q_ref, tbl_ref, k_ref, v_ref, *rest, s_cols, has_extra, scale, splits):
-    if has_extra:
-        xslot_ref, xmask_ref, *out_refs = rest
-    else:
-        out_refs = rest
+def _kernel(layer_ref, len_ref, q_ref, tbl_ref, k_ref, v_ref, *rest, s_cols, has_extra, causal, scale, splits):
+    rest = list(rest)
+    xslot_ref, xmask_ref = (rest.pop(0), rest.pop(0)) if has_extra else (None, None)
+    qpos_ref = rest.pop(0) if causal else None
+    out_refs = rest
     b, h = pl.program_id(0), pl.program_id(1)
     layer, n = layer_ref[0], len_ref[b]
-    q = q_ref[0, 0, :, :]  # [TG, D]: the queries of KV head h, row = t * G + g
+    q = q_ref[0, 0, :, :]  # [QT, D]: a tile of the queries of KV head h, row = t * G + g
     tg = q.shape[0]
     col = jax.lax.broadcasted_iota(jnp.int32, (BLOCK,), 0)
+    if causal:  # row r sees key j <= qpos[r]; the tile needs no block past its last query's position
+        qpos = qpos_ref[0, :]  # [QT] int32, -1 for padded rows
+        n = jnp.minimum(n, jnp.max(qpos) + 1)
 
     def scores_of(slots, valid):
         k = k_ref[layer, slots, h, :]  # [BLOCK, D] gathered rows of this layer's pool
@@ -139,7 +152,10 @@ def _kernel(layer_ref, len_ref, q_ref, tbl_ref, k_ref, v_ref, *rest, s_cols, has
         j = i * BLOCK + col
         ok = j < n
         slots = jnp.where(ok, tbl_ref[b, jnp.minimum(j, s_cols - 1)], 0)  # scratch slot past the prefix
-        valid = jnp.broadcast_to(ok[None, :], (tg, BLOCK))
+        if causal:
+            valid = ok[None, :] & (j[None, :] <= qpos[:, None])
+        else:
+            valid = jnp.broadcast_to(ok[None, :], (tg, BLOCK))
         return update(carry, scores_of(slots, valid), valid, slots)
 
     d = q.shape[1]
@@ -150,7 +166,7 @@ def _kernel(layer_ref, len_ref, q_ref, tbl_ref, k_ref, v_ref, *rest, s_cols, has
     if splits == 1:
         first, last, owner = 0, blocks, True
     else:  # this program's contiguous run of the request's own blocks (empty past its end)
-        part = pl.program_id(2)
+        part = pl.program_id(3)
         run = (blocks + splits - 1) // splits
         first = jnp.minimum(part * run, blocks)
         last = jnp.minimum(first + run, blocks)
@@ -158,7 +174,7 @@ def _kernel(layer_ref, len_ref, q_ref, tbl_ref, k_ref, v_ref, *rest, s_cols, has
     carry = jax.lax.fori_loop(first, last, block, carry)
     if has_extra:
         slots = xslot_ref[0, :]
-        visible = (xmask_ref[0, :, :] != 0) & owner  # [TG, Ep]
+        visible = (xmask_ref[0, :, :] != 0) & owner  # [QT, Ep]
         k = k_ref[layer, slots, h, :]
         s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32) * scale
         carry = update(carry, jnp.where(visible, s, _NEG), visible, slots)
@@ -173,19 +189,25 @@ def _kernel(layer_ref, len_ref, q_ref, tbl_ref, k_ref, v_ref, *rest, s_cols, has
         acc_ref[0, 0, 0, :, :] = acc
 
 
-def _pallas(q, k_pool, v_pool, layer, kv_slots, kv_len, extra_slots, extra_mask, *, interpret):
+def _pallas(q, k_pool, v_pool, layer, kv_slots, kv_len, extra_slots, extra_mask, positions, *, interpret):
     b, t, hq, d = q.shape
     hkv = k_pool.shape[2]
     g = hq // hkv
     tg = t * g
-    tgp = max(16, pl.next_power_of_2(tg))
-    splits = prefix_splits(b, hkv, kv_slots.shape[1])
+    causal = positions is not None
+    if causal:  # query tiles of QUERY_TILE rows (a prefill's thousands of rows do not fit one tile)
+        qt = min(QUERY_TILE, max(16, pl.next_power_of_2(tg)))
+        tgp = -(-tg // qt) * qt
+    else:  # the decode form: every query of a KV head in one tile
+        tgp = qt = max(16, pl.next_power_of_2(tg))
+    tiles = tgp // qt
+    splits = prefix_splits(b * tiles, hkv, kv_slots.shape[1])
     # [B, T, Hkv, G, D] → [B, Hkv, T·G, D]: one program's queries are contiguous rows of one tile.
     qh = q.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, tg, d)
     qh = jnp.pad(qh, ((0, 0), (0, 0), (0, tgp - tg), (0, 0)))
     has_extra = extra_slots is not None
     inputs = [jnp.reshape(layer, (1,)).astype(jnp.int32), kv_len, qh, kv_slots, k_pool, v_pool]
-    specs = [pl.no_block_spec, pl.no_block_spec, pl.BlockSpec((1, 1, tgp, d), lambda i, j, *_: (i, j, 0, 0)),
+    specs = [pl.no_block_spec, pl.no_block_spec, pl.BlockSpec((1, 1, qt, d), lambda i, j, c, *_: (i, j, c, 0)),
              pl.no_block_spec, pl.no_block_spec, pl.no_block_spec]
     if has_extra:
         e = extra_slots.shape[1]
@@ -194,22 +216,27 @@ def _pallas(q, k_pool, v_pool, layer, kv_slots, kv_len, extra_slots, extra_mask,
         inputs.append(jnp.pad(extra_slots, ((0, 0), (0, ep - e))))
         mask = jnp.repeat(extra_mask.astype(jnp.int8), g, axis=1)  # [B, T·G, E], row = t * G + g
         inputs.append(jnp.pad(mask, ((0, 0), (0, tgp - tg), (0, ep - e))))
-        specs += [pl.BlockSpec((1, ep), lambda i, j, *_: (i, 0)), pl.BlockSpec((1, tgp, ep), lambda i, j, *_: (i, 0, 0))]
+        specs += [pl.BlockSpec((1, ep), lambda i, j, c, *_: (i, 0)),
+                  pl.BlockSpec((1, qt, ep), lambda i, j, c, *_: (i, c, 0))]
+    if causal:  # each row's position; padded rows -1 (they see nothing)
+        qpos = jnp.repeat(positions.astype(jnp.int32), g, axis=1)  # [B, T·G], row = t * G + g
+        inputs.append(jnp.pad(qpos, ((0, 0), (0, tgp - tg)), constant_values=-1))
+        specs.append(pl.BlockSpec((1, qt), lambda i, j, c, *_: (i, c)))
     if splits == 1:
-        grid = (b, hkv)
-        out_specs = pl.BlockSpec((1, 1, tgp, d), lambda i, j: (i, j, 0, 0))
+        grid = (b, hkv, tiles)
+        out_specs = pl.BlockSpec((1, 1, qt, d), lambda i, j, c: (i, j, c, 0))
         out_shape = jax.ShapeDtypeStruct((b, hkv, tgp, d), q.dtype)
     else:  # per run: the running max, the sum of exponentials and the unnormalised accumulator, fp32
-        grid = (b, hkv, splits)
-        out_specs = [pl.BlockSpec((1, 1, 1, tgp), lambda i, j, r: (i, j, r, 0)),
-                     pl.BlockSpec((1, 1, 1, tgp), lambda i, j, r: (i, j, r, 0)),
-                     pl.BlockSpec((1, 1, 1, tgp, d), lambda i, j, r: (i, j, r, 0, 0))]
+        grid = (b, hkv, tiles, splits)
+        out_specs = [pl.BlockSpec((1, 1, 1, qt), lambda i, j, c, r: (i, j, r, c)),
+                     pl.BlockSpec((1, 1, 1, qt), lambda i, j, c, r: (i, j, r, c)),
+                     pl.BlockSpec((1, 1, 1, qt, d), lambda i, j, c, r: (i, j, r, c, 0))]
         out_shape = [jax.ShapeDtypeStruct((b, hkv, splits, tgp), jnp.float32),
                      jax.ShapeDtypeStruct((b, hkv, splits, tgp), jnp.float32),
                      jax.ShapeDtypeStruct((b, hkv, splits, tgp, d), jnp.float32)]
     out = pl.pallas_call(
-        functools.partial(_kernel, s_cols=kv_slots.shape[1], has_extra=has_extra, scale=1.0 / float(np.sqrt(d)),
-                          splits=splits),
+        functools.partial(_kernel, s_cols=kv_slots.shape[1], has_extra=has_extra, causal=causal,
+                          scale=1.0 / float(np.sqrt(d)), splits=splits),
         grid=grid,
         in_specs=specs,
         out_specs=out_specs,
@@ -227,8 +254,9 @@ def _pallas(q, k_pool, v_pool, layer, kv_slots, kv_len, extra_slots, extra_mask,
     return out.reshape(b, t, hq, d)
 
 
-def paged_attention(q, k_pool, v_pool, layer, kv_slots, kv_len, extra_slots=None, extra_mask=None):
-    """See paged_attention_reference; the kernel when `kernel_serves(head_dim)`, else the reference."""
+def paged_attention(q, k_pool, v_pool, layer, kv_slots, kv_len, extra_slots=None, extra_mask=None, positions=None):
+    """See paged_attention_reference; the kernel when `kernel_serves(head_dim)`, else the reference.
+    Either the decode form (extra keys, or none) or the causal form (`positions`), not both."""
     if q.ndim != 4 or k_pool.ndim != 4 or k_pool.shape != v_pool.shape:
         raise ValueError(f"q must be [B,T,Hq,D] and the pools equal [L,slots,Hkv,D], got {q.shape}, {k_pool.shape}, "
                          f"{v_pool.shape}")
@@ -244,11 +272,16 @@ def paged_attention(q, k_pool, v_pool, layer, kv_slots, kv_len, extra_slots=None
                                     or extra_mask.shape != (b, t, extra_slots.shape[1])):
         raise ValueError(f"extra_slots must be [B={b}, E] and extra_mask [B, T={t}, E], got {extra_slots.shape}, "
                          f"{extra_mask.shape}")
+    if positions is not None and (extra_slots is not None or positions.shape != (b, t)):
+        raise ValueError(f"positions must be [B={b}, T={t}] and come without extra keys, got {positions.shape}")
     kv_slots, kv_len = kv_slots.astype(jnp.int32), kv_len.astype(jnp.int32)
+    if positions is not None:
+        positions = positions.astype(jnp.int32)
     if extra_slots is not None:
         extra_slots, extra_mask = extra_slots.astype(jnp.int32), extra_mask.astype(jnp.bool_)
     layer = jnp.asarray(layer, jnp.int32)
     if not kernel_serves(d):
-        return paged_attention_reference(q, k_pool, v_pool, layer, kv_slots, kv_len, extra_slots, extra_mask)
-    return _pallas(q, k_pool, v_pool, layer, kv_slots, kv_len, extra_slots, extra_mask,
+        return paged_attention_reference(q, k_pool, v_pool, layer, kv_slots, kv_len, extra_slots, extra_mask,
+                                         positions)
+    return _pallas(q, k_pool, v_pool, layer, kv_slots, kv_len, extra_slots, extra_mask, positions,
                    interpret=backend() == "interpret")

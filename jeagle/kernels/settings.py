@@ -10,10 +10,11 @@ trace depends only on values that are part of the executable's key:
 Outside any `use`, `current()` is `KernelSettings()`: the platform's default backend, the `auto` split,
 no options — whatever the environment says.
 
-The four environment variables `from_env` reads (and nothing else in jeagle does):
+The five environment variables `from_env` reads (and nothing else in jeagle does):
 
     JEAGLE_KERNELS                  pallas | interpret | reference  (unset: pallas on a GPU, else reference)
     JEAGLE_PAGED_ATTENTION_SPLITS   auto (or unset) | 1 (no split) | a count >= 1
+    JEAGLE_PREFILL_ATTENTION        paged (or unset) | gathered
     JEAGLE_TRITON_GEMM              1: keep XLA's own Triton GEMM fusions in the speculative executables
     JEAGLE_XLA_OPTIONS              a JSON object of XLA option names to values, for every executable
 """
@@ -34,6 +35,8 @@ BACKENDS = ("pallas", "interpret", "reference")
 KERNELS_ENV = "JEAGLE_KERNELS"
 SPLITS_ENV = "JEAGLE_PAGED_ATTENTION_SPLITS"
 TRITON_GEMM_ENV = "JEAGLE_TRITON_GEMM"
+PREFILL_ATTENTION_ENV = "JEAGLE_PREFILL_ATTENTION"
+PREFILL_ATTENTION = ("paged", "gathered")
 XLA_OPTIONS_ENV = "JEAGLE_XLA_OPTIONS"
 
 
@@ -51,6 +54,10 @@ class KernelSettings:
     # way whatever the batch and the tokens per call (jeagle/models/deterministic.py); on a GPU every
     # executable compiles with cuBLAS matmuls and no autotuning.
     deterministic: bool = False
+    # A prefill's attention where the paged-attention kernel serves (models/common.py
+    # `attention_sublayer`): "paged" (its causal form over the pool, reading each row's own length) or
+    # "gathered" (the prefix gathered to a dense copy, then jnp attention: XLA's GEMMs and softmax).
+    prefill_attention: str = "paged"
 
     def __post_init__(self):
         if self.backend is not None and self.backend not in BACKENDS:
@@ -62,6 +69,8 @@ class KernelSettings:
             raise ValueError(f"paged_attention_splits={s!r}: expected None, 'auto' or a count >= 1")
         if not isinstance(self.deterministic, bool):
             raise ValueError(f"deterministic must be a bool, got {self.deterministic!r}")
+        if self.prefill_attention not in PREFILL_ATTENTION:
+            raise ValueError(f"prefill_attention={self.prefill_attention!r}; expected one of {PREFILL_ATTENTION}")
         if not isinstance(self.triton_gemm, bool):
             raise ValueError(f"triton_gemm must be a bool, got {self.triton_gemm!r}")
         if isinstance(self.xla_options, Mapping):  # a dict is accepted and stored as sorted pairs
@@ -88,8 +97,11 @@ class KernelSettings:
         backend = environ.get(KERNELS_ENV)
         if backend is not None and backend not in BACKENDS:
             raise ValueError(f"{KERNELS_ENV}={backend!r}; expected one of {BACKENDS}")
+        prefill = (environ.get(PREFILL_ATTENTION_ENV) or "paged").strip().lower() or "paged"
+        if prefill not in PREFILL_ATTENTION:
+            raise ValueError(f"{PREFILL_ATTENTION_ENV}={prefill!r}; expected one of {PREFILL_ATTENTION}")
         return cls(backend=backend, paged_attention_splits=_splits_from_env(environ.get(SPLITS_ENV)),
-                   triton_gemm=environ.get(TRITON_GEMM_ENV) == "1",
+                   triton_gemm=environ.get(TRITON_GEMM_ENV) == "1", prefill_attention=prefill,
                    xla_options=_xla_options_from_env(environ.get(XLA_OPTIONS_ENV)))
 
 

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jeagle.config import RopeScaling, rope_inv_freq
-from jeagle.kernels.paged_attention import dense_attention, paged_attention
+from jeagle.kernels.paged_attention import dense_attention, kernel_serves, paged_attention
+from jeagle.kernels.settings import current
 from jeagle.sharding import over_kv_heads
 
 
@@ -77,6 +78,10 @@ def gathered_attention(q: jax.Array, k_ctx: jax.Array, v_ctx: jax.Array, attn: A
         j = jnp.arange(k_ctx.shape[1], dtype=jnp.int32)
         visible = (j[None, None, :] <= attn.positions[:, :, None]) & (j[None, None, :] < attn.kv_len[:, None, None])
     return dense_attention(q, k_ctx, v_ctx, visible)
+
+
+def _causal_paged(q, k_pool, v_pool, layer, kv_slots, kv_len, positions):
+    return paged_attention(q, k_pool, v_pool, layer, kv_slots, kv_len, positions=positions)
 
 
 def write_kv(pool, layer, slots, x):
@@ -147,6 +152,10 @@ def attention_sublayer(x, wi: dict, layer, k_pool, v_pool, cos, sin, attn: AttnI
     if attn.extra_slots is not None:
         o = over_kv_heads(paged_attention, q, k_pool, v_pool, layer, attn.kv_slots, attn.kv_len, attn.extra_slots,
                           attn.extra_mask)  # per KV-head shard under tensor parallelism
+    elif attn.mask is None and kernel_serves(q.shape[-1]) and current().prefill_attention == "paged":
+        # A prefill: the kernel's causal form reads the pool through the slot table, each row to its own
+        # length (no gathered copy of the context, no [T, S] score matrix).
+        o = over_kv_heads(_causal_paged, q, k_pool, v_pool, layer, attn.kv_slots, attn.kv_len, attn.positions)
     else:
         o = gathered_attention(q, k_pool[layer, attn.kv_slots], v_pool[layer, attn.kv_slots], attn)
     return attention_output(o, wi, cfg), k_pool, v_pool

@@ -102,3 +102,44 @@ def test_paged_attention_kernel_in_the_engines_compiled():
     got, plain_kv, spec_kv = paged("pallas")
     assert plain_kv == spec_kv == (256,)
     assert got == want
+
+
+def cached_prefills(mode, prefill_attention="paged"):
+    """Prompts sharing, nesting and diverging prefixes, each engine run twice (the second run all cache
+    hits): every prefill after a hit attends over its cached prefix and its own suffix."""
+    from tests.test_prefix_cache import prompts_with_prefixes
+
+    target, head = attention_pair()
+    prompts = prompts_with_prefixes()
+    sp = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    cfg = EngineConfig(max_batch_size=3, max_context=160,
+                       kernels=KernelSettings(backend=mode, prefill_attention=prefill_attention))
+    outs = []
+    for engine in (target_only(target, cfg), speculative(target, head, cfg, SpecConfig(3, 2, 5))):
+        first = [o.token_ids for o in engine.generate(prompts, sp)]
+        assert [o.token_ids for o in engine.generate(prompts, sp)] == first and engine.last_stats.cached_tokens > 100
+        engine.check_kv()
+        outs.append(first)
+    assert outs[0] == outs[1]
+    return outs[0]
+
+
+def test_prefills_after_cache_hits_through_the_causal_kernel(monkeypatch):
+    """The prefills (plain and after a prefix-cache hit) take the kernel's causal form when it serves,
+    and give the reference's tokens; `prefill_attention="gathered"` keeps the jnp attention."""
+    from jeagle.models import common
+
+    want = cached_prefills("reference")
+    calls = []
+    real = common._causal_paged
+    monkeypatch.setattr(common, "_causal_paged", lambda *a: calls.append(a[0].shape) or real(*a))
+    assert cached_prefills("interpret") == want
+    assert calls, "no prefill took the causal kernel"
+    calls.clear()
+    assert cached_prefills("interpret", "gathered") == want
+    assert not calls
+
+
+@pytest.mark.gpu
+def test_prefills_after_cache_hits_through_the_causal_kernel_compiled():
+    assert cached_prefills("pallas") == cached_prefills("reference")

@@ -1,7 +1,8 @@
 """The paged-attention kernel: interpreted on CPU and compiled with -m gpu, against its pure-jnp
 reference on random pools and slot tables. Cases cover prefixes of 0, under one block, exact blocks
 and several blocks; grouped and ungrouped heads; with and without extra (tree) keys; padded queries;
-prefixes split into runs (KernelSettings.paged_attention_splits) and merged."""
+prefixes split into runs (KernelSettings.paged_attention_splits) and merged; the causal (prefill) form
+over one and several query tiles, after a cached prefix and from position 0."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jeagle.kernels.paged_attention import (BLOCK, kernel_serves, paged_attention, paged_attention_reference,
-                                            prefix_splits)
+from jeagle.kernels.paged_attention import (BLOCK, QUERY_TILE, kernel_serves, paged_attention,
+                                            paged_attention_reference, prefix_splits)
 from jeagle.kernels.settings import KernelSettings, use
 from tests.kernels.lowering import lower_for_h100
 
@@ -32,6 +33,20 @@ def inputs(b, t, hq, hkv, d, e, seed, dtype=jnp.float32, layers=3, slots=700, co
     return q, kp, vp, jnp.int32(seed % layers), table, kv_len, *extra
 
 
+def causal_inputs(b, t, hq, hkv, d, seed, dtype=jnp.float32, cols=300, fresh=False):
+    """A prefill's arguments: row i continues a cached prefix of starts[i] positions with lengths[i]
+    new tokens (padded to t; the padding continues the positions), or starts at 0 when `fresh`."""
+    q, kp, vp, layer, table, *_ = inputs(b, t, hq, hkv, d, 0, seed, dtype=dtype, cols=cols)
+    rng = np.random.default_rng(seed + 1)
+    lengths = rng.integers(1, t + 1, size=b)
+    lengths[0] = t
+    starts = np.zeros(b, np.int64) if fresh else rng.integers(0, cols - t + 1, size=b)
+    if not fresh:
+        starts[-1] = BLOCK - 1  # a suffix that straddles a block edge
+    positions = jnp.asarray(starts[:, None] + np.arange(t)[None, :], jnp.int32)
+    return q, kp, vp, layer, table, jnp.asarray(starts + lengths, jnp.int32), None, None, positions
+
+
 def check(mode, args, tol, splits=None):
     with use(KernelSettings(backend=mode, paged_attention_splits=splits)):
         got = np.asarray(paged_attention(*args), np.float32)
@@ -41,6 +56,8 @@ def check(mode, args, tol, splits=None):
         sees = sees[:, None] | np.asarray(args[7]).any(-1)
     else:
         sees = np.broadcast_to(sees[:, None], got.shape[:2])
+    if len(args) > 8 and args[8] is not None:
+        sees = sees & (np.asarray(args[8]) >= 0)
     np.testing.assert_allclose(got[sees], want[sees], atol=tol, rtol=tol)
     assert np.all(got[~sees] == 0)
 
@@ -69,6 +86,42 @@ def test_split_prefixes_match_reference(case, splits):
     check("interpret", args, tol=2e-5, splits=splits)
 
 
+CAUSAL = [  # b, t, hq, hkv, d
+    (1, 16, 9, 3, 32),  # a short suffix after a cached prefix: one query tile (48 rows)
+    (2, 64, 9, 3, 16),  # SmolLM2's grouping, 192 rows: three tiles
+    (3, 7, 4, 4, 16),  # no grouping, a tile padded past the last row
+]
+
+
+@pytest.mark.parametrize("case", CAUSAL)
+@pytest.mark.parametrize("splits", [None, "auto"])
+def test_causal_form_matches_reference(case, splits):
+    """Queries continuing cached prefixes see the prefix and the suffix up to themselves."""
+    args = causal_inputs(*case, seed=sum(case))
+    check("interpret", args, tol=2e-5, splits=splits)
+
+
+def test_causal_form_from_position_zero():
+    """A plain prefill (every row from position 0) across several query tiles and key blocks."""
+    args = causal_inputs(2, 2 * BLOCK + 5, 6, 2, 16, seed=3, cols=2 * BLOCK + 5, fresh=True)
+    assert (2 * BLOCK + 5) * 3 > 2 * QUERY_TILE
+    check("interpret", args, tol=2e-5)
+    check("interpret", args, tol=2e-5, splits=3)
+
+
+def test_causal_form_equals_gathered_causal_attention():
+    """The causal form is the prefill's gathered causal attention (models/common.py) over the pool."""
+    from jeagle.models.common import AttnInputs, gathered_attention
+
+    q, kp, vp, layer, table, kv_len, _, _, pos = causal_inputs(2, 16, 6, 2, 16, seed=9)
+    ctx = 200
+    want = gathered_attention(q, kp[layer, table[:, :ctx]], vp[layer, table[:, :ctx]],
+                              AttnInputs(positions=pos, write_slots=pos, kv_slots=table[:, :ctx], kv_len=kv_len))
+    with use(KernelSettings(backend="interpret")):
+        got = paged_attention(q, kp, vp, layer, table[:, :ctx], kv_len, positions=pos)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=2e-5)
+
+
 def test_prefix_splits_choice():
     assert prefix_splits(1, 3, 2048) == 16  # auto by default
     with use(KernelSettings(paged_attention_splits=None)):
@@ -94,12 +147,23 @@ def test_compiled_bf16_smollm2_shape(splits):
           splits=splits)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits", [None, "auto"])
+@pytest.mark.parametrize("fresh", [False, True], ids=["after-cache", "from-zero"])
+def test_compiled_causal_bf16_smollm2_shape(splits, fresh):
+    t = 256 if fresh else 64
+    check("pallas", causal_inputs(2, t, 9, 3, 64, seed=7, dtype=jnp.bfloat16, cols=1400 if not fresh else t,
+                                  fresh=fresh), tol=3e-2, splits=splits)
+
+
 @pytest.mark.parametrize("splits", [None, "auto"])
 def test_lowers_for_h100(splits):
     with use(KernelSettings(backend="pallas", paged_attention_splits=splits)):
         for e in (0, 8):
             # A fresh function object: traces are cached by function, and the settings are read while tracing.
             lower_for_h100(lambda *a: paged_attention(*a), *inputs(2, 8, 9, 3, 64, e, seed=1, dtype=jnp.bfloat16))
+        args = causal_inputs(1, 64, 9, 3, 64, seed=2, dtype=jnp.bfloat16)
+        lower_for_h100(lambda *a: paged_attention(*a[:6], positions=a[8]), *args)
 
 
 def test_switch():
@@ -122,3 +186,8 @@ def test_rejects_bad_shapes():
         paged_attention(q[..., :3, :], kp, vp, layer, table, kv_len)
     with pytest.raises(ValueError, match="kv_len"):
         paged_attention(q, kp, vp, layer, table, kv_len[:1])
+    pos = jnp.zeros((2, 3), jnp.int32)
+    with pytest.raises(ValueError, match="without extra keys"):
+        paged_attention(q, kp, vp, layer, table, kv_len, xs, xm, positions=pos)
+    with pytest.raises(ValueError, match="positions must be"):
+        paged_attention(q, kp, vp, layer, table, kv_len, positions=pos[:, :2])

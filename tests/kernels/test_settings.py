@@ -71,6 +71,16 @@ def test_from_env_reads_os_environ_by_default(monkeypatch):
     monkeypatch.setenv("JEAGLE_TRITON_GEMM", "1")
     monkeypatch.setenv("JEAGLE_XLA_OPTIONS", '{"xla_a": 1}')
     assert KernelSettings.from_env() == KernelSettings("interpret", "auto", True, (("xla_a", 1),))
+    monkeypatch.setenv("JEAGLE_PREFILL_ATTENTION", "gathered")
+    assert KernelSettings.from_env().prefill_attention == "gathered"
+
+
+def test_prefill_attention_choice():
+    assert KernelSettings().prefill_attention == KernelSettings.from_env({}).prefill_attention == "paged"
+    with pytest.raises(ValueError, match="JEAGLE_PREFILL_ATTENTION='dense'"):
+        KernelSettings.from_env({"JEAGLE_PREFILL_ATTENTION": "dense"})
+    with pytest.raises(ValueError, match="prefill_attention"):
+        KernelSettings(prefill_attention="flash")
 
 
 def test_validation():
