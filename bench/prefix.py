@@ -56,15 +56,17 @@ def reserve_policy(eng) -> None:
 
 def policy_engine(kind, policy, model, head, args, tier, prefill_lengths):
     """An engine of `--concurrent` rows over a pool of `--pool-contexts` contexts under `policy`
-    ("reserve": the policy before issue 25; "on-demand": the default), warmed up for these prompt
-    lengths (prefills after cache hits included)."""
+    ("reserve": the policy before issue 25; "on-demand": the default; "on-demand-eager": the default
+    without admission control, `schedule_conservativeness` 0), warmed up for these prompt lengths
+    (prefills after cache hits included)."""
     from jeagle.engine import EngineConfig
     from jeagle.kernels.settings import KernelSettings
 
     n, ctx = args.concurrent, args.context
     buckets = tuple(b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128) if b < n) + (n,)
     ec = EngineConfig(max_batch_size=n, batch_buckets=buckets, max_context=ctx, max_total_tokens=args.pool_contexts * ctx,
-                      prefix_cache=policy == "on-demand", kernels=KernelSettings.from_env())
+                      prefix_cache=policy.startswith("on-demand"), kernels=KernelSettings.from_env(),
+                      schedule_conservativeness=0.0 if policy == "on-demand-eager" else 1.0)
     eng = make_engine(kind, model, head, ec, tier)
     if policy == "reserve":
         reserve_policy(eng)
@@ -215,9 +217,10 @@ def steady_rows(model, head, tok, texts, args, tier) -> list[dict]:
             rows.append(row)
             print(json.dumps(row), flush=True)
     for kind in {r["system"] for r in rows}:
-        pair = [r for r in rows if r["system"] == kind]
-        if len(pair) == 2:
-            pair[1]["vs_reserve"] = round(pair[1]["tokens_per_s"] / pair[0]["tokens_per_s"], 2)
+        old = [r for r in rows if r["system"] == kind and r["policy"] == "reserve"]
+        for r in rows:
+            if old and r["system"] == kind and r["policy"] != "reserve":
+                r["vs_reserve"] = round(r["tokens_per_s"] / old[0]["tokens_per_s"], 2)
     return rows
 
 
@@ -234,7 +237,8 @@ def main(argv=None) -> dict:
     p.add_argument("--temperature", type=float, default=0.7, help="capacity: sampling temperature (seed i per request)")
     p.add_argument("--steady-seconds", type=float, default=20.0, help="steady: the measured window")
     p.add_argument("--systems", default="target-only,eagle")
-    p.add_argument("--policies", default="reserve,on-demand", help="steady: the policies to run")
+    p.add_argument("--policies", default="reserve,on-demand",
+                   help="steady: the policies to run (reserve, on-demand, on-demand-eager)")
     p.add_argument("--tier", default="5,4,8")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
