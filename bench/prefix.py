@@ -57,7 +57,7 @@ def reserve_policy(eng) -> None:
 def policy_engine(kind, policy, model, head, args, tier, prefill_lengths):
     """An engine of `--concurrent` rows over a pool of `--pool-contexts` contexts under `policy`
     ("reserve": the policy before issue 25; "on-demand": the default; "on-demand-eager": the default
-    without admission control, `schedule_conservativeness` 0), warmed up for these prompt lengths
+    without admission control, `schedule_conservativeness` 0; "on-demand:C": that conservativeness), warmed up for these prompt lengths
     (prefills after cache hits included)."""
     from jeagle.engine import EngineConfig
     from jeagle.kernels.settings import KernelSettings
@@ -66,13 +66,20 @@ def policy_engine(kind, policy, model, head, args, tier, prefill_lengths):
     buckets = tuple(b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128) if b < n) + (n,)
     ec = EngineConfig(max_batch_size=n, batch_buckets=buckets, max_context=ctx, max_total_tokens=args.pool_contexts * ctx,
                       prefix_cache=policy.startswith("on-demand"), kernels=KernelSettings.from_env(),
-                      schedule_conservativeness=0.0 if policy == "on-demand-eager" else 1.0)
+                      schedule_conservativeness=conservativeness(policy))
     eng = make_engine(kind, model, head, ec, tier)
     if policy == "reserve":
         reserve_policy(eng)
     eng.warmup(prefill_lengths=sorted(prefill_lengths), greedy=(args.temperature == 0,), prefix=(False, True),
                progress=False)
     return eng
+
+
+def conservativeness(policy: str) -> float:
+    """The schedule_conservativeness of a policy: "on-demand:C" names one, "on-demand-eager" is 0."""
+    if ":" in policy:
+        return float(policy.split(":", 1)[1])
+    return 0.0 if policy == "on-demand-eager" else 1.0
 
 
 def make_engine(kind, model, head, ec, tier):
@@ -238,7 +245,8 @@ def main(argv=None) -> dict:
     p.add_argument("--steady-seconds", type=float, default=20.0, help="steady: the measured window")
     p.add_argument("--systems", default="target-only,eagle")
     p.add_argument("--policies", default="reserve,on-demand",
-                   help="steady: the policies to run (reserve, on-demand, on-demand-eager)")
+                   help="steady: the policies to run (reserve, on-demand, on-demand-eager, on-demand:C for "
+                        "schedule_conservativeness C)")
     p.add_argument("--tier", default="5,4,8")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
