@@ -112,6 +112,17 @@ def test_kv_buckets_follow_the_kernel_settings():
     ker = Buckets.for_engine(config(kernels=KernelSettings(backend="interpret")), 4, 1024, heads)
     assert len(ref.kv) > 1 and ref.kv[-1] == 1024
     assert ker.kv == (1024,)
+    # Prefills after a cache hit: every context bucket with the reference, the whole context with the
+    # kernel's causal form (or the prompt-length buckets again when prefills are told to gather).
+    assert ref.contexts == ref.prefill_len and ker.contexts == (1024,)
+    assert ref.context(200) == pick_bucket(ref.prefill_len, 200) < 1024
+    assert ker.context(20) == ker.context(1000) == 1024
+    gathered = Buckets.for_engine(config(kernels=KernelSettings(backend="interpret", prefill_attention="gathered")),
+                                  4, 1024, heads)
+    assert gathered.contexts == gathered.prefill_len
+    prefill, _ = ker.warmup_plan(batch_sizes=[1], prefill_lengths=[10, 200], prefix=(False, True))
+    short, long_ = pick_bucket(ker.prefill_len, 10), pick_bucket(ker.prefill_len, 200)
+    assert short < long_ and [p for p in prefill if p[2]] == [(1, short, 1024), (1, long_, 1024)]
 
 
 def test_small_prefills_unroll_their_layers_on_a_gpu(monkeypatch):

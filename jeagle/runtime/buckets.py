@@ -6,6 +6,8 @@ batch is planned onto them, and how its inputs are padded and its results trimme
     prefill_len   prompt-length buckets (`prefill_length_buckets`: x4 steps up to 1,024, then x2)
     kv            prefix-length buckets of decode / round (one, the context, when the paged-attention
                   kernel serves every attention; else powers of 2)
+    contexts      what a prefill after a prefix-cache hit attends over (one, the context, when the
+                  kernel's causal form serves prefills; else the prompt-length buckets)
 """
 
 from __future__ import annotations
@@ -122,14 +124,23 @@ class Buckets:
     kv: tuple[int, ...]
     max_ctx: int
     max_prefill_tokens: int
+    contexts: tuple[int, ...] | None = None  # None: prefill_len
+
+    def __post_init__(self):
+        if self.contexts is None:
+            object.__setattr__(self, "contexts", self.prefill_len)
 
     @classmethod
     def for_engine(cls, config, max_reqs: int, max_ctx: int, head_dims) -> "Buckets":
         batch = batch_buckets(max_reqs, config)
-        return cls(batch=batch, prefill_batch=prefill_batch_buckets(batch, config),
-                   prefill_len=prefill_length_buckets(min(config.min_prefill_bucket, max_ctx), max_ctx),
-                   kv=kv_buckets(max_ctx, config, head_dims), max_ctx=max_ctx,
-                   max_prefill_tokens=config.max_prefill_tokens)
+        prefill_len = prefill_length_buckets(min(config.min_prefill_bucket, max_ctx), max_ctx)
+        kv = kv_buckets(max_ctx, config, head_dims)
+        # The kernel's causal form reads each row to its own length: one context serves every prefill
+        # after a cache hit (models/common.py `attention_sublayer`), as one prefix bucket serves decode.
+        paged = len(kv) == 1 and config.kernels.prefill_attention == "paged"
+        return cls(batch=batch, prefill_batch=prefill_batch_buckets(batch, config), prefill_len=prefill_len,
+                   kv=kv, max_ctx=max_ctx, max_prefill_tokens=config.max_prefill_tokens,
+                   contexts=(max_ctx,) if paged else prefill_len)
 
     def prefill(self, n: int, longest: int) -> tuple[int, int]:
         """(batch, length) bucket of a prefill of n prompts, the longest `longest` tokens."""
@@ -148,14 +159,14 @@ class Buckets:
 
     def context(self, longest_total: int) -> int:
         """The context bucket of a prefill whose rows continue cached prefixes, the longest reaching
-        `longest_total` positions (a prefill-length bucket: `runtime/steps.py` `prefill_attn`)."""
-        return pick_bucket(self.prefill_len, longest_total)
+        `longest_total` positions (`contexts`: `runtime/steps.py` `prefill_attn`)."""
+        return pick_bucket(self.contexts, min(longest_total, self.max_ctx))
 
     def warmup_plan(self, batch_sizes=None, prefill_lengths=None, kv_lengths=None, prefix=(False,)):
         """(prefill (b, t, context) triples, decode (b, kv) pairs) covering the given sizes (None:
         every bucket). Prefill keeps b x t <= max_prefill_tokens, except the smallest batch bucket (any
         t: a lone long prompt); context 0 (no cached prefix), and with True in `prefix` also every
-        context bucket c >= t up to the longest prompt's (prefills after a prefix-cache hit)."""
+        context bucket covering t up to the longest prompt's (prefills after a prefix-cache hit)."""
         def covering(table, sizes):
             return sorted(set(table if sizes is None else (pick_bucket(table, n) for n in sizes)))
 
@@ -164,7 +175,8 @@ class Buckets:
                  if b == self.prefill_batch[0] or b * t <= self.max_prefill_tokens]
         prefill = [(b, t, 0) for b, t in pairs] if False in prefix else []
         if True in prefix:
-            prefill += [(b, t, c) for b, t in pairs for c in self.prefill_len if t <= c <= lengths[-1]]
+            prefill += [(b, t, c) for b, t in pairs
+                        for c in sorted({pick_bucket(self.contexts, c) for c in self.prefill_len if t <= c <= lengths[-1]})]
         decode = [(b, kv) for b in covering(self.batch, batch_sizes) for kv in covering(self.kv, kv_lengths)]
         return prefill, decode
 
