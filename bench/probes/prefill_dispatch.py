@@ -6,7 +6,8 @@ the device's time to the end, for a SmolLM2-shaped target (random weights) at ba
     python bench/probes/prefill_dispatch.py [--shape smollm2] [--lengths 40,200,1000] [--repeats 20]
 
 Each prefill's inputs are captured from the engine's own dispatch (`decoder._run`), so the arrays and
-their number are the engine's.
+their number are the engine's: 19 arrays before session 22, one packed vector since
+(jeagle/runtime/packing.py).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def main(argv=None) -> None:
     run = type(dec)._run
 
     def capture(self, exe, inputs):
-        if isinstance(inputs, PrefillInputs):
+        if isinstance(inputs, (PrefillInputs, np.ndarray)):  # packed into one vector since session 22
             captured.append((exe, inputs))
         return run(self, exe, inputs)
     type(dec)._run = capture

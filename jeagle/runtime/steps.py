@@ -34,6 +34,7 @@ from jeagle.penalties import (PenaltyInputs, PenaltyRows, add_tokens, apply as a
                               gather as gather_penalties, init_penalty_rows, penalty_shapes, prefill_rows)
 from jeagle.models.common import AttnInputs
 from jeagle.runtime.executables import DeviceShapes, StepBuild, compiler_options
+from jeagle.runtime.packing import Layout
 from jeagle.sampling import sample
 
 UNROLL_ALL_BYTES = 32 << 20  # one layer's weights per device above which the decode step unrolls every layer
@@ -149,6 +150,12 @@ class TargetStatic:
         return DeviceShapes.of((graphdef,), params, state)
 
 
+@functools.lru_cache(maxsize=None)
+def input_layout(key) -> Layout:
+    """How a step key's host inputs (`key.inputs()`) are packed into its one input vector."""
+    return Layout.of(key.inputs())
+
+
 def _abstract(shape, dtype):
     return jax.ShapeDtypeStruct(shape, jnp.dtype(dtype))
 
@@ -206,14 +213,18 @@ class PrefillKey(_TargetKey):
         return (f"prefill-b{self.batch}-t{self.length}{f'-c{self.context}' if self.context else ''}"
                 f"{'-lp' if self.logprobs else ''}{'-plp' if self.prompt_logprobs else ''}")
 
-    def build(self, shapes: DeviceShapes) -> StepBuild:
+    def inputs(self) -> PrefillInputs:
+        """The executable's inputs as shapes (passed packed: `layout`)."""
         b, t, ctx = self.batch, self.length, self.static.max_ctx
-        inputs = PrefillInputs(_abstract((b, t), jnp.int32), _abstract((b,), jnp.int32), _abstract((b,), jnp.int32),
-                               _abstract((b,), jnp.int32),
-                               _abstract((b,), jnp.int32), _abstract((b * ctx,), jnp.int32), sampling_shapes(b),
-                               penalty_shapes(b), _abstract((b, mask_words(self.static.model.vocab_size)), jnp.int32))
-        fn = functools.partial(prefill_step, self, shapes.graphdefs[0])
-        args = (shapes.params, shapes.state, inputs)
+        return PrefillInputs(_abstract((b, t), jnp.int32), _abstract((b,), jnp.int32), _abstract((b,), jnp.int32),
+                             _abstract((b,), jnp.int32),
+                             _abstract((b,), jnp.int32), _abstract((b * ctx,), jnp.int32), sampling_shapes(b),
+                             penalty_shapes(b), _abstract((b, mask_words(self.static.model.vocab_size)), jnp.int32))
+
+    def build(self, shapes: DeviceShapes) -> StepBuild:
+        layout = input_layout(self)
+        fn = layout.wrap(functools.partial(prefill_step, self, shapes.graphdefs[0]))
+        args = (shapes.params, shapes.state, layout.abstract)
         return StepBuild(fn, args, (1,), shapes.out_shardings(fn, args))
 
 

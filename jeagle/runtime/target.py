@@ -22,7 +22,7 @@ from jeagle.runtime.decoder import (Delivery, GrammarMasks, SlotTables, context_
 from jeagle.runtime.executables import DeviceShapes, Executables
 from jeagle.runtime.slots import SlotLayout, pool_size
 from jeagle.runtime.steps import (DecodeInputs, DecodeKey, PrefillInputs, PrefillKey, Sampling, TargetState,
-                                  TargetStatic, init_state, layer_unroll)
+                                  TargetStatic, init_state, input_layout, layer_unroll)
 
 
 class TargetDecoder(SlotTables, GrammarMasks):
@@ -107,7 +107,8 @@ class TargetDecoder(SlotTables, GrammarMasks):
                                sampling=Sampling(*sampling_inputs(reqs, b, self._rng)),
                                penalties=penalty_inputs(reqs, b),
                                token_mask=self.token_masks(reqs, b))
-        return self._run(self.executables.get(self.prefill_key(b, t, lp, plp, context)), inputs)
+        key = self.prefill_key(b, t, lp, plp, context)
+        return self._run(self.executables.get(key), input_layout(key).pack(inputs))
 
     def prime(self, key) -> None:
         """Run `key`'s executable once on padding rows only (the scratch row, which every padded batch

@@ -40,7 +40,7 @@ from jeagle.runtime.decoder import (Delivery, GrammarMasks, SlotTables, context_
 from jeagle.runtime.executables import DeviceShapes, Executables
 from jeagle.runtime.slots import SlotLayout, pool_size
 from jeagle.runtime.stats import SpecStats
-from jeagle.runtime.steps import Sampling, layer_unroll
+from jeagle.runtime.steps import Sampling, input_layout, layer_unroll
 from jeagle.spec.round import MAX_STOP, RoundResult, RowLayout, SpecConfig
 from jeagle.spec.steps import DraftKey, RoundKey, SpecPrefillInputs, SpecPrefillKey, SpecState, SpecStatic, init_state
 
@@ -209,7 +209,8 @@ class SpecDecoder(SlotTables, GrammarMasks):
             penalties=penalty_inputs(reqs, b), token_mask=self.token_masks(reqs, b))
         lp = wants_logprobs(reqs) if logprobs is None else logprobs
         plp = wants_prompt_logprobs(reqs) if logprobs is None else prompt_logprobs
-        return self._run(self.executables.get(self.prefill_key(b, t, lp, plp, context)), inputs)
+        key = self.prefill_key(b, t, lp, plp, context)
+        return self._run(self.executables.get(key), input_layout(key).pack(inputs))
 
     def prime(self, key) -> None:
         """Run `key`'s executable once on padding rows only (the scratch row, which every padded batch

@@ -32,7 +32,7 @@ from jeagle.models.llama import ForwardOut
 from jeagle.penalties import (PenaltyInputs, PenaltyRows, add_tokens, apply as apply_penalties,
                               gather as gather_penalties, init_penalty_rows, penalty_shapes, prefill_rows)
 from jeagle.runtime.executables import DeviceShapes, StepBuild, compiler_options
-from jeagle.runtime.steps import Sampling, prefill_attn, prefill_unroll, sampling_shapes
+from jeagle.runtime.steps import Sampling, input_layout, prefill_attn, prefill_unroll, sampling_shapes
 from jeagle.sampling import sample
 from jeagle.spec.round import (MAX_STOP, RowLayout, SpecConfig, SpecRows, draft_topk, draft_tree, draft_vocab_ids, init_rows,
                                pack_result, spec_round, verify_commit, verify_forward)
@@ -142,14 +142,20 @@ class SpecPrefillKey(_SpecKey):
         return (f"spec_prefill-b{self.batch}-t{self.length}{f'-c{self.context}' if self.context else ''}"
                 f"{'-lp' if self.logprobs else ''}{'-plp' if self.prompt_logprobs else ''}")
 
-    def build(self, shapes: DeviceShapes) -> StepBuild:
+    def inputs(self) -> SpecPrefillInputs:
+        """The executable's inputs as shapes (passed packed: runtime/steps.py `input_layout`)."""
         b, t, s = self.batch, self.length, self.static
-        inputs = SpecPrefillInputs(_abstract((b, t)), _abstract((b,)), _abstract((b,)), _abstract((b,)), _abstract((b,)),
-                                   _abstract((b * s.max_ctx,)), _abstract((b, s.layout.num_draft_tokens)),
-                                   _abstract((b, s.layout.scratch)), sampling_shapes(b), _abstract((b,)),
-                                   _abstract((b, MAX_STOP)), penalty_shapes(b),
-                                   _abstract((b, mask_words(s.model.vocab_size))))
-        return self._build(spec_prefill_step, shapes, inputs)
+        return SpecPrefillInputs(_abstract((b, t)), _abstract((b,)), _abstract((b,)), _abstract((b,)), _abstract((b,)),
+                                 _abstract((b * s.max_ctx,)), _abstract((b, s.layout.num_draft_tokens)),
+                                 _abstract((b, s.layout.scratch)), sampling_shapes(b), _abstract((b,)),
+                                 _abstract((b, MAX_STOP)), penalty_shapes(b),
+                                 _abstract((b, mask_words(s.model.vocab_size))))
+
+    def build(self, shapes: DeviceShapes) -> StepBuild:
+        layout = input_layout(self)
+        fn = layout.wrap(functools.partial(spec_prefill_step, self, *shapes.graphdefs))
+        args = (shapes.params, shapes.state, layout.abstract)
+        return StepBuild(fn, args, (1,), shapes.out_shardings(fn, args))
 
 
 @dataclass(frozen=True)
