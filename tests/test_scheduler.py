@@ -185,6 +185,34 @@ def test_preload_for_a_warm_start_compiles_nothing(target, head, workload, tmp_p
         assert stats.compilations_after_warmup is None  # a preload is not a warm-up
 
 
+def test_warmup_primes_each_executable_once_where_asked(target, head, workload):
+    """On a GPU a warm-up runs every executable it compiled once on padding rows (the first run's cost
+    leaves the first request's TTFT); the tokens are unchanged, nothing compiles afterwards, and a second
+    warm-up primes nothing again. CPUs skip it (`prime_after_warmup`)."""
+    import jax
+
+    prompts, params = workload
+    cfg = EngineConfig(max_batch_size=4, max_context=96, batch_buckets=(1, 2, 4))
+    for make in (lambda: target_only(target, cfg), lambda: speculative(target, head, cfg, SpecConfig(3, 2, 5))):
+        plain = make()
+        assert plain.prime_after_warmup == (jax.default_backend() == "gpu")
+        plain.warmup(prefill_lengths=list(map(len, prompts)), greedy=(True,), progress=False)
+        want = [o.token_ids for o in plain.generate(prompts, params)]
+
+        engine = make()
+        engine.prime_after_warmup = True
+        primed, prime = [], engine.decoder.prime
+        engine.decoder.prime = lambda key: primed.append(key) or prime(key)
+        plan = engine.warmup_plan(prefill_lengths=list(map(len, prompts)), greedy=(True,))
+        engine.warmup(prefill_lengths=list(map(len, prompts)), greedy=(True,), progress=False)
+        assert sorted(map(str, primed)) == sorted(map(str, dict.fromkeys(plan)))
+        engine.warmup(prefill_lengths=list(map(len, prompts)), greedy=(True,), progress=False)
+        assert len(primed) == len(dict.fromkeys(plan))
+        assert [o.token_ids for o in engine.generate(prompts, params)] == want
+        assert engine.last_stats.compilations_after_warmup == 0
+        engine.check_kv()
+
+
 def test_store_skips_saving_on_cpu_with_the_compilation_cache(target, head, workload, tmp_path, caplog):
     """The conftest turns JAX's compilation cache on; on XLA:CPU a cache-loaded executable serializes
     without its functions, so the store saves nothing (with one warning) and the engine still runs."""
