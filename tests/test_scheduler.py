@@ -193,20 +193,22 @@ def test_warmup_primes_each_executable_once_where_asked(target, head, workload):
 
     prompts, params = workload
     cfg = EngineConfig(max_batch_size=4, max_context=96, batch_buckets=(1, 2, 4))
-    for make in (lambda: target_only(target, cfg), lambda: speculative(target, head, cfg, SpecConfig(3, 2, 5))):
+    # Target-only in every mode a server warms up (its grammar steps take token masks too).
+    all_modes = dict(greedy=(True,), logprobs=(False, True), penalties=(False, True), grammar=(False, True))
+    for make, modes in ((lambda: target_only(target, cfg), all_modes),
+                        (lambda: speculative(target, head, cfg, SpecConfig(3, 2, 5)), dict(greedy=(True,)))):
         plain = make()
         assert plain.prime_after_warmup == (jax.default_backend() == "gpu")
-        plain.warmup(prefill_lengths=list(map(len, prompts)), greedy=(True,), progress=False)
         want = [o.token_ids for o in plain.generate(prompts, params)]
 
         engine = make()
         engine.prime_after_warmup = True
         primed, prime = [], engine.decoder.prime
         engine.decoder.prime = lambda key: primed.append(key) or prime(key)
-        plan = engine.warmup_plan(prefill_lengths=list(map(len, prompts)), greedy=(True,))
-        engine.warmup(prefill_lengths=list(map(len, prompts)), greedy=(True,), progress=False)
+        plan = engine.warmup_plan(prefill_lengths=list(map(len, prompts)), **modes)
+        engine.warmup(prefill_lengths=list(map(len, prompts)), progress=False, **modes)
         assert sorted(map(str, primed)) == sorted(map(str, dict.fromkeys(plan)))
-        engine.warmup(prefill_lengths=list(map(len, prompts)), greedy=(True,), progress=False)
+        engine.warmup(prefill_lengths=list(map(len, prompts)), progress=False, **modes)
         assert len(primed) == len(dict.fromkeys(plan))
         assert [o.token_ids for o in engine.generate(prompts, params)] == want
         assert engine.last_stats.compilations_after_warmup == 0

@@ -118,8 +118,11 @@ class TargetDecoder(SlotTables, GrammarMasks):
             out = self.prefill([], key.batch, key.length, logprobs=key.logprobs, prompt_logprobs=key.prompt_logprobs,
                                context=key.context)
         elif key.phase == "decode":
-            out = self._run(self.executables.get(key), DecodeInputs(
-                row_ids=pad([], key.batch, self.scratch_row, np.int32), positions=pad([], key.batch, 0, np.int32)))
+            inputs = DecodeInputs(row_ids=pad([], key.batch, self.scratch_row, np.int32),
+                                  positions=pad([], key.batch, 0, np.int32))
+            if key.grammar:  # a grammar step also takes each row's token mask (every token allowed)
+                inputs = (inputs, self.token_masks([], key.batch))
+            out = self._run(self.executables.get(key), inputs)
         else:
             return
         jax.block_until_ready((out, self.state))
