@@ -360,8 +360,8 @@ if [[ "$steps" == *" features "* ]]; then  # issue 24: logprobs, penalties, gram
       --sampling "${samplings[$name]}" --max-new-tokens "${FEATURE_TOKENS:-256}" --repeats "${FEATURE_REPEATS:-3}" \
       ${FEATURE_ARGS:-}
   done
-  # bench/serve.py needs the server's wheels in .whl (the image has none): uvicorn starlette h11 click anyio httpx
-  # httpcore sniffio certifi idna typing_extensions (`pip download --no-deps ...`, the versions of the venv).
+  # bench/serve.py needs the server's wheels in .whl (the image has none, llguidance included):
+  # `SERVE=1 bash bench/make_stages.sh` downloads them.
   if [ "${FEATURE_SERVE:-1}" = 1 ]; then  # the real model over HTTP: plain, logprobs, a JSON schema (chat)
     declare -A extras=(
       [plain]='{}'

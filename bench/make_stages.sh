@@ -6,6 +6,7 @@
 # Each part stays under what one call carries beside the repo (64 MiB in all; the repo is ~23 MB of it).
 #   bash bench/make_stages.sh                              # GGUF parts, data.tar.xz, .whl
 #   DATASET=.data/run4/partial bash bench/make_stages.sh   # also .stage4 (the regeneration continues it)
+#   SERVE=1 bash bench/make_stages.sh                      # also the server's wheels in .whl (bench/serve.py)
 # The GGUF comes from jeagle's cache (`python -m jeagle.generate` fetches it once); the .data files from
 # `python -m jeagle.train.sources eval|build` (README, "Training a head").
 set -euo pipefail
@@ -27,4 +28,14 @@ for w in gguf==0.17.1 eagle-llm==1.2.1; do
   ls ".whl/$(echo "${w%%==*}" | tr - _)"-*.whl >/dev/null 2>&1 || python3 -m pip download -q --no-deps --only-binary=:all: \
     --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 -d .whl "$w"
 done
+# SERVE=1: also the server's wheels (bench/serve.py, the `features` step's SERVE_SET; the GPU image has none of
+# them, llguidance included), at the versions the venv runs; llguidance and orjson are binary wheels.
+if [ "${SERVE:-0}" = 1 ]; then
+  for w in uvicorn==0.54.0 starlette==1.10.0 h11==0.16.0 click==8.5.1 anyio==4.16.0 httpx==0.28.1 httpcore==1.0.9 \
+      sniffio==1.3.1 certifi==2026.10.19.post1 idna==3.20 typing_extensions==4.16.0 orjson==3.13.0 llguidance==1.9.1; do
+    ls ".whl/$(echo "${w%%==*}" | tr - _)"-*.whl >/dev/null 2>&1 || python3 -m pip download -q --no-deps --only-binary=:all: \
+      --python-version 3.12 --implementation cp --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 \
+      --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --abi cp312 --abi abi3 --abi none -d .whl "$w"
+  done
+fi
 du -sh .stage* .whl
