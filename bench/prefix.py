@@ -57,14 +57,15 @@ def reserve_policy(eng) -> None:
 def policy_engine(kind, policy, model, head, args, tier, prefill_lengths):
     """An engine of `--concurrent` rows over a pool of `--pool-contexts` contexts under `policy`
     ("reserve": the policy before issue 25; "on-demand": the default; "on-demand-eager": the default
-    without admission control, `schedule_conservativeness` 0; "on-demand:C": that conservativeness), warmed up for these prompt lengths
-    (prefills after cache hits included)."""
+    without admission control, `schedule_conservativeness` 0; "on-demand:C": that conservativeness),
+    warmed up for these prompt lengths (prefills after cache hits included)."""
     from jeagle.engine import EngineConfig
     from jeagle.kernels.settings import KernelSettings
 
     n, ctx = args.concurrent, args.context
     buckets = tuple(b for b in (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128) if b < n) + (n,)
-    ec = EngineConfig(max_batch_size=n, batch_buckets=buckets, max_context=ctx, max_total_tokens=args.pool_contexts * ctx,
+    ec = EngineConfig(max_batch_size=n, batch_buckets=buckets, max_context=ctx,
+                      max_total_tokens=args.pool_contexts * ctx,
                       prefix_cache=policy.startswith("on-demand"), kernels=KernelSettings.from_env(),
                       schedule_conservativeness=conservativeness(policy))
     eng = make_engine(kind, model, head, ec, tier)

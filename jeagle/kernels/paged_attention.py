@@ -1,6 +1,7 @@
 """Attention of a few new tokens per request over the paged KV pool, reading each request's own prefix
-length: the decode step, the tree verify, the draft steps and (causally) prefills. A Pallas kernel (Triton lowering), one
-program per (request, KV head); flash-decoding style online softmax over blocks of the prefix.
+length: the decode step, the tree verify, the draft steps and (causally) prefills. A Pallas kernel
+(Triton lowering), one program per (request, KV head[, query tile]); flash-decoding style online
+softmax over blocks of the prefix.
 
 Why a kernel: the pure-jnp reference gathers the prefix slots of a *static* length into a dense
 [B, S, Hkv, D] copy per layer, so every executable is tied to a prefix-length bucket (five buckets for a

@@ -175,8 +175,9 @@ class Buckets:
                  if b == self.prefill_batch[0] or b * t <= self.max_prefill_tokens]
         prefill = [(b, t, 0) for b, t in pairs] if False in prefix else []
         if True in prefix:
-            prefill += [(b, t, c) for b, t in pairs
-                        for c in sorted({pick_bucket(self.contexts, c) for c in self.prefill_len if t <= c <= lengths[-1]})]
+            def contexts(t):  # the context buckets of prefills of length bucket t, up to the longest prompt's
+                return sorted({pick_bucket(self.contexts, n) for n in self.prefill_len if t <= n <= lengths[-1]})
+            prefill += [(b, t, c) for b, t in pairs for c in contexts(t)]
         decode = [(b, kv) for b in covering(self.batch, batch_sizes) for kv in covering(self.kv, kv_lengths)]
         return prefill, decode
 

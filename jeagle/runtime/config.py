@@ -36,7 +36,7 @@ class EngineConfig:
     prefix_cache: bool = True
     # Admission under a short pool (SGLang's --schedule-conservativeness): a request is admitted while
     # the free slots cover the prompt plus this times the expected share of every running request's
-    # remaining tokens (`KVFlow._expected_fits`); 0: admit whatever fits now (and retract later).
+    # remaining tokens (`KVFlow._expected_room`); 0: admit whatever fits now (and retract later).
     schedule_conservativeness: float = 1.0
     verify_done_wait: str | None = None  # "sync" | "dataflow"; None: JEAGLE_VERIFY_DONE_STREAM_WAIT, else dataflow
     min_kv_bucket: int = 128
