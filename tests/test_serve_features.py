@@ -238,3 +238,49 @@ def test_chat_logprobs_pieces_encode_what_json_would():
     got = chat_logprobs(TokenJSON(pieces), pairs, 5)
     assert json.loads(orjson.dumps({"logprobs": got}))["logprobs"] == want
     assert json.loads(orjson.dumps(chat_logprobs(TokenJSON(pieces), [], 5))) == {"content": [], "refusal": None}
+
+
+def test_packed_chat_logprobs_encode_what_json_would():
+    """`chat_logprobs_packed` (every number of a piece read with struct, encoded by one orjson call and
+    filled into per-token templates with `%`) parses to the plain object for any top k, tokens holding
+    `%` and JSON escapes, and non-finite logprobs (null), and is the bytes `chat_logprobs` gives."""
+    import json
+
+    import orjson
+
+    from jeagle.logprobs import LOGPROB_COLUMNS, LOGPROB_TOP, from_bytes, to_bytes
+    from jeagle.serve.protocol import TokenJSON, chat_logprobs, chat_logprobs_packed
+
+    raws = [b"100%", b"%s%d%%", b'q"\\', b"\xe2\x82", b"plain"]
+
+    class Pieces:
+        def token_piece(self, t):
+            raw = raws[t % len(raws)]
+            return raw, raw.decode("utf-8", errors="replace"), list(raw)
+
+    rng = np.random.default_rng(1)
+    rows = np.zeros((7, LOGPROB_COLUMNS), np.int32)
+    lp = np.sort(np.log(rng.random((7, LOGPROB_TOP))) * rng.choice([1e-7, 1.0, 40.0], (7, 1)), -1)[:, ::-1]
+    lp = np.ascontiguousarray(lp, np.float32)
+    lp[2, 5:] = -np.inf
+    rows[:, 1:1 + LOGPROB_TOP] = rng.integers(0, 50, (7, LOGPROB_TOP))
+    rows[:, 1 + LOGPROB_TOP:] = lp.view(np.int32)
+    rows[:, 0] = np.float32([-0.0, -1e-8, -2.5e-7, -0.6931472, -13.25, -np.inf, -3.0]).view(np.int32)
+    ids = [int(t) for t in rng.integers(0, 50, 7)]
+    packed, pieces = rows.tobytes(), TokenJSON(Pieces())
+
+    def number(x):
+        return None if not np.isfinite(x) else x
+
+    def entry(t, x):
+        _, text, raw = Pieces().token_piece(t)
+        return {"token": text, "logprob": number(x), "bytes": raw}
+
+    for k in (0, 1, 5, LOGPROB_TOP):
+        lps = from_bytes(packed)
+        want = {"content": [entry(t, lp.logprob) | {"top_logprobs": [entry(i, p) for i, p in lp.top(k)]}
+                            for t, lp in zip(ids, lps)], "refusal": None}
+        got = orjson.dumps(chat_logprobs_packed(pieces, ids, packed, k))
+        assert json.loads(got) == want
+        assert got == orjson.dumps(chat_logprobs(pieces, list(zip(ids, lps)), k))
+        assert to_bytes(lps) == packed

@@ -24,12 +24,13 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
+from jeagle import logprobs
 from jeagle.engine import PromptTooLong
 from jeagle.serve.engine_loop import EngineLoop, Job
-from jeagle.serve.protocol import (CHAT_KEYS, COMPLETION_KEYS, BadRequest, StopMatcher, TokenJSON, chat_logprobs,
-                                   chat_prompt_ids, check_model, choice_body, completion_body, completion_logprobs,
-                                   completion_prompt_ids, error_body, grammar_request, parse_common, sampling_params,
-                                   stream_chunk, usage_body, usage_chunk)
+from jeagle.serve.protocol import (CHAT_KEYS, COMPLETION_KEYS, BadRequest, StopMatcher, TokenJSON,
+                                   chat_logprobs_packed, chat_prompt_ids, check_model, choice_body, completion_body,
+                                   completion_logprobs, completion_prompt_ids, error_body, grammar_request,
+                                   parse_common, sampling_params, stream_chunk, usage_body, usage_chunk)
 from jeagle.tokenizer import StreamDecoder
 
 
@@ -233,7 +234,19 @@ class Piece:
     text: str
     finish: str | None
     n_tokens: int  # the choice's tokens so far (its EOS included)
-    pairs: list  # (token id, TokenLogprob) of the tokens behind `text`, when logprobs were asked
+    ids: list  # the tokens behind `text` when logprobs were asked (else empty) ...
+    packed: bytes  # ... and their logprob blocks (`logprobs.to_bytes`)
+
+
+def kept(ids: list[int], packed: bytes | None, keep: list[int]) -> tuple[list[int], bytes]:
+    """The tokens at indices `keep` (increasing) of `ids` and their blocks of `packed`."""
+    if packed is None or not keep:
+        return [], b""
+    n = len(keep)
+    if keep[-1] == n - 1:  # a prefix (an EOS only ever ends a request)
+        return (ids if n == len(ids) else ids[:n]), packed[:n * logprobs.BLOCK_BYTES]
+    row = logprobs.BLOCK_BYTES
+    return [ids[i] for i in keep], b"".join([packed[i * row:(i + 1) * row] for i in keep])
 
 
 async def pieces(s: Served, job: Job, stops: list[str]):
@@ -254,23 +267,23 @@ async def pieces(s: Served, job: Job, stops: list[str]):
                 if pending[0] != "tokens":
                     break
                 ids, lps, pending = ids + pending[1][0], None if lps is None else lps + pending[1][1], None
-            text, pairs = "", []
+            text, keep = "", []
             for i, t in enumerate(ids):
                 n_tokens += 1
                 if t in eos and not job.params.ignore_eos:
                     continue
                 text += matcher.push(decoder.push(t))
                 if lps is not None:
-                    pairs.append((t, lps[i]))
+                    keep.append(i)
                 if matcher.stopped:
                     s.loop.abort(job)
-                    yield Piece(text, "stop", n_tokens, pairs)
+                    yield Piece(text, "stop", n_tokens, *kept(ids, lps, keep))
                     return
-            if text or pairs:
-                yield Piece(text, None, n_tokens, pairs)
+            if text or keep:
+                yield Piece(text, None, n_tokens, *kept(ids, lps, keep))
         elif kind == "done":
             tail = matcher.push(decoder.flush()) + matcher.flush()
-            yield Piece(tail, "stop" if value in ("stop", "abort") else value, n_tokens, [])
+            yield Piece(tail, "stop" if value in ("stop", "abort") else value, n_tokens, [], b"")
             return
         else:
             raise RuntimeError(value)
@@ -317,11 +330,14 @@ class LogprobsOut:
         self.tok, self.pieces, self.chat = s.tokenizer, s.token_json, ask.chat
         self.k, self.offset = ask.opts["logprobs"], 0
 
-    def __call__(self, pairs) -> dict | None:
+    def __call__(self, ids: list[int], packed: bytes, prefix: list | None = None):
+        """The object for tokens `ids` with their packed blocks, after `prefix` (completions' echo:
+        the prompt's (token, TokenLogprob or None) pairs)."""
         if self.k is None:
             return None
         if self.chat:
-            return chat_logprobs(self.pieces, pairs, self.k)
+            return chat_logprobs_packed(self.pieces, ids, packed, self.k)
+        pairs = (prefix or []) + list(zip(ids, logprobs.from_bytes(packed)))
         out = completion_logprobs(self.tok, pairs, self.k, self.offset)
         self.offset += sum(len(t) for t in out["tokens"])
         return out
@@ -353,12 +369,12 @@ async def sse(s: Served, jobs: list[Job], ask: Ask):
         async for i, piece in merged(s, jobs, ask.opts["stop"]):
             if isinstance(piece, RuntimeError):
                 raise piece
-            text, pairs = piece.text, piece.pairs
+            text, prefix = piece.text, None
             if echo and not started[i]:  # the prompt first, with its logprobs (they came with the prefill)
-                text, pairs = ask.prompt_text + text, (echo_pairs(ask, jobs[i]) if out[i].k is not None else []) + pairs
+                text, prefix = ask.prompt_text + text, (echo_pairs(ask, jobs[i]) if out[i].k is not None else None)
             started[i], counts[i] = True, piece.n_tokens
-            if text or piece.finish or pairs:
-                yield event(text, piece.finish, i, logprobs=out[i](pairs) if pairs or out[i].k is not None else None)
+            if text or piece.finish or piece.ids or prefix:
+                yield event(text, piece.finish, i, logprobs=out[i](piece.ids, piece.packed, prefix))
         if ask.opts["include_usage"]:
             usage = usage_body(len(ask.prompt_ids), sum(counts), cached_tokens(jobs))
             yield sse_event(usage_chunk(ask.rid, s.model_name, ask.chat, usage))
@@ -378,7 +394,8 @@ async def sse(s: Served, jobs: list[Job], ask: Ask):
 async def whole(s: Served, jobs: list[Job], ask: Ask):
     """The response in one JSON body: every choice, and the usage (the prompt counted once)."""
     n = len(jobs)
-    texts, finishes, counts, pairs = [""] * n, [None] * n, [0] * n, [[] for _ in range(n)]
+    texts, finishes, counts = [""] * n, [None] * n, [0] * n
+    ids, packed = [[] for _ in range(n)], [[] for _ in range(n)]
     try:
         async for i, piece in merged(s, jobs, ask.opts["stop"]):
             if isinstance(piece, RuntimeError):
@@ -386,7 +403,8 @@ async def whole(s: Served, jobs: list[Job], ask: Ask):
             texts[i] += piece.text
             finishes[i] = piece.finish or finishes[i]
             counts[i] = piece.n_tokens
-            pairs[i].extend(piece.pairs)
+            ids[i].extend(piece.ids)
+            packed[i].append(piece.packed)
     except RuntimeError as e:
         return error(500, str(e), "server_error")
     except asyncio.CancelledError:
@@ -395,10 +413,11 @@ async def whole(s: Served, jobs: list[Job], ask: Ask):
         raise
     choices = []
     for i in range(n):
-        text, p = texts[i], pairs[i]
+        text, prefix = texts[i], None
         if not ask.chat and ask.opts["echo"]:
             text = ask.prompt_text + text
-            p = (echo_pairs(ask, jobs[i]) if ask.opts["logprobs"] is not None else []) + p
-        choices.append(choice_body(ask.chat, i, text, finishes[i], LogprobsOut(s, ask)(p)))
+            prefix = echo_pairs(ask, jobs[i]) if ask.opts["logprobs"] is not None else None
+        choices.append(choice_body(ask.chat, i, text, finishes[i],
+                                   LogprobsOut(s, ask)(ids[i], b"".join(packed[i]), prefix)))
     return JSONBody(completion_body(ask.rid, s.model_name, ask.chat, choices, len(ask.prompt_ids), sum(counts),
                                         cached_tokens(jobs)))

@@ -13,8 +13,9 @@ The parent (this class) keeps the handlers' side of the protocol unchanged: `sub
 `engine_loop`) put on its asyncio queue. Between the two: one duplex pipe. Parent → child:
 ("submit", id, prompt, params) (a grammar travels as its llguidance text and is rebuilt there),
 ("abort", id), ("flush",), ("stop",). Child → parent: ("events", [(id, event), ...]) once per engine
-step (token log-probabilities as one packed array per event), ("info", counters) after a step at
-most every `INFO_PERIOD_S` and whenever the engine goes idle.
+step (token log-probabilities as the events carry them, packed bytes; a prompt's as one packed
+array), ("info", counters) after a step at most every `INFO_PERIOD_S` and whenever the engine goes
+idle.
 """
 
 from __future__ import annotations
@@ -114,10 +115,10 @@ class EngineProcess:
                 if job is None:
                     continue
                 if kind == "tokens":
-                    ids, blocks, facts = value
+                    ids, packed, facts = value
                     if facts is not None and facts["prompt_logprobs"] is not None:
                         facts = facts | {"prompt_logprobs": [None] + logprobs.unpack(facts["prompt_logprobs"])}
-                    value = (ids, None if blocks is None else logprobs.unpack(blocks), facts)
+                        value = (ids, packed, facts)
                 elif kind != "accepted":
                     del self._jobs[jid]  # its last event
                 batch.append((job, (kind, value)))
@@ -140,10 +141,10 @@ class _ChildLoop(EngineLoop):
         wire = []
         for job, (kind, value) in events:
             if kind == "tokens":
-                ids, lps, facts = value
+                ids, packed, facts = value  # packed: the tokens' logprobs as bytes already (EngineLoop._tokens)
                 if facts is not None and facts["prompt_logprobs"] is not None:  # [None, TokenLogprob, ...]
                     facts = facts | {"prompt_logprobs": logprobs.stack(facts["prompt_logprobs"][1:])}
-                value = (ids, None if lps is None else logprobs.stack(lps), facts)
+                    value = (ids, packed, facts)
             elif kind != "accepted":
                 self.jobs_by_id.pop(job.id, None)
             wire.append((job.id, (kind, value)))

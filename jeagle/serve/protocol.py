@@ -3,16 +3,17 @@
 
 Everything here is plain data in, plain data out (no HTTP, no engine): a bad request raises
 `BadRequest`, which the app turns into an OpenAI-style error body with its status. Bodies are encoded
-with orjson; chat logprobs come pre-encoded (`TokenJSON`, `chat_logprobs`).
+with orjson; chat logprobs come pre-encoded (`TokenJSON`, `chat_logprobs_packed`).
 """
 
 from __future__ import annotations
 
+import struct
 import time
 
 import orjson
 
-from jeagle.logprobs import LOGPROB_TOP
+from jeagle.logprobs import LOGPROB_TOP, to_bytes
 from jeagle.penalties import MAX_LOGIT_BIAS
 from jeagle.sampling import SamplingParams
 
@@ -307,15 +308,31 @@ def completion_body(rid: str, model_name: str, chat: bool, choices: list[dict], 
 
 
 # ---- logprobs out ---------------------------------------------------------------------------------------
+class _Templates(dict):
+    """token id → bytes, made on first use by `make(token id)`."""
+
+    def __init__(self, make):
+        super().__init__()
+        self.make = make
+
+    def __missing__(self, token_id):
+        value = self[token_id] = self.make(token_id)
+        return value
+
+
 class TokenJSON:
     """One tokenizer's tokens as pre-encoded JSON pieces of a chat `logprobs` entry, made once per token
-    id: (`{"token":TEXT,"logprob":`, `,"bytes":[...]`). A streamed `top_logprobs: 5` response writes
-    six entries per token it emits; joining cached bytes costs a fraction of building and encoding six
-    dicts, and this host time is taken from the engine thread's GIL (bench/HISTORY.md, session 16)."""
+    id: (`{"token":TEXT,"logprob":`, `,"bytes":[...]`), and joined around a `%s` for the number (`%`
+    escaped): `heads[id]` (an entry whose `top_logprobs` follow) and `tops[id]` (a closed entry). A
+    streamed `top_logprobs: 5` response writes six entries per token it emits; filling cached templates
+    costs a fraction of building and encoding six dicts, and this host time is taken from the engine
+    thread's GIL (bench/HISTORY.md, session 16)."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
         self._pieces: dict[int, tuple[bytes, bytes]] = {}
+        self.heads = _Templates(lambda t: self._template(t))
+        self.tops = _Templates(lambda t: self._template(t) + b"}")
 
     def __call__(self, token_id: int) -> tuple[bytes, bytes]:
         piece = self._pieces.get(token_id)
@@ -325,21 +342,45 @@ class TokenJSON:
                                               b',"bytes":' + orjson.dumps(raw))
         return piece
 
+    def _template(self, token_id: int) -> bytes:
+        head, tail = self(token_id)
+        return head.replace(b"%", b"%%") + b"%s" + tail.replace(b"%", b"%%")
+
+
+_LAYOUTS: dict[int, tuple[struct.Struct, struct.Struct]] = {}
+
+
+def _layout(k: int) -> tuple[struct.Struct, struct.Struct]:
+    """Structs reading a packed block (`jeagle.logprobs`) for top k: its floats (the logprob, the top
+    k logprobs) and its top k ids."""
+    got = _LAYOUTS.get(k)
+    if got is None:
+        rest = 4 * (LOGPROB_TOP - k)
+        got = _LAYOUTS[k] = (struct.Struct(f"=f{4 * LOGPROB_TOP}x{k}f{rest}x"),
+                             struct.Struct(f"=4x{k}i{rest + 4 * LOGPROB_TOP}x"))
+    return got
+
+
+def chat_logprobs_packed(pieces: TokenJSON, ids: list[int], packed: bytes, k: int) -> orjson.Fragment:
+    """Chat's `logprobs` object for tokens `ids` and their packed logprob blocks (`logprobs.to_bytes`),
+    {"content": [{"token", "logprob", "bytes", "top_logprobs": [{"token", "logprob", "bytes"}, ...]},
+    ...], "refusal": null}, as JSON ready to splice into a chunk or body (`orjson.dumps` copies a
+    Fragment as it is). Per piece, not per token: `struct` reads every number, one `orjson.dumps`
+    encodes them all (the same text as one at a time: shortest round trip of the float32 widened to a
+    double, non-finite as null), and one `%` fills them into the tokens' cached templates."""
+    if not ids:
+        return orjson.Fragment(b'{"content":[],"refusal":null}')
+    floats, top_ids = _layout(k)
+    nums = orjson.dumps(list(floats.iter_unpack(packed)))[2:-2].replace(b"],[", b",").split(b",")
+    heads, tops = pieces.heads, pieces.tops
+    entries = [heads[t] + b',"top_logprobs":[' + b",".join(map(tops.__getitem__, top)) + b"]}"
+               for t, top in zip(ids, top_ids.iter_unpack(packed))]
+    return orjson.Fragment(b'{"content":[' + b",".join(entries) % tuple(nums) + b'],"refusal":null}')
+
 
 def chat_logprobs(pieces: TokenJSON, pairs, k: int) -> orjson.Fragment:
-    """Chat's `logprobs` object for (token id, TokenLogprob) pairs, {"content": [{"token", "logprob",
-    "bytes", "top_logprobs": [{"token", "logprob", "bytes"}, ...]}, ...], "refusal": null}, as JSON
-    ready to splice into a chunk or body (`orjson.dumps` copies a Fragment as it is)."""
-    num = orjson.dumps  # a float as JSON (non-finite: null)
-    entries = []
-    for tid, lp in pairs:
-        head, tail = pieces(tid)
-        top = []
-        for i, p in lp.top(k):
-            h, t = pieces(i)
-            top.append(h + num(p) + t + b"}")
-        entries.append(head + num(lp.logprob) + tail + b',"top_logprobs":[' + b",".join(top) + b"]}")
-    return orjson.Fragment(b'{"content":[' + b",".join(entries) + b'],"refusal":null}')
+    """`chat_logprobs_packed` for (token id, TokenLogprob) pairs."""
+    return chat_logprobs_packed(pieces, [t for t, _ in pairs], to_bytes([lp for _, lp in pairs]), k)
 
 
 def completion_logprobs(tokenizer, pairs, k: int, offset: int = 0) -> dict:
