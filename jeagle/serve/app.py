@@ -234,14 +234,12 @@ class Piece:
     text: str
     finish: str | None
     n_tokens: int  # the choice's tokens so far (its EOS included)
-    ids: list  # the tokens behind `text` when logprobs were asked (else empty) ...
-    packed: bytes  # ... and their logprob blocks (`logprobs.to_bytes`)
+    ids: list | tuple = ()  # the tokens behind `text` when logprobs were asked ...
+    packed: bytes = b""  # ... and their logprob blocks (`logprobs.to_bytes`)
 
 
-def kept(ids: list[int], packed: bytes | None, keep: list[int]) -> tuple[list[int], bytes]:
-    """The tokens at indices `keep` (increasing) of `ids` and their blocks of `packed`."""
-    if packed is None or not keep:
-        return [], b""
+def kept(ids: list[int], packed: bytes, keep: list[int]) -> tuple[list[int], bytes]:
+    """The tokens at indices `keep` (increasing, not empty) of `ids` and their blocks of `packed`."""
     n = len(keep)
     if keep[-1] == n - 1:  # a prefix (an EOS only ever ends a request)
         return (ids if n == len(ids) else ids[:n]), packed[:n * logprobs.BLOCK_BYTES]
@@ -277,13 +275,14 @@ async def pieces(s: Served, job: Job, stops: list[str]):
                     keep.append(i)
                 if matcher.stopped:
                     s.loop.abort(job)
-                    yield Piece(text, "stop", n_tokens, *kept(ids, lps, keep))
+                    yield Piece(text, "stop", n_tokens, *kept(ids, lps, keep)) if keep else Piece(text, "stop",
+                                                                                                   n_tokens)
                     return
             if text or keep:
-                yield Piece(text, None, n_tokens, *kept(ids, lps, keep))
+                yield Piece(text, None, n_tokens, *kept(ids, lps, keep)) if keep else Piece(text, None, n_tokens)
         elif kind == "done":
             tail = matcher.push(decoder.flush()) + matcher.flush()
-            yield Piece(tail, "stop" if value in ("stop", "abort") else value, n_tokens, [], b"")
+            yield Piece(tail, "stop" if value in ("stop", "abort") else value, n_tokens)
             return
         else:
             raise RuntimeError(value)
@@ -374,7 +373,8 @@ async def sse(s: Served, jobs: list[Job], ask: Ask):
                 text, prefix = ask.prompt_text + text, (echo_pairs(ask, jobs[i]) if out[i].k is not None else None)
             started[i], counts[i] = True, piece.n_tokens
             if text or piece.finish or piece.ids or prefix:
-                yield event(text, piece.finish, i, logprobs=out[i](piece.ids, piece.packed, prefix))
+                yield event(text, piece.finish, i,
+                            logprobs=None if out[i].k is None else out[i](piece.ids, piece.packed, prefix))
         if ask.opts["include_usage"]:
             usage = usage_body(len(ask.prompt_ids), sum(counts), cached_tokens(jobs))
             yield sse_event(usage_chunk(ask.rid, s.model_name, ask.chat, usage))
@@ -403,8 +403,9 @@ async def whole(s: Served, jobs: list[Job], ask: Ask):
             texts[i] += piece.text
             finishes[i] = piece.finish or finishes[i]
             counts[i] = piece.n_tokens
-            ids[i].extend(piece.ids)
-            packed[i].append(piece.packed)
+            if piece.ids:
+                ids[i].extend(piece.ids)
+                packed[i].append(piece.packed)
     except RuntimeError as e:
         return error(500, str(e), "server_error")
     except asyncio.CancelledError:
