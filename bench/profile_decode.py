@@ -96,6 +96,10 @@ def main(argv=None):
                    help="device time per phase of the round (named scopes); default: on with --spec")
     p.add_argument("--sampling", default=None, metavar="JSON",
                    help='more SamplingParams fields for every request, e.g. {"logprobs": 5}')
+    p.add_argument("--linear-rule", default=None, help="jeagle/kernels/linear.py RULES name (tile choice A/B)")
+    p.add_argument("--dump", default=None, metavar="DIR",
+                   help="write every device op of one traced step (name, count, us per step) and the optimized "
+                        "HLO of the decode executables there, to read what each fusion computes")
     args = p.parse_args(argv)
     phases = bool(args.spec) if args.phases is None else args.phases
     extra = json.loads(args.sampling) if args.sampling else {}
@@ -107,6 +111,11 @@ def main(argv=None):
     from jeagle.kernels.settings import KernelSettings
     from jeagle.models.llama import random_model
     from jeagle.sampling import SamplingParams
+
+    if args.linear_rule:
+        from jeagle.kernels import linear as _linear
+
+        _linear.RULE = args.linear_rule
 
     cfg = ModelConfig(**SHAPES[args.shape])
     model = random_model(cfg)
@@ -169,7 +178,8 @@ def main(argv=None):
             raise RuntimeError(f"batch {batch}: a request finished while measured (max_new {max_new})")
         accepted = list(getattr(dec, "accept_lengths", ()))[acc0:]  # request-rounds of both windows
         # The optimized HLO of what ran: the warm-up plan's decode executables, all in memory by now.
-        hlo = [engine.executables.get(k).as_text() for k in plan if "prefill" not in k.label] if phases else []
+        want_hlo = phases or args.dump
+        hlo = [engine.executables.get(k).as_text() for k in plan if "prefill" not in k.label] if want_hlo else []
         for r in reqs:
             engine.abort(r)
         while engine.has_work:
@@ -199,6 +209,17 @@ def main(argv=None):
             row["unattributed_top"] = [(name, c / n, round(t / n, 1), {k: str(v)[:160] for k, v in a.items()})
                                        for name, c, t, a in lost]
         out["rows"].append(row)
+        if args.dump:
+            import os
+
+            os.makedirs(args.dump, exist_ok=True)
+            stem = f"{args.shape}_{'spec' if args.spec else 'target'}_b{batch}"
+            with open(os.path.join(args.dump, stem + "_ops.json"), "w") as f:
+                json.dump(sorted(([name, c / n, t / n] for name, (c, t) in by_name.items()), key=lambda x: -x[2]), f,
+                          indent=0)
+            for i, text in enumerate(hlo):
+                with open(os.path.join(args.dump, f"{stem}_hlo{i}.txt"), "w") as f:
+                    f.write(text)
         scope = "decode executables only" if prefill_excluded else "prefill included"
         print(f"\nbatch {batch}: wall {row['wall_ms_per_step']:.3f} ms/{unit} (untraced, steady state), device busy "
               f"{row['device_busy_ms_per_step']:.3f} ms/{unit}; traced run (tracing slows the host): wall "

@@ -193,7 +193,7 @@ def shard_pools(k_pool, v_pool, mesh: Mesh):
     return jax.device_put(k_pool, s), jax.device_put(v_pool, s)
 
 
-def _context_tp() -> int:
+def context_tp() -> int:
     """The `tp` size of the mesh being traced under (1 without one)."""
     mesh = jax.sharding.get_abstract_mesh()
     return 1 if mesh.empty or TP not in mesh.axis_names else mesh.shape[TP]
@@ -206,7 +206,7 @@ def whole_vocab(x):
     iteration per vocabulary entry of a shard (64,128 for Llama-3 at tp 2: 1.58 s to the first token
     at batch 16 against 0.10 s at tp 1, 2 x H200, bench/HISTORY.md session 9). Gathering [B, V] is
     cheap next to that; each device then samples the whole rows."""
-    if _context_tp() == 1:
+    if context_tp() == 1:
         return x
     return jax.lax.with_sharding_constraint(x, P())
 
@@ -217,7 +217,7 @@ def embed_rows(embed, tokens, vocab_split: bool):
     all-reduce sums them. Left to the partitioner, a decode step at batch 1 all-gathered the whole
     table instead (1.05 GB per step for Llama-3 8B: 1.9 ms of a 6.5 ms step on 2 x H200,
     bench/HISTORY.md session 9)."""
-    tp = _context_tp()
+    tp = context_tp()
     if not vocab_split or tp == 1 or embed.shape[0] % tp:
         return embed[tokens]
 
@@ -236,7 +236,7 @@ def over_kv_heads(fn, q, k_pool, v_pool, *rest):
     replicated bookkeeping) per tensor-parallel shard of the heads, when traced under a mesh with a
     `tp` axis > 1 that divides the KV heads; otherwise as is. Query head h reads KV head h // (Hq/Hkv),
     so splitting both head axes into `tp` contiguous blocks keeps every shard's groups whole."""
-    tp = _context_tp()
+    tp = context_tp()
     if tp == 1 or k_pool.shape[2] % tp or q.shape[2] % tp:
         return fn(q, k_pool, v_pool, *rest)
     heads = P(None, None, TP, None)

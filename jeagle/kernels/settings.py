@@ -10,11 +10,12 @@ trace depends only on values that are part of the executable's key:
 Outside any `use`, `current()` is `KernelSettings()`: the platform's default backend, the `auto` split,
 no options — whatever the environment says.
 
-The five environment variables `from_env` reads (and nothing else in jeagle does):
+The six environment variables `from_env` reads (and nothing else in jeagle does):
 
     JEAGLE_KERNELS                  pallas | interpret | reference  (unset: pallas on a GPU, else reference)
     JEAGLE_PAGED_ATTENTION_SPLITS   auto (or unset) | 1 (no split) | a count >= 1
     JEAGLE_PREFILL_ATTENTION        paged (or unset) | gathered
+    JEAGLE_LINEAR                   0: the layers' matmuls through XLA's dot, never the `linear` kernel
     JEAGLE_TRITON_GEMM              1: keep XLA's own Triton GEMM fusions in the speculative executables
     JEAGLE_XLA_OPTIONS              a JSON object of XLA option names to values, for every executable
 """
@@ -37,6 +38,7 @@ SPLITS_ENV = "JEAGLE_PAGED_ATTENTION_SPLITS"
 TRITON_GEMM_ENV = "JEAGLE_TRITON_GEMM"
 PREFILL_ATTENTION_ENV = "JEAGLE_PREFILL_ATTENTION"
 PREFILL_ATTENTION = ("paged", "gathered")
+LINEAR_ENV = "JEAGLE_LINEAR"
 XLA_OPTIONS_ENV = "JEAGLE_XLA_OPTIONS"
 
 
@@ -58,6 +60,9 @@ class KernelSettings:
     # `attention_sublayer`): "paged" (its causal form over the pool, reading each row's own length) or
     # "gathered" (the prefix gathered to a dense copy, then jnp attention: XLA's GEMMs and softmax).
     prefill_attention: str = "paged"
+    # The decoder layers' matmuls of few rows (decode steps, rounds, draft steps) through the skinny-matmul
+    # kernel (jeagle/kernels/linear.py), which reads the stacked weights in place; False: XLA's dot.
+    linear: bool = True
 
     def __post_init__(self):
         if self.backend is not None and self.backend not in BACKENDS:
@@ -71,6 +76,8 @@ class KernelSettings:
             raise ValueError(f"deterministic must be a bool, got {self.deterministic!r}")
         if self.prefill_attention not in PREFILL_ATTENTION:
             raise ValueError(f"prefill_attention={self.prefill_attention!r}; expected one of {PREFILL_ATTENTION}")
+        if not isinstance(self.linear, bool):
+            raise ValueError(f"linear must be a bool, got {self.linear!r}")
         if not isinstance(self.triton_gemm, bool):
             raise ValueError(f"triton_gemm must be a bool, got {self.triton_gemm!r}")
         if isinstance(self.xla_options, Mapping):  # a dict is accepted and stored as sorted pairs
@@ -102,7 +109,19 @@ class KernelSettings:
             raise ValueError(f"{PREFILL_ATTENTION_ENV}={prefill!r}; expected one of {PREFILL_ATTENTION}")
         return cls(backend=backend, paged_attention_splits=_splits_from_env(environ.get(SPLITS_ENV)),
                    triton_gemm=environ.get(TRITON_GEMM_ENV) == "1", prefill_attention=prefill,
+                   linear=_flag_from_env(LINEAR_ENV, environ.get(LINEAR_ENV), default=True),
                    xla_options=_xla_options_from_env(environ.get(XLA_OPTIONS_ENV)))
+
+
+def _flag_from_env(name: str, text: str | None, *, default: bool) -> bool:
+    choice = (text or "").strip().lower()
+    if not choice:
+        return default
+    if choice in ("1", "true", "on"):
+        return True
+    if choice in ("0", "false", "off"):
+        return False
+    raise ValueError(f"{name}={text!r}: expected 1 or 0")
 
 
 def _splits_from_env(text: str | None) -> str | int | None:

@@ -6,6 +6,8 @@ statistics, RoPE angles, attention scores and softmax are fp32, as in Hugging Fa
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import jax
@@ -13,9 +15,41 @@ import jax.numpy as jnp
 import numpy as np
 
 from jeagle.config import RopeScaling, rope_inv_freq
+from jeagle.kernels.linear import linear, linear_serves
 from jeagle.kernels.paged_attention import dense_attention, kernel_serves, paged_attention
 from jeagle.kernels.settings import current
-from jeagle.sharding import over_kv_heads
+from jeagle.sharding import context_tp, over_kv_heads
+
+
+class LayerWeights(Mapping):
+    """One layer's view of weights stacked over layers ([L, ...] arrays, some None): `wi[name]` is that
+    layer's slice (taken lazily, where used), and `project` multiplies by a stacked matrix in place
+    (the `linear` kernel reads layer `layer` of the stack, so the loop copies no weight slice)."""
+
+    def __init__(self, stacked: Mapping, layer):
+        self.stacked, self.layer = stacked, layer
+
+    def __getitem__(self, name):
+        a = self.stacked[name]
+        return None if a is None else a[self.layer]
+
+    def __iter__(self):
+        return iter(self.stacked)
+
+    def __len__(self):
+        return len(self.stacked)
+
+
+def project(x: jax.Array, wi: Mapping, name: str) -> jax.Array:
+    """x [..., K] @ wi[name] [K, N]. Through the skinny-matmul kernel (jeagle/kernels/linear.py) when
+    `wi` is a `LayerWeights`, the rows are few enough (decode steps, rounds, draft steps), the
+    settings allow it and no tensor-parallel mesh splits the weight; else XLA's dot."""
+    if isinstance(wi, LayerWeights) and current().linear and context_tp() == 1:
+        w = wi.stacked[name]
+        m, k, n = math.prod(x.shape[:-1]), x.shape[-1], w.shape[-1]
+        if linear_serves(m, k, n):
+            return linear(x.reshape(m, k), w, wi.layer).reshape(*x.shape[:-1], n)
+    return x @ wi[name]
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
@@ -104,7 +138,7 @@ def qkv_rope(x, wi: dict, cos, sin, cfg, groups: int = 1):
     s = 0..groups-1 (jeagle/sharding.py), so a contiguous split of the columns gives every shard its
     own heads and the split below stays local to each shard."""
     b, t, _ = x.shape
-    qkv = x @ wi["wqkv"]
+    qkv = project(x, wi, "wqkv")
     if wi.get("bqkv") is not None:
         qkv = qkv + wi["bqkv"]
     qs, ks = cfg.q_size // groups, cfg.kv_size // groups
@@ -121,7 +155,7 @@ def qkv_rope(x, wi: dict, cos, sin, cfg, groups: int = 1):
 def attention_output(o, wi: dict, cfg):
     """The output projection of attention values o [B,T,Hq,D] → [B,T,H]."""
     b, t = o.shape[:2]
-    o = o.reshape(b, t, cfg.q_size) @ wi["wo"]
+    o = project(o.reshape(b, t, cfg.q_size), wi, "wo")
     if wi.get("bo") is not None:
         o = o + wi["bo"]
     return o
@@ -164,11 +198,11 @@ def attention_sublayer(x, wi: dict, layer, k_pool, v_pool, cos, sin, attn: AttnI
 def mlp_sublayer(x, wi: dict, groups: int = 1):
     """SwiGLU on a normalised input: down(silu(gate) * up) with gate|up fused in w_gate_up (laid out
     [gate_s | up_s] per tensor-parallel shard when groups > 1)."""
-    gu = x @ wi["w_gate_up"]
+    gu = project(x, wi, "w_gate_up")
     g = gu.reshape(*gu.shape[:-1], groups, 2, gu.shape[-1] // (2 * groups))
     gate = g[..., 0, :].reshape(*gu.shape[:-1], -1)
     up = g[..., 1, :].reshape(*gu.shape[:-1], -1)
-    return (jax.nn.silu(gate) * up) @ wi["w_down"]
+    return project(jax.nn.silu(gate) * up, wi, "w_down")
 
 
 def abstract_module(cls, cfg):

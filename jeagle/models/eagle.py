@@ -29,8 +29,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jeagle.config import DraftConfig
-from jeagle.models.common import (AttnInputs, abstract_module, attention_sublayer, mlp_sublayer, random_module,
-                                   rms_norm, rope_cos_sin)
+from jeagle.models.common import (AttnInputs, LayerWeights, abstract_module, attention_sublayer, mlp_sublayer,
+                                   random_module, rms_norm, rope_cos_sin)
 from jeagle.sharding import embed_rows
 
 
@@ -114,8 +114,9 @@ class EagleHead(nnx.Module):
         else:
             h = fc(feature) if feature.shape[-1] != cfg.hidden_size else feature
 
+        stacked = {name: (getattr(self, name)[...] if getattr(self, name) is not None else None) for name in LAYER_PARAMS}
         for j in range(cfg.num_layers):
-            wi = {name: (getattr(self, name)[j] if getattr(self, name) is not None else None) for name in LAYER_PARAMS}
+            wi = LayerWeights(stacked, j)
             if cfg.kind == "eagle3":
                 x = jnp.concatenate([rms_norm(e, self.input_norm[...], eps), rms_norm(h, self.hidden_norm[...], eps)], -1)
             else:

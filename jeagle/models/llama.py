@@ -29,8 +29,8 @@ from flax import nnx
 from jeagle.config import ModelConfig
 from jeagle.kernels.settings import current
 from jeagle.models import deterministic
-from jeagle.models.common import (AttnInputs, abstract_module, attention_sublayer, mlp_sublayer, random_module,
-                                   rms_norm, rope_cos_sin, run_layers_with_aux)
+from jeagle.models.common import (AttnInputs, LayerWeights, abstract_module, attention_sublayer, mlp_sublayer,
+                                   random_module, rms_norm, rope_cos_sin, run_layers_with_aux)
 from jeagle.sharding import embed_rows
 
 # The per-layer weights, in the order a layer uses them.
@@ -86,7 +86,7 @@ class Llama(nnx.Module):
     def _layer(self, i, h, k_pool, v_pool, w, cos, sin, attn: AttnInputs):
         """One decoder layer. `i` is a Python int (unrolled) or a traced index (loop)."""
         cfg = self.cfg
-        wi = {name: (a[i] if a is not None else None) for name, a in w.items()}
+        wi = LayerWeights(w, i)
         o, k_pool, v_pool = attention_sublayer(rms_norm(h, wi["attn_norm"], cfg.rms_norm_eps), wi, i, k_pool,
                                                v_pool, cos, sin, attn, cfg, self.tp_groups)
         h = h + o

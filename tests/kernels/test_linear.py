@@ -1,0 +1,115 @@
+"""The skinny-matmul kernel (jeagle/kernels/linear.py): interpreted on CPU and compiled with -m gpu,
+against `x @ w[layer]` on random inputs. Cases: one row (a batch-1 decode step), a few rows (a tree
+verify, draft steps) and the most rows the kernel takes; stacked [L, K, N] weights read at a traced
+layer and plain [K, N] ones; K splits merged after the kernel (few column blocks) and none; layer
+loops through the models (`project`), with the switch off giving XLA's dot."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jeagle.kernels.linear import MAX_ROWS, linear, linear_reference, linear_serves, linear_tiles
+from jeagle.kernels.settings import KernelSettings, use
+from tests.kernels.lowering import lower_for_h100
+
+# (m, k, n): SmolLM2's q|k|v, output, gate|up and down projections, then small and odd-sized ones.
+SHAPES = [(1, 576, 960), (8, 576, 576), (3, 576, 3072), (16, 1536, 576), (MAX_ROWS, 64, 48), (5, 32, 16)]
+
+
+def operands(m, k, n, seed, dtype=jnp.float32, layers=3):
+    rng = np.random.default_rng(seed)
+    x = jnp.asarray(rng.normal(size=(m, k)), dtype)
+    w = jnp.asarray(rng.normal(size=(layers, k, n)) / np.sqrt(k), dtype)
+    return x, w
+
+
+def check(mode, m, k, n, seed, dtype=jnp.float32, tol=2e-5):
+    x, w = operands(m, k, n, seed, dtype)
+    layer = jnp.int32(seed % w.shape[0])
+    with use(KernelSettings(backend=mode)):
+        assert linear_serves(m, k, n)
+        got = jax.jit(lambda *a: linear(*a))(x, w, layer)
+        flat = jax.jit(lambda *a: linear(*a))(x, w[1])
+    assert got.shape == (m, n) and got.dtype == dtype
+    want = linear_reference(x, w, layer)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), rtol=tol, atol=tol)
+    np.testing.assert_allclose(np.asarray(flat, np.float32), np.asarray(linear_reference(x, w[1]), np.float32),
+                               rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("m,k,n", SHAPES)
+def test_interpreted_kernel_matches_reference(m, k, n):
+    check("interpret", m, k, n, seed=m + k + n)
+
+
+@pytest.mark.parametrize("rule", ["vec32", "dot16"])
+def test_other_tile_rules_match_reference(monkeypatch, rule):
+    import jeagle.kernels.linear as lin
+
+    monkeypatch.setattr(lin, "RULE", rule)
+    for m, k, n in [(1, 576, 960), (3, 1536, 576)]:
+        check("interpret", m, k, n, seed=m + n)
+
+
+def test_tiles():
+    mp, bk, bn, splits = linear_tiles(1, 576, 960)
+    assert (mp, bk) == (16, 64) and 960 % bn == 0 and splits >= 2  # few column blocks: K is split too
+    assert linear_tiles(1, 576, 960, "vec32")[0] == 1  # the vector form: one row, no padding
+    assert linear_tiles(48, 576, 960)[0] == 64
+    assert linear_tiles(MAX_ROWS + 1, 576, 960) is None  # prefills: XLA's GEMMs
+    assert linear_tiles(1, 40, 960) is None and linear_tiles(1, 576, 40) is None  # Triton's 16-wide dot
+    with use(KernelSettings(backend="reference")):
+        assert not linear_serves(1, 576, 960)
+
+
+def test_refuses_mismatched_operands():
+    x, w = operands(2, 32, 16, 0)
+    with pytest.raises(ValueError, match="same K"):
+        linear(x[:, :16], w)
+    with pytest.raises(ValueError, match="needs its layer"):
+        linear(x, w)
+    with pytest.raises(ValueError, match="needs its layer"):
+        linear(x, w[0], 0)
+
+
+def test_models_route_through_the_kernel_and_its_switch(monkeypatch):
+    """A target's decode-sized forward runs its four matmuls a layer through the `linear` kernel, and
+    the settings' switch (JEAGLE_LINEAR=0) takes them out; the logits agree."""
+    import jeagle.models.common as common
+    from jeagle.models.common import AttnInputs
+    from tests.spec_models import bigram_target, target_config
+
+    calls = []
+    monkeypatch.setattr(common, "linear", lambda *a: calls.append(a[1].shape) or linear(*a))
+    model = bigram_target(target_config())
+    cfg = model.cfg
+    pool = jnp.zeros((cfg.num_layers, 40, cfg.num_kv_heads, cfg.head_dim), jnp.float32)
+    attn = AttnInputs(positions=jnp.asarray([[3]], jnp.int32), write_slots=jnp.asarray([[4]], jnp.int32),
+                      kv_slots=jnp.asarray([[1, 2, 3, 4]], jnp.int32), kv_len=jnp.asarray([4], jnp.int32),
+                      extra_slots=jnp.asarray([[4]], jnp.int32), extra_mask=jnp.ones((1, 1, 1), bool))
+    tokens = jnp.asarray([[7]], jnp.int32)
+    out = {}
+    for on in (True, False):
+        calls.clear()
+        with use(KernelSettings(backend="interpret", linear=on)):
+            out[on] = np.asarray(jax.jit(lambda t, a, k, v: model(t, a, k, v).logits)(tokens, attn, pool, pool))
+        # A layer loop traces its body once: four matmuls, each reading the whole [L, K, N] stack.
+        assert len(calls) == (4 if on else 0) and all(len(s) == 3 and s[0] == cfg.num_layers for s in calls)
+    np.testing.assert_allclose(out[True], out[False], rtol=2e-5, atol=2e-5)
+
+
+def test_lowers_for_h100():
+    with use(KernelSettings(backend="pallas")):
+        for m, k, n in [(1, 576, 960), (8, 576, 576), (48, 1536, 576)]:
+            x, w = operands(m, k, n, 0, jnp.bfloat16)
+            lower_for_h100(lambda *a: linear(*a), x, w, jnp.int32(1))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n", SHAPES)
+def test_compiled_kernel_matches_reference(m, k, n):
+    check("pallas", m, k, n, seed=m + n, dtype=jnp.float32, tol=2e-2)  # TF32 dots in the kernel and in XLA
+    check("pallas", m, k, n, seed=m + n + 1, dtype=jnp.bfloat16, tol=3e-2)
