@@ -11,7 +11,7 @@
 #   carry .stage3 + .whl: `bash bench/gpu_session.sh run STEPS...` (later calls: carry .whl only).
 # startup (issue 27: first and second start of the README command) needs the staged GGUF like bench;
 # so does ttft (issue 25: a prefix-cache hit's time to first token by host phase, with a trace).
-# masks needs the staged GGUF (its tokenizer). Random-weight steps (trainstep, tp, profile, phases, kerneltests, kernelbench, kernelround, specbench, overhead, warmup, cmdbuf, adaptive, autotune) need no staging: `bash bench/gpu_session.sh run kerneltests kernelbench kernelround`.
+# masks needs the staged GGUF (its tokenizer); so does linearab (decode A/B of JEAGLE_LINEAR=0|1). Random-weight steps (trainstep, tp, profile, phases, kerneltests, kernelbench, kernelround, specbench, overhead, warmup, cmdbuf, adaptive, autotune) need no staging: `bash bench/gpu_session.sh run kerneltests kernelbench kernelround`.
 set -uo pipefail
 mode="${1:-run}"
 stage_in() {  # whatever staged parts this call carries -> $HOME/stage; unpack the data archives once
@@ -234,6 +234,14 @@ if [[ "$steps" == *" ab "* ]]; then  # issue 9: batch-1 engine settings, A/B in 
   for cfg in ${AB_CONFIGS:-'{}' '{"compile_workers":1}' '{"verify_done_wait":"dataflow"}' '{"unroll_layers":true}' \
       '{"unroll_layers":true,"verify_done_wait":"dataflow"}'}; do
     decode_variant decode_ab "engine config $cfg" --batch-sizes "${AB_BATCHES:-1}" --engine-config "$cfg"
+  done
+fi
+if [[ "$steps" == *" linearab "* ]]; then  # issue 22: the layers' matmuls through the linear kernel vs XLA's dot
+  for round in ${LINEAR_ROUNDS:-1 2}; do
+    for on in ${LINEAR_CHOICES:-0 1}; do
+      JEAGLE_LINEAR=$on decode_variant decode_linear "JEAGLE_LINEAR=$on (round $round)" \
+        --batch-sizes "${LINEAR_BATCHES:-1,16,48}" ${LINEAR_ARGS:-}
+    done
   done
 fi
 if [[ "$steps" == *" splitab "* ]]; then  # paged attention with split prefixes: compiled check, then decode A/B
