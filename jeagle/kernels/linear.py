@@ -33,7 +33,8 @@ from jeagle.kernels.backend import backend
 
 __all__ = ["linear", "linear_reference", "linear_serves", "linear_tiles", "MAX_ROWS"]
 
-MAX_ROWS = 64  # rows (M) up to which `linear_serves`: beyond, XLA's GEMMs do well (prefills)
+MAX_ROWS = 64  # rows (M) up to which `linear_serves`: beyond, XLA's GEMMs (prefills)
+ROW_TILE = 64  # rows per program; more rows (MAX_ROWS raised) take a grid axis of row tiles
 TARGET_PROGRAMS = 132  # aim for about one program per SM of an H100 (column blocks x K splits)
 
 
@@ -80,12 +81,14 @@ def linear_tiles(m: int, k: int, n: int, rule: str | None = None) -> tuple[int, 
         return None
     mp = 1 if vec else max(16, pl.next_power_of_2(m))
     bn = _largest_pow2_divisor(n, 16, bn_pref)
-    splits = max(1, min(k // bk, most, target // (n // bn)))
+    row_tiles = max(1, mp // ROW_TILE)
+    splits = max(1, min(k // bk, most, target // (n // bn * row_tiles)))
     return mp, bk, bn, splits
 
 
-def _kernel(layer_ref, x_ref, w_ref, o_ref, *, bk, bn, blocks, splits, vector):
+def _kernel(layer_ref, x_ref, w_ref, o_ref, *, bk, bn, blocks, splits, vector, mt):
     j = pl.program_id(0)
+    r0 = pl.multiple_of(pl.program_id(2 if splits > 1 else 1) * mt, mt) if x_ref.shape[0] > mt else 0
     layer = layer_ref[0]
     col = pl.multiple_of(j * bn, bn)
     if splits == 1:
@@ -101,11 +104,10 @@ def _kernel(layer_ref, x_ref, w_ref, o_ref, *, bk, bn, blocks, splits, vector):
         if vector:  # one row: products summed over K (a 16-row dot would be 15/16 padding)
             xb = x_ref[0, pl.ds(k0, bk)]  # [BK]
             return acc + jnp.sum(xb.astype(jnp.float32)[:, None] * wb.astype(jnp.float32), axis=0)[None, :]
-        xb = x_ref[:, pl.ds(k0, bk)]  # [Mp, BK]
+        xb = x_ref[pl.ds(r0, mt), pl.ds(k0, bk)]  # [MT, BK]: this program's rows
         return acc + jax.lax.dot_general(xb, wb, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
-    mp = x_ref.shape[0]
-    zero = jnp.zeros((mp, bn), jnp.float32) + (layer * 0).astype(jnp.float32)  # a typed loop carry
+    zero = jnp.zeros((mt, bn), jnp.float32) + (layer * 0).astype(jnp.float32)  # a typed loop carry
     acc = jax.lax.fori_loop(first, last, body, zero)
     if splits == 1:
         o_ref[:, :] = acc.astype(o_ref.dtype)
@@ -120,14 +122,16 @@ def _pallas(x, w, layer, *, interpret, tiles=None):
     w3 = w if w.ndim == 3 else w[None]
     xp = jnp.pad(x, ((0, mp - m), (0, 0)))
     layer_arr = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
-    kernel = functools.partial(_kernel, bk=bk, bn=bn, blocks=k // bk, splits=splits, vector=mp == 1)
+    mt = min(mp, ROW_TILE)
+    kernel = functools.partial(_kernel, bk=bk, bn=bn, blocks=k // bk, splits=splits, vector=mp == 1, mt=mt)
+    row_axis = (mp // mt,) if mp > mt else ()
     if splits == 1:
-        grid = (n // bn,)
-        out_specs = pl.BlockSpec((mp, bn), lambda j: (0, j))
+        grid = (n // bn, *row_axis)
+        out_specs = pl.BlockSpec((mt, bn), lambda j, *r: (r[0] if r else 0, j))
         out_shape = jax.ShapeDtypeStruct((mp, n), x.dtype)
     else:
-        grid = (n // bn, splits)
-        out_specs = pl.BlockSpec((1, mp, bn), lambda j, s: (s, 0, j))
+        grid = (n // bn, splits, *row_axis)
+        out_specs = pl.BlockSpec((1, mt, bn), lambda j, s, *r: (s, r[0] if r else 0, j))
         out_shape = jax.ShapeDtypeStruct((splits, mp, n), jnp.float32)
     out = pl.pallas_call(
         kernel,

@@ -45,6 +45,15 @@ def test_interpreted_kernel_matches_reference(m, k, n):
     check("interpret", m, k, n, seed=m + k + n)
 
 
+def test_row_tiles_match_reference(monkeypatch):
+    """More rows than one program's tile (MAX_ROWS raised): a grid axis of row tiles, split and not."""
+    import jeagle.kernels.linear as lin
+
+    monkeypatch.setattr(lin, "MAX_ROWS", 512)
+    for m, k, n in [(130, 576, 960), (200, 64, 48), (432, 64, 3072)]:
+        check("interpret", m, k, n, seed=m + n)
+
+
 @pytest.mark.parametrize("rule", ["vec32", "dot16"])
 def test_other_tile_rules_match_reference(monkeypatch, rule):
     import jeagle.kernels.linear as lin
@@ -101,15 +110,21 @@ def test_models_route_through_the_kernel_and_its_switch(monkeypatch):
     np.testing.assert_allclose(out[True], out[False], rtol=2e-5, atol=2e-5)
 
 
-def test_lowers_for_h100():
+def test_lowers_for_h100(monkeypatch):
+    import jeagle.kernels.linear as lin
+
+    monkeypatch.setattr(lin, "MAX_ROWS", 512)  # row tiles too
     with use(KernelSettings(backend="pallas")):
-        for m, k, n in [(1, 576, 960), (8, 576, 576), (48, 1536, 576)]:
+        for m, k, n in [(1, 576, 960), (8, 576, 576), (48, 1536, 576), (432, 576, 960), (144, 1536, 576)]:
             x, w = operands(m, k, n, 0, jnp.bfloat16)
             lower_for_h100(lambda *a: linear(*a), x, w, jnp.int32(1))
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("m,k,n", SHAPES)
-def test_compiled_kernel_matches_reference(m, k, n):
+@pytest.mark.parametrize("m,k,n", SHAPES + [(144, 576, 960), (432, 1536, 576)])
+def test_compiled_kernel_matches_reference(m, k, n, monkeypatch):
+    import jeagle.kernels.linear as lin
+
+    monkeypatch.setattr(lin, "MAX_ROWS", 512)
     check("pallas", m, k, n, seed=m + n, dtype=jnp.float32, tol=2e-2)  # TF32 dots in the kernel and in XLA
     check("pallas", m, k, n, seed=m + n + 1, dtype=jnp.bfloat16, tol=3e-2)
