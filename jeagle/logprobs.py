@@ -132,6 +132,77 @@ def unpack(blocks: np.ndarray) -> list[TokenLogprob]:
     return [TokenLogprob(row) for row in blocks]
 
 
+class LogprobRows:
+    """One request's emitted tokens' packed blocks, as the int32 chunks [w, LOGPROB_COLUMNS] that
+    arrived (`append`, one per delivery): what the engine thread keeps per token is a slice, not a
+    TokenLogprob. `tokens()` builds the TokenLogprobs (views of one concatenated array) when a user
+    reads them (`Output.logprobs`); `tail_bytes(n)` is the last n blocks as bytes (a served token
+    event). Chunks are views of a decoder's host result or copies of it; nothing writes them."""
+    __slots__ = ("_chunks", "_n", "_list")
+
+    def __init__(self, blocks: np.ndarray | None = None):
+        self._chunks: list[np.ndarray] = []
+        self._n = 0
+        self._list: list[TokenLogprob] | None = None  # `tokens()`'s, while no block was appended since
+        if blocks is not None:
+            self.append(blocks)
+
+    @classmethod
+    def of(cls, lps) -> "LogprobRows":
+        """From TokenLogprobs (a list), packed blocks [w, LOGPROB_COLUMNS] or another LogprobRows."""
+        if isinstance(lps, LogprobRows):
+            return cls(lps.array())
+        return cls(stack(lps) if isinstance(lps, list) else lps)
+
+    def append(self, blocks) -> None:
+        """Blocks [w, LOGPROB_COLUMNS] int32 (a list of TokenLogprobs is stacked first)."""
+        if isinstance(blocks, list):
+            blocks = stack(blocks)
+        if len(blocks):
+            self._chunks.append(blocks)
+            self._n += len(blocks)
+            self._list = None
+
+    def __len__(self) -> int:
+        return self._n
+
+    def array(self) -> np.ndarray:
+        """All blocks [n, LOGPROB_COLUMNS] int32, contiguous (the chunks are joined into one, once)."""
+        if len(self._chunks) != 1 or not self._chunks[0].flags.c_contiguous:
+            joined = (np.ascontiguousarray(np.concatenate(self._chunks), np.int32) if self._chunks
+                      else np.zeros((0, LOGPROB_COLUMNS), np.int32))
+            self._chunks = [joined] if len(joined) else []
+            return joined
+        return self._chunks[0]
+
+    def tokens(self) -> list[TokenLogprob]:
+        """One TokenLogprob per block, in order (the same list while nothing is appended)."""
+        if self._list is None or len(self._list) != self._n:
+            self._list = unpack(self.array())
+        return self._list
+
+    def tail_bytes(self, n: int) -> bytes:
+        """The last n blocks as bytes (`to_bytes` of the last n TokenLogprobs)."""
+        if n <= 0:
+            return b""
+        chunks = self._chunks
+        if chunks and len(chunks[-1]) == n:  # the usual case: the last delivery's blocks
+            return chunks[-1].tobytes()
+        parts, need = [], n
+        for c in reversed(chunks):
+            parts.append(c[-need:].tobytes() if len(c) > need else c.tobytes())
+            need -= min(need, len(c))
+            if not need:
+                break
+        return b"".join(reversed(parts))
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, LogprobRows) and np.array_equal(self.array(), other.array())
+
+    def __repr__(self) -> str:
+        return f"LogprobRows({self._n} tokens)"
+
+
 def to_bytes(lps: list[TokenLogprob]) -> bytes:
     """TokenLogprobs → their packed blocks as bytes (`from_bytes`'s inverse): what a served token event
     carries (~0.1 µs a token; it pickles as one copy, and `jeagle.serve.protocol` reads the numbers

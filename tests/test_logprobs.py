@@ -143,3 +143,36 @@ def test_blocked_top_k_equals_top_k():
         want, got = jax.lax.top_k(x, LOGPROB_TOP), jax.jit(top_k_blocked, static_argnums=1)(x, LOGPROB_TOP)
         np.testing.assert_array_equal(np.asarray(got[0]), np.asarray(want[0]))
         np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[1]))
+
+
+def test_requests_keep_packed_rows():
+    """A request keeps its tokens' packed blocks as the chunks that arrived (no TokenLogprob per token
+    on the engine thread): `Output.logprobs` reads them as TokenLogprobs with the blocks' values, a
+    stop token drops the blocks of the tokens after it, a served event's bytes are the last tokens'
+    blocks, and TokenLogprob lists still go in (`Output(logprobs=...)`, `take`)."""
+    from jeagle.logprobs import LOGPROB_COLUMNS, LogprobRows, from_bytes, to_bytes, unpack
+    from jeagle.runtime.requests import Output, Request
+
+    rng = np.random.default_rng(0)
+    blocks = rng.integers(-2**31, 2**31 - 1, (9, LOGPROB_COLUMNS)).astype(np.int32)
+    r = Request(index=0, prompt=[1], params=SamplingParams(logprobs=3), eos=frozenset({7}), max_new=100,
+                out=Output(prompt_ids=[1], logprobs=[]))
+    assert r.out.logprobs == [] and len(r.out.logprob_rows) == 0 and r.out.logprob_rows.tail_bytes(2) == b""
+    assert r.take(np.array([4, 5]), 0.0, blocks[:2]) == [4, 5]
+    assert r.out.logprob_rows.tail_bytes(2) == blocks[:2].tobytes()
+    assert r.take([6], 0.0, unpack(blocks[2:3])) == [6]  # a list of TokenLogprobs
+    assert r.take(np.array([3, 7, 9]), 0.0, blocks[3:6]) == [3, 7]  # the stop token ends it: 9 is dropped
+    assert r.out.token_ids == [4, 5, 6, 3, 7] and r.done
+    assert r.out.logprob_rows.tail_bytes(4) == blocks[1:5].tobytes()  # across chunks
+    lps = r.out.logprobs
+    assert len(lps) == 5 and r.out.logprobs is lps  # built once while nothing arrives
+    assert to_bytes(lps) == blocks[:5].tobytes()
+    for lp, want in zip(lps, from_bytes(blocks[:5].tobytes())):  # the same numbers, bit for bit
+        assert lp.top_ids.tolist() == want.top_ids.tolist()
+        assert np.array_equal([lp.logprob], [want.logprob], equal_nan=True)
+        assert lp.top_logprobs.tobytes() == want.top_logprobs.tobytes()
+    assert Output(prompt_ids=[1], logprobs=lps).logprob_rows == LogprobRows(blocks[:5])
+    assert Output(prompt_ids=[1]).logprobs is None
+    with pytest.raises(AssertionError, match="without them"):
+        Request(index=1, prompt=[1], params=SamplingParams(logprobs=0), eos=frozenset(), max_new=5,
+                out=Output(prompt_ids=[1], logprobs=[])).take([4], 0.0, None)

@@ -11,7 +11,7 @@ device state, the step functions and their executables. The scheduler calls:
     prefix_needed(r)            the longest prefix r's next step can attend over (picks the kv bucket)
     step(reqs, b, kv)           dispatch one decode step / round: device result
     unpack(kind, reqs, host)    each request's `Delivery` (new tokens, finished on the device, their
-                                TokenLogprobs, a prefill's prompt logprobs) from a host result; a batch
+                                packed logprob blocks, a prefill's prompt logprobs) from a host result; a batch
                                 where any request asks for logprobs (`wants_logprobs`, `wants_prompt_logprobs`)
                                 runs the executables that compute them
     verify_handle(result)       what the verify_done wait waits on after a step (None: nothing)
@@ -42,7 +42,7 @@ class Delivery(NamedTuple):
     """What one dispatch's result holds for one request."""
     tokens: np.ndarray  # new token ids
     finished: bool  # the device finished the request (speculative rounds)
-    logprobs: list | None = None  # one TokenLogprob per token, when the request asked for logprobs
+    logprobs: np.ndarray | None = None  # packed blocks [n, LOGPROB_COLUMNS], one per token, when the request asked
     prompt_logprobs: list | None = None  # a prefill's: one per prompt token after the first, when asked
 
 

@@ -8,6 +8,7 @@ from typing import Callable
 
 import numpy as np
 
+from jeagle.logprobs import LogprobRows
 from jeagle.penalties import MAX_STOP
 from jeagle.runtime.slots import OutOfSlots
 from jeagle.sampling import SamplingParams
@@ -17,16 +18,37 @@ class PromptTooLong(ValueError):
     """A prompt that does not fit the context window."""
 
 
-@dataclass
+@dataclass(init=False)
 class Output:
     prompt_ids: list[int]
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
-    time_to_first_token_s: float | None = None
-    # With SamplingParams.logprobs set: one TokenLogprob per token of token_ids (jeagle/logprobs.py).
-    logprobs: list | None = None
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" | "length" | "abort"
+    time_to_first_token_s: float | None
+    # With SamplingParams.logprobs set: one packed block per token of token_ids, kept as the chunks
+    # that arrived (jeagle/logprobs.py LogprobRows); `logprobs` reads them as TokenLogprobs.
+    logprob_rows: LogprobRows | None
     # With SamplingParams.prompt_logprobs: None for the first prompt token, then one TokenLogprob each.
-    prompt_logprobs: list | None = None
+    prompt_logprobs: list | None
+
+    def __init__(self, prompt_ids: list[int], token_ids: list[int] | None = None, finish_reason: str | None = None,
+                 time_to_first_token_s: float | None = None, logprobs: list | None = None,
+                 prompt_logprobs: list | None = None, logprob_rows: LogprobRows | None = None):
+        self.prompt_ids = prompt_ids
+        self.token_ids = [] if token_ids is None else token_ids
+        self.finish_reason, self.time_to_first_token_s = finish_reason, time_to_first_token_s
+        self.logprob_rows = logprob_rows if logprobs is None else LogprobRows.of(logprobs)
+        self.prompt_logprobs = prompt_logprobs
+
+    @property
+    def logprobs(self) -> list | None:
+        """With SamplingParams.logprobs set: one TokenLogprob per token of token_ids (jeagle/logprobs.py),
+        built from the packed blocks when read (the same list until more tokens arrive); else None."""
+        rows = self.logprob_rows
+        return None if rows is None else rows.tokens()
+
+    @logprobs.setter
+    def logprobs(self, lps: list | None) -> None:
+        self.logprob_rows = None if lps is None else LogprobRows.of(lps)
 
 
 @dataclass
@@ -74,20 +96,17 @@ class Request:
 
     def take(self, tokens, compile_seconds: float, logprobs=None) -> list[int]:
         """Append the tokens that arrived for this request, up to its end (a stop token or max_new),
-        with their TokenLogprobs when the request asked for them (`logprobs`: one per token, or
-        None); returns the ones taken."""
+        with their logprobs when the request asked for them (`logprobs`: packed blocks [n,
+        LOGPROB_COLUMNS], one per token, or a list of TokenLogprobs; or None); returns the ones taken.
+        The taken tokens' blocks are kept as one chunk (`LogprobRows.append`: a slice, no per-token object)."""
         new = []
-        for i, tok in enumerate(tokens):
+        for tok in tokens:
             if self.done:
                 break
             tok = int(tok)
             self.out.token_ids.append(tok)
             if self.matcher is not None and not self.matcher.stopped:
                 self.matcher.consume(tok)
-            if self.out.logprobs is not None:
-                if logprobs is None:
-                    raise AssertionError(f"request {self.index} asked for logprobs; its tokens came without them")
-                self.out.logprobs.append(logprobs[i])
             new.append(tok)
             if self.out.time_to_first_token_s is None:
                 # Compilation (first use of a shape) is not part of serving latency.
@@ -97,6 +116,11 @@ class Request:
                 self.finish("stop")
             elif len(self.out.token_ids) >= self.max_new:
                 self.finish("length")
+        rows = self.out.logprob_rows
+        if rows is not None and new:
+            if logprobs is None:
+                raise AssertionError(f"request {self.index} asked for logprobs; its tokens came without them")
+            rows.append(logprobs if len(logprobs) == len(new) else logprobs[:len(new)])
         return new
 
 
@@ -141,4 +165,5 @@ def make_request(index: int, prompt: list[int], params: SamplingParams, limits: 
         raise ValueError(f"request {index}: min_tokens holds back at most {MAX_STOP} stop tokens, it has {len(eos)}")
     return Request(index=index, prompt=list(prompt), params=params, eos=eos, max_new=max_new,
                    position_cap=position_cap(n, max_new),
-                   out=Output(prompt_ids=list(prompt), logprobs=None if params.logprobs is None else []))
+                   out=Output(prompt_ids=list(prompt),
+                              logprob_rows=None if params.logprobs is None else LogprobRows()))

@@ -169,7 +169,7 @@ class TargetDecoder(SlotTables, GrammarMasks):
         if kind == "prefill":
             host, prompt = split_prompt_logprobs(host, reqs, width * (1 + logprobs.LOGPROB_COLUMNS))
         tokens, blocks = logprobs.split(host, width)
-        return [Delivery(t, False, logprobs.unpack(blk) if r.params.logprobs is not None else None, p)
+        return [Delivery(t, False, blk if r.params.logprobs is not None else None, p)  # blk: a view [W, C]
                 for r, t, blk, p in zip(reqs, tokens, blocks, prompt)]
 
     # ---- stats -----------------------------------------------------------------------------------

@@ -7,9 +7,10 @@ jeagle.serve` does), so the handlers' host work never takes the engine's GIL.
 A job's events, in order: ("accepted", None) or ("rejected", (message, status)); then ("tokens",
 (ids, their logprobs or None, facts or None)) as steps emit them, the first carrying the request's
 facts ({"cached_tokens", "prompt_logprobs"}); then ("done", finish_reason) or ("error", message).
-A tokens event's logprobs are the tokens' packed blocks as one bytes object (`logprobs.to_bytes`):
-it crosses to the engine process's parent as one copy, and the handler reads every number of a
-piece with a few C calls instead of one TokenLogprob and a few numpy calls per token.
+A tokens event's logprobs are the tokens' packed blocks as one bytes object (the chunk the request
+keeps them in, `jeagle.logprobs.LogprobRows.tail_bytes`: no TokenLogprob is made on this thread): it
+crosses to the engine process's parent as one copy, and the handler reads every number of a piece
+with a few C calls instead of one TokenLogprob and a few numpy calls per token.
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from jeagle import logprobs
 from jeagle.runtime.requests import PromptTooLong
 from jeagle.runtime.slots import OutOfSlots
 from jeagle.sampling import SamplingParams
@@ -124,8 +124,8 @@ class EngineLoop(threading.Thread):
         r, facts = job.request, None
         if not job.told:
             job.told, facts = True, {"cached_tokens": r.cached_tokens, "prompt_logprobs": r.out.prompt_logprobs}
-        lps = r.out.logprobs
-        self._out.append((job, ("tokens", (ids, None if lps is None else logprobs.to_bytes(lps[-len(ids):]), facts))))
+        rows = r.out.logprob_rows  # the packed blocks as they arrived: the last len(ids) are these tokens'
+        self._out.append((job, ("tokens", (ids, None if rows is None else rows.tail_bytes(len(ids)), facts))))
 
     def _apply(self, cmd, job) -> None:
         eng = self.engine

@@ -329,8 +329,8 @@ class SpecDecoder(SlotTables, GrammarMasks):
 
     def unpack(self, kind: str, reqs, host: np.ndarray) -> list[Delivery]:
         """Each request's tokens (every round of the dispatch, in order), whether the device finished
-        it and, when it asked, the tokens' TokenLogprobs; the rounds' accept lengths go to the stats and
-        the adaptive controller."""
+        it and, when it asked, the tokens' packed logprob blocks [n, LOGPROB_COLUMNS]; the rounds' accept
+        lengths go to the stats and the adaptive controller."""
         now = time.perf_counter()
         ran, bucket = 0, None
         if kind == "step":
@@ -345,16 +345,30 @@ class SpecDecoder(SlotTables, GrammarMasks):
             host, prompt = split_prompt_logprobs(host, reqs, 4 + (2 * logprobs.LOGPROB_COLUMNS if lp else 0))
         rounds = ([RoundResult.unpack(host, lp)] if host.ndim == 2
                   else [RoundResult.unpack(host[:, j], lp) for j in range(host.shape[1])])
-        accepted, out = [], []
+        if len(rounds) == 1:
+            res = rounds[0]
+            toks, blocks, finished, acc = res.tokens, res.logprobs, res.finished, res.accepted[:, None]
+        else:  # each row's tokens round after round
+            toks = np.concatenate([res.tokens for res in rounds], 1)
+            blocks = np.concatenate([res.logprobs for res in rounds], 1) if lp else None
+            finished = np.logical_or.reduce([res.finished for res in rounds])
+            acc = np.stack([res.accepted for res in rounds], 1)
+        # Every row's emitted tokens (and their logprob blocks: one copy, only the emitted ones) in one
+        # array, row after row; a request's are a slice of it (no per-token object).
+        valid = toks >= 0
+        flat = toks[valid]
+        flat_lp = blocks[valid] if lp else None
+        ends = np.cumsum(valid.sum(1)).tolist()
+        finished, acc = finished.tolist(), acc.tolist()
+        accepted, out, start = [], [], 0
         for i, r in enumerate(reqs):
             r.processed += 1
-            toks = np.concatenate([res.tokens[i] for res in rounds])
-            lps = None
-            if r.params.logprobs is not None:
-                lps = logprobs.unpack(np.concatenate([res.logprobs[i] for res in rounds])[toks >= 0])
-            out.append(Delivery(toks[toks >= 0], any(bool(res.finished[i]) for res in rounds), lps, prompt[i]))
+            end = ends[i]
+            out.append(Delivery(flat[start:end], finished[i],
+                                flat_lp[start:end] if r.params.logprobs is not None else None, prompt[i]))
+            start = end
             if not r.done and kind == "step":
-                accepted.extend(int(res.accepted[i]) for res in rounds if res.accepted[i] >= 0)
+                accepted.extend(a for a in acc[i] if a >= 0)
         if accepted:
             self.accept_lengths.extend(a + 1 for a in accepted)
             if len(self.accept_lengths) > ACCEPT_HISTORY:
