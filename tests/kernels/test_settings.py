@@ -49,6 +49,19 @@ def test_from_env_triton_gemm(text, want):
     assert KernelSettings.from_env({"JEAGLE_TRITON_GEMM": text}).triton_gemm is want  # only "1" turns it on
 
 
+@pytest.mark.parametrize("text,want", [("1", True), ("0", False), ("off", False), ("", True), (None, True)])
+def test_from_env_linear(text, want):
+    env = {} if text is None else {"JEAGLE_LINEAR": text}
+    assert KernelSettings.from_env(env).linear is want  # on unless turned off
+
+
+def test_linear_refuses_bad_values():
+    with pytest.raises(ValueError, match="JEAGLE_LINEAR='maybe': expected 1 or 0"):
+        KernelSettings.from_env({"JEAGLE_LINEAR": "maybe"})
+    with pytest.raises(ValueError, match="linear must be a bool"):
+        KernelSettings(linear="yes")
+
+
 def test_from_env_xla_options():
     s = KernelSettings.from_env({"JEAGLE_XLA_OPTIONS": '{"xla_gpu_autotune_level": 0, "xla_a": true}'})
     assert s.xla_options == (("xla_a", True), ("xla_gpu_autotune_level", 0))
