@@ -114,7 +114,8 @@ class EagleHead(nnx.Module):
         else:
             h = fc(feature) if feature.shape[-1] != cfg.hidden_size else feature
 
-        stacked = {name: (getattr(self, name)[...] if getattr(self, name) is not None else None) for name in LAYER_PARAMS}
+        stacked = {name: (getattr(self, name)[...] if getattr(self, name) is not None else None)
+                   for name in LAYER_PARAMS}
         for j in range(cfg.num_layers):
             wi = LayerWeights(stacked, j)
             if cfg.kind == "eagle3":
