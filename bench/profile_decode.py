@@ -96,8 +96,6 @@ def main(argv=None):
                    help="device time per phase of the round (named scopes); default: on with --spec")
     p.add_argument("--sampling", default=None, metavar="JSON",
                    help='more SamplingParams fields for every request, e.g. {"logprobs": 5}')
-    p.add_argument("--linear-rule", default=None, help="jeagle/kernels/linear.py RULES name (tile choice A/B)")
-    p.add_argument("--linear-max-rows", type=int, default=None, help="jeagle/kernels/linear.py MAX_ROWS (A/B)")
     p.add_argument("--dump", default=None, metavar="DIR",
                    help="write every device op of one traced step (name, count, us per step) and the optimized "
                         "HLO of the decode executables there, to read what each fusion computes")
@@ -112,15 +110,6 @@ def main(argv=None):
     from jeagle.kernels.settings import KernelSettings
     from jeagle.models.llama import random_model
     from jeagle.sampling import SamplingParams
-
-    if args.linear_rule:
-        from jeagle.kernels import linear as _linear
-
-        _linear.RULE = args.linear_rule
-    if args.linear_max_rows:
-        from jeagle.kernels import linear as _linear
-
-        _linear.MAX_ROWS = args.linear_max_rows
 
     cfg = ModelConfig(**SHAPES[args.shape])
     model = random_model(cfg)

@@ -69,7 +69,7 @@ def main(argv=None):
                 w = jnp.asarray(rng.normal(size=(args.layers, k, n)) / np.sqrt(k), jnp.bfloat16)
                 row = {"m": m, "name": name, "k": k, "n": n, "default_tiles": lin.linear_tiles(m, k, n)}
                 row["xla_us"] = timed(lambda x, w, i: x @ w[i], x, w)
-                row["default_us"] = timed(lambda x, w, i: lin._pallas(x, w, i, interpret=False), x, w)
+                row["default_us"] = timed(lambda x, w, i: lin.linear(x, w, i), x, w)
                 mp, bk, _, _ = lin.linear_tiles(m, k, n)
                 grid = {}
                 for bn in bns:
@@ -77,8 +77,7 @@ def main(argv=None):
                         if n % bn or s > k // bk:
                             continue
                         tiles = (mp, bk, bn, s)
-                        grid[f"{bn}/{s}"] = timed(lambda x, w, i, t=tiles: lin._pallas(x, w, i, interpret=False,
-                                                                                      tiles=t), x, w)
+                        grid[f"{bn}/{s}"] = timed(lambda x, w, i, t=tiles: lin.linear(x, w, i, tiles=t), x, w)
                 row["grid_us"] = grid
                 best = min(grid, key=grid.get)
                 print(f"m={m:<3} {name:<8} xla {row['xla_us']:6.2f}  default {row['default_tiles']} "

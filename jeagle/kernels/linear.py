@@ -33,9 +33,13 @@ from jeagle.kernels.backend import backend
 
 __all__ = ["linear", "linear_reference", "linear_serves", "linear_tiles", "MAX_ROWS"]
 
-MAX_ROWS = 64  # rows (M) up to which `linear_serves`: beyond, XLA's GEMMs (prefills)
-ROW_TILE = 64  # rows per program; more rows (MAX_ROWS raised) take a grid axis of row tiles
-TARGET_PROGRAMS = 132  # aim for about one program per SM of an H100 (column blocks x K splits)
+# Rows (M) up to which `linear_serves`; beyond, XLA's GEMMs, which measured faster from ~128 rows
+# (verifies of 144 and 432 rows through this kernel, in row tiles: a batch-48 round 2.81 vs 2.40 ms
+# busy; bench/HISTORY.md session 23).
+MAX_ROWS = 64
+BLOCK_N = 32  # columns per program; 16-wide blocks measured slower (1.011 vs 0.990 ms a batch-1 step)
+TARGET_PROGRAMS = 132  # K is split until column blocks x splits reach about one program per H100 SM
+MAX_SPLITS = 8
 
 
 def linear_reference(x, w, layer=None):
@@ -53,42 +57,23 @@ def _largest_pow2_divisor(n: int, lo: int, hi: int) -> int | None:
     return None
 
 
-# How `linear_tiles` picks tiles: (vector form for one row, preferred N block, target programs, most K
-# splits). "dot32", the default, measured fastest on the H100 in a SmolLM2 decode step at batch 1 / 16 /
-# 48 (0.990 / 0.955 / 1.228 ms against XLA's dot 1.090 / 1.122 / 1.469) and a batch-1 round; the vector
-# form for one row (products summed over K instead of a 16-row dot) measured slower in the step
-# (1.154 ms at batch 1), as did 16-wide column blocks (bench/HISTORY.md, session 23). The others stay
-# for bench/profile_decode.py's A/B (`--linear-rule`).
-RULES = {
-    "dot32": (False, 32, 132, 8),
-    "vec32": (True, 32, 132, 8),
-    "dot16": (False, 16, 132, 4),
-}
-RULE = "dot32"
-
-
-def linear_tiles(m: int, k: int, n: int, rule: str | None = None) -> tuple[int, int, int, int] | None:
+def linear_tiles(m: int, k: int, n: int) -> tuple[int, int, int, int] | None:
     """(rows padded, K block, N block, K splits) for an [m, k] x [k, n] product, or None when the kernel
-    does not take it (m over MAX_ROWS, or k / n not multiples of 16, Triton's smallest dot). Column
-    blocks as wide as the rule prefers; K split until there are about `target` programs (each split
-    writes fp32 partial sums, merged after the kernel)."""
-    vector, bn_pref, target, most = RULES[rule or RULE]
+    does not take it (m over MAX_ROWS, or k / n not multiples of 16, Triton's smallest dot). A vector
+    form for one row (products summed over K instead of a 16-row dot) measured slower (1.154 vs 0.990
+    ms a batch-1 step; session 23): one row is padded to 16 like any other count."""
     if m < 1 or m > MAX_ROWS:
         return None
-    vec = vector and m == 1
-    bk = _largest_pow2_divisor(k, 16, 256 if vec else 128)
+    bk = _largest_pow2_divisor(k, 16, 128)
     if bk is None or n % 16:
         return None
-    mp = 1 if vec else max(16, pl.next_power_of_2(m))
-    bn = _largest_pow2_divisor(n, 16, bn_pref)
-    row_tiles = max(1, mp // ROW_TILE)
-    splits = max(1, min(k // bk, most, target // (n // bn * row_tiles)))
-    return mp, bk, bn, splits
+    bn = _largest_pow2_divisor(n, 16, BLOCK_N)
+    splits = max(1, min(k // bk, MAX_SPLITS, TARGET_PROGRAMS // (n // bn)))
+    return max(16, pl.next_power_of_2(m)), bk, bn, splits
 
 
-def _kernel(layer_ref, x_ref, w_ref, o_ref, *, bk, bn, blocks, splits, vector, mt):
+def _kernel(layer_ref, x_ref, w_ref, o_ref, *, bk, bn, blocks, splits):
     j = pl.program_id(0)
-    r0 = pl.multiple_of(pl.program_id(2 if splits > 1 else 1) * mt, mt) if x_ref.shape[0] > mt else 0
     layer = layer_ref[0]
     col = pl.multiple_of(j * bn, bn)
     if splits == 1:
@@ -100,14 +85,11 @@ def _kernel(layer_ref, x_ref, w_ref, o_ref, *, bk, bn, blocks, splits, vector, m
 
     def body(i, acc):
         k0 = pl.multiple_of(i * bk, bk)
+        xb = x_ref[:, pl.ds(k0, bk)]  # [Mp, BK]
         wb = w_ref[layer, pl.ds(k0, bk), pl.ds(col, bn)]  # [BK, BN] of this layer, read in place
-        if vector:  # one row: products summed over K (a 16-row dot would be 15/16 padding)
-            xb = x_ref[0, pl.ds(k0, bk)]  # [BK]
-            return acc + jnp.sum(xb.astype(jnp.float32)[:, None] * wb.astype(jnp.float32), axis=0)[None, :]
-        xb = x_ref[pl.ds(r0, mt), pl.ds(k0, bk)]  # [MT, BK]: this program's rows
         return acc + jax.lax.dot_general(xb, wb, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
-    zero = jnp.zeros((mt, bn), jnp.float32) + (layer * 0).astype(jnp.float32)  # a typed loop carry
+    zero = jnp.zeros((x_ref.shape[0], bn), jnp.float32) + (layer * 0).astype(jnp.float32)  # a typed loop carry
     acc = jax.lax.fori_loop(first, last, body, zero)
     if splits == 1:
         o_ref[:, :] = acc.astype(o_ref.dtype)
@@ -115,23 +97,21 @@ def _kernel(layer_ref, x_ref, w_ref, o_ref, *, bk, bn, blocks, splits, vector, m
         o_ref[0, :, :] = acc
 
 
-def _pallas(x, w, layer, *, interpret, tiles=None):
+def _pallas(x, w, layer, tiles, *, interpret):
     m, k = x.shape
     n = w.shape[-1]
-    mp, bk, bn, splits = tiles or linear_tiles(m, k, n)
+    mp, bk, bn, splits = tiles
     w3 = w if w.ndim == 3 else w[None]
     xp = jnp.pad(x, ((0, mp - m), (0, 0)))
     layer_arr = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
-    mt = min(mp, ROW_TILE)
-    kernel = functools.partial(_kernel, bk=bk, bn=bn, blocks=k // bk, splits=splits, vector=mp == 1, mt=mt)
-    row_axis = (mp // mt,) if mp > mt else ()
+    kernel = functools.partial(_kernel, bk=bk, bn=bn, blocks=k // bk, splits=splits)
     if splits == 1:
-        grid = (n // bn, *row_axis)
-        out_specs = pl.BlockSpec((mt, bn), lambda j, *r: (r[0] if r else 0, j))
+        grid = (n // bn,)
+        out_specs = pl.BlockSpec((mp, bn), lambda j: (0, j))
         out_shape = jax.ShapeDtypeStruct((mp, n), x.dtype)
     else:
-        grid = (n // bn, splits, *row_axis)
-        out_specs = pl.BlockSpec((1, mt, bn), lambda j, s, *r: (s, r[0] if r else 0, j))
+        grid = (n // bn, splits)
+        out_specs = pl.BlockSpec((1, mp, bn), lambda j, s: (s, 0, j))
         out_shape = jax.ShapeDtypeStruct((splits, mp, n), jnp.float32)
     out = pl.pallas_call(
         kernel,
@@ -153,13 +133,21 @@ def linear_serves(m: int, k: int, n: int) -> bool:
     return backend() != "reference" and linear_tiles(m, k, n) is not None
 
 
-def linear(x, w, layer=None):
+def linear(x, w, layer=None, *, tiles=None):
     """x [M, K] times layer `layer` of w [L, K, N] (or w [K, N], layer None): the kernel where
-    `linear_serves`, else the reference. Returns [M, N] in x's dtype."""
+    `linear_serves`, else the reference. Returns [M, N] in x's dtype. `tiles` (rows padded, K block,
+    N block, K splits) replaces `linear_tiles`' choice: for measuring (bench/probes/linear.py)."""
     if x.ndim != 2 or w.ndim not in (2, 3) or w.shape[-2] != x.shape[1]:
         raise ValueError(f"x must be [M, K] and w [L, K, N] or [K, N] with the same K, got {x.shape}, {w.shape}")
     if (w.ndim == 3) != (layer is not None):
         raise ValueError("a stacked weight [L, K, N] needs its layer, a [K, N] one none")
-    if not linear_serves(x.shape[0], x.shape[1], w.shape[-1]):
+    (m, k), n = x.shape, w.shape[-1]
+    if tiles is not None:
+        mp, bk, bn, splits = tiles
+        if mp < m or mp < 16 or mp & (mp - 1) or k % bk or n % bn or not 1 <= splits <= k // bk:
+            raise ValueError(f"tiles {tiles} do not fit [{m}, {k}] x [{k}, {n}]: rows padded to a power of two "
+                             ">= 16 and >= M, K and N multiples of their blocks, 1 <= splits <= K blocks")
+    if not linear_serves(m, k, n):
         return linear_reference(x, w, layer)
-    return _pallas(x, w, 0 if layer is None else layer, interpret=backend() == "interpret")
+    return _pallas(x, w, 0 if layer is None else layer, tiles or linear_tiles(m, k, n),
+                   interpret=backend() == "interpret")
