@@ -64,6 +64,7 @@ def timed(engine, prompt, batch: int, max_new: int, repeats: int) -> tuple[float
     engine.generate([prompt] * batch, sp)  # compiles every shape used below
 
     def once():
+        engine.flush_cache()  # every run starts cold, as the warm-up did (a prefix-cache hit is another executable)
         outs = engine.generate([prompt] * batch, sp)
         if engine.last_stats.compile_s:
             raise RuntimeError("the timed run compiled")
