@@ -1,7 +1,10 @@
 """Skinny matmuls: a few rows of activations times one layer of a stacked weight, read in place.
 
 `linear(x, w, layer)` = `x @ w[layer]` for x [M, K] and w [L, K, N] (or [K, N]), accumulated in fp32
-and returned in x's dtype, for the small M of decode steps, speculative rounds and draft steps.
+and returned in x's dtype (or `out_dtype`), for the small M of decode steps, speculative rounds and
+draft steps. `transposed=True` takes w as [N, K] (an output head's [vocabulary, hidden] layout) and
+returns x @ w.T: the draft head's logits at the few rows of a draft step (XLA's small-M kernels read
+the 9.4 MB of SmolLM2's draft head at ~0.25-0.6 TB/s: bench/HISTORY.md session 24).
 
 Why a kernel: XLA compiles these badly inside the layer loop (bench/HISTORY.md, session 23). At
 M = 1 it rewrites the dot into a multiply and a reduction; when the vector comes from a fusion it
@@ -42,10 +45,15 @@ TARGET_PROGRAMS = 132  # K is split until column blocks x splits reach about one
 MAX_SPLITS = 8
 
 
-def linear_reference(x, w, layer=None):
-    """x [M, K] @ (w[layer] if w is [L, K, N] else w [K, N]), fp32 accumulation, in x's dtype."""
+def linear_reference(x, w, layer=None, *, transposed=False, out_dtype=None):
+    """x [M, K] @ (w[layer] if w is [L, K, N] else w [K, N]), fp32 accumulation, in `out_dtype` (default
+    x's dtype); `transposed`: w is [L, N, K] or [N, K] and the product is x @ w.T."""
     wl = w if w.ndim == 2 else w[layer]
-    return jnp.dot(x, wl, preferred_element_type=jnp.float32).astype(x.dtype)
+    if transposed:
+        out = jnp.einsum("mk,nk->mn", x, wl.astype(x.dtype), preferred_element_type=jnp.float32)
+    else:
+        out = jnp.dot(x, wl, preferred_element_type=jnp.float32)
+    return out.astype(out_dtype or x.dtype)
 
 
 def _largest_pow2_divisor(n: int, lo: int, hi: int) -> int | None:
@@ -72,7 +80,7 @@ def linear_tiles(m: int, k: int, n: int) -> tuple[int, int, int, int] | None:
     return max(16, pl.next_power_of_2(m)), bk, bn, splits
 
 
-def _kernel(layer_ref, x_ref, w_ref, o_ref, *, bk, bn, blocks, splits):
+def _kernel(layer_ref, x_ref, w_ref, o_ref, *, bk, bn, blocks, splits, transposed):
     j = pl.program_id(0)
     layer = layer_ref[0]
     col = pl.multiple_of(j * bn, bn)
@@ -86,6 +94,9 @@ def _kernel(layer_ref, x_ref, w_ref, o_ref, *, bk, bn, blocks, splits):
     def body(i, acc):
         k0 = pl.multiple_of(i * bk, bk)
         xb = x_ref[:, pl.ds(k0, bk)]  # [Mp, BK]
+        if transposed:  # [BN, BK] rows of a [N, K] weight
+            wb = w_ref[layer, pl.ds(col, bn), pl.ds(k0, bk)].astype(xb.dtype)
+            return acc + jax.lax.dot_general(xb, wb, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
         wb = w_ref[layer, pl.ds(k0, bk), pl.ds(col, bn)]  # [BK, BN] of this layer, read in place
         return acc + jax.lax.dot_general(xb, wb, (((1,), (0,)), ((), ())), preferred_element_type=jnp.float32)
 
@@ -97,18 +108,18 @@ def _kernel(layer_ref, x_ref, w_ref, o_ref, *, bk, bn, blocks, splits):
         o_ref[0, :, :] = acc
 
 
-def _pallas(x, w, layer, tiles, *, interpret):
+def _pallas(x, w, layer, tiles, *, transposed, out_dtype, interpret):
     m, k = x.shape
-    n = w.shape[-1]
+    n = w.shape[-2] if transposed else w.shape[-1]
     mp, bk, bn, splits = tiles
     w3 = w if w.ndim == 3 else w[None]
     xp = jnp.pad(x, ((0, mp - m), (0, 0)))
     layer_arr = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
-    kernel = functools.partial(_kernel, bk=bk, bn=bn, blocks=k // bk, splits=splits)
+    kernel = functools.partial(_kernel, bk=bk, bn=bn, blocks=k // bk, splits=splits, transposed=transposed)
     if splits == 1:
         grid = (n // bn,)
         out_specs = pl.BlockSpec((mp, bn), lambda j: (0, j))
-        out_shape = jax.ShapeDtypeStruct((mp, n), x.dtype)
+        out_shape = jax.ShapeDtypeStruct((mp, n), out_dtype)
     else:
         grid = (n // bn, splits)
         out_specs = pl.BlockSpec((1, mp, bn), lambda j, s: (s, 0, j))
@@ -124,7 +135,7 @@ def _pallas(x, w, layer, tiles, *, interpret):
         name="linear",
     )(layer_arr, xp, w3)
     if splits > 1:
-        out = jnp.sum(out, axis=0).astype(x.dtype)
+        out = jnp.sum(out, axis=0).astype(out_dtype)
     return out[:m]
 
 
@@ -133,21 +144,26 @@ def linear_serves(m: int, k: int, n: int) -> bool:
     return backend() != "reference" and linear_tiles(m, k, n) is not None
 
 
-def linear(x, w, layer=None, *, tiles=None):
+def linear(x, w, layer=None, *, tiles=None, transposed=False, out_dtype=None):
     """x [M, K] times layer `layer` of w [L, K, N] (or w [K, N], layer None): the kernel where
-    `linear_serves`, else the reference. Returns [M, N] in x's dtype. `tiles` (rows padded, K block,
-    N block, K splits) replaces `linear_tiles`' choice: for measuring (bench/probes/linear.py)."""
-    if x.ndim != 2 or w.ndim not in (2, 3) or w.shape[-2] != x.shape[1]:
-        raise ValueError(f"x must be [M, K] and w [L, K, N] or [K, N] with the same K, got {x.shape}, {w.shape}")
+    `linear_serves`, else the reference. Returns [M, N] in `out_dtype` (default x's dtype).
+    `transposed`: w is [L, N, K] or [N, K] (an output head) and the product x @ w.T. `tiles` (rows
+    padded, K block, N block, K splits) replaces `linear_tiles`' choice: for measuring
+    (bench/probes/linear.py)."""
+    kdim = -1 if transposed else -2
+    if x.ndim != 2 or w.ndim not in (2, 3) or w.shape[kdim] != x.shape[1]:
+        want = "[L, N, K] or [N, K]" if transposed else "[L, K, N] or [K, N]"
+        raise ValueError(f"x must be [M, K] and w {want} with the same K, got {x.shape}, {w.shape}")
     if (w.ndim == 3) != (layer is not None):
         raise ValueError("a stacked weight [L, K, N] needs its layer, a [K, N] one none")
-    (m, k), n = x.shape, w.shape[-1]
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    (m, k), n = x.shape, w.shape[-2] if transposed else w.shape[-1]
     if tiles is not None:
         mp, bk, bn, splits = tiles
         if mp < m or mp < 16 or mp & (mp - 1) or k % bk or n % bn or not 1 <= splits <= k // bk:
             raise ValueError(f"tiles {tiles} do not fit [{m}, {k}] x [{k}, {n}]: rows padded to a power of two "
                              ">= 16 and >= M, K and N multiples of their blocks, 1 <= splits <= K blocks")
     if not linear_serves(m, k, n):
-        return linear_reference(x, w, layer)
-    return _pallas(x, w, 0 if layer is None else layer, tiles or linear_tiles(m, k, n),
-                   interpret=backend() == "interpret")
+        return linear_reference(x, w, layer, transposed=transposed, out_dtype=out_dtype)
+    return _pallas(x, w, 0 if layer is None else layer, tiles or linear_tiles(m, k, n), transposed=transposed,
+                   out_dtype=out_dtype, interpret=backend() == "interpret")

@@ -30,9 +30,9 @@ or a count (`JEAGLE_PAGED_ATTENTION_SPLITS` through `KernelSettings.from_env`) a
 splits each prefix into that many contiguous runs of blocks, sized on the device from the request's
 own length; each program writes its unnormalised (max, sum, accumulator) and the wrapper merges them
 (one small XLA fusion). `auto`, the default since it measured faster on the H100 (a batch-1 SmolLM2
-round 15% faster, an 8B one 4%, no change at batch 48 where `auto` does not split; bench/HISTORY.md
-session 12), splits while requests x KV heads x query tiles stay under TARGET_PROGRAMS; None (= 1) is the
-single-pass kernel.
+round 15% faster, an 8B one 4%; bench/HISTORY.md session 12), splits while requests x KV heads x query
+tiles stay under TARGET_PROGRAMS, and a decode-form call into at least MIN_DECODE_SPLITS runs (batch
+16 and 48 faster, session 24); None (= 1) is the single-pass kernel.
 
 Layers, as in JAX's own Pallas ops: `_kernel`, `_pallas` (wrapper: queries regrouped per KV head and
 padded to Triton's power-of-two tiles; the merge of split prefixes), `paged_attention` (public:
@@ -60,18 +60,24 @@ _NEG = -1e30  # finite "minus infinity": exp(_NEG - _NEG) stays defined in the o
 MAX_SPLITS = 16
 QUERY_TILE = 64  # query rows (token x group) per program in the causal (prefill) form
 TARGET_PROGRAMS = 128  # `auto`: split until (requests x KV heads x splits) reaches about this many programs
+# `auto`'s least split of a decode-form call (steps, verifies, draft steps): with one program per (request,
+# KV head) at batch 48 (144 programs, ~1 per SM) the verify's attention waited on its loads; 4 runs took
+# a SmolLM2 (5,4,8) round at batch 48 from 2.44 to 2.30 ms of device time, at 16 from 1.80 to 1.73, a
+# batch-48 target step from 1.36 to 1.24 (8 runs: 2.42 / 1.74; bench/HISTORY.md session 24).
+MIN_DECODE_SPLITS = 4
 
 
-def prefix_splits(b: int, hkv: int, s_cols: int) -> int:
+def prefix_splits(b: int, hkv: int, s_cols: int, *, causal: bool = False) -> int:
     """How many runs each prefix is split into (static: part of the executable), from the current
     settings' `paged_attention_splits`: None (no split), `auto`, or a count; never more than the
-    table's blocks."""
+    table's blocks. `auto` gives the decode form (not `causal`) at least MIN_DECODE_SPLITS."""
     choice = current().paged_attention_splits
     most = max(1, math.ceil(s_cols / BLOCK))
     if choice is None:
         return 1
     if choice == "auto":
-        return max(1, min(MAX_SPLITS, TARGET_PROGRAMS // max(1, b * hkv), most))
+        n = TARGET_PROGRAMS // max(1, b * hkv)
+        return max(1, min(MAX_SPLITS, n if causal else max(n, MIN_DECODE_SPLITS), most))
     return min(choice, most)
 
 
@@ -202,7 +208,7 @@ def _pallas(q, k_pool, v_pool, layer, kv_slots, kv_len, extra_slots, extra_mask,
     else:  # the decode form: every query of a KV head in one tile
         tgp = qt = max(16, pl.next_power_of_2(tg))
     tiles = tgp // qt
-    splits = prefix_splits(b * tiles, hkv, kv_slots.shape[1])
+    splits = prefix_splits(b * tiles, hkv, kv_slots.shape[1], causal=causal)
     # [B, T, Hkv, G, D] → [B, Hkv, T·G, D]: one program's queries are contiguous rows of one tile.
     qh = q.reshape(b, t, hkv, g, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, tg, d)
     qh = jnp.pad(qh, ((0, 0), (0, 0), (0, tgp - tg), (0, 0)))

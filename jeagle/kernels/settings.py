@@ -10,12 +10,13 @@ trace depends only on values that are part of the executable's key:
 Outside any `use`, `current()` is `KernelSettings()`: the platform's default backend, the `auto` split,
 no options — whatever the environment says.
 
-The six environment variables `from_env` reads (and nothing else in jeagle does):
+The seven environment variables `from_env` reads (and nothing else in jeagle does):
 
     JEAGLE_KERNELS                  pallas | interpret | reference  (unset: pallas on a GPU, else reference)
     JEAGLE_PAGED_ATTENTION_SPLITS   auto (or unset) | 1 (no split) | a count >= 1
     JEAGLE_PREFILL_ATTENTION        paged (or unset) | gathered
     JEAGLE_LINEAR                   0: the layers' matmuls through XLA's dot, never the `linear` kernel
+    JEAGLE_TOPK                     0: the draft's top-K through XLA's softmax and TopK, never the `topk` kernel
     JEAGLE_TRITON_GEMM              1: keep XLA's own Triton GEMM fusions in the speculative executables
     JEAGLE_XLA_OPTIONS              a JSON object of XLA option names to values, for every executable
 """
@@ -39,6 +40,7 @@ TRITON_GEMM_ENV = "JEAGLE_TRITON_GEMM"
 PREFILL_ATTENTION_ENV = "JEAGLE_PREFILL_ATTENTION"
 PREFILL_ATTENTION = ("paged", "gathered")
 LINEAR_ENV = "JEAGLE_LINEAR"
+TOPK_ENV = "JEAGLE_TOPK"
 XLA_OPTIONS_ENV = "JEAGLE_XLA_OPTIONS"
 
 
@@ -63,6 +65,9 @@ class KernelSettings:
     # The decoder layers' matmuls of few rows (decode steps, rounds, draft steps) through the skinny-matmul
     # kernel (jeagle/kernels/linear.py), which reads the stacked weights in place; False: XLA's dot.
     linear: bool = True
+    # The draft's softmax + top-K (spec/round.py `draft_topk`) through the one-pass kernel
+    # (jeagle/kernels/topk.py); False: XLA's softmax and TopK.
+    topk: bool = True
 
     def __post_init__(self):
         if self.backend is not None and self.backend not in BACKENDS:
@@ -78,6 +83,8 @@ class KernelSettings:
             raise ValueError(f"prefill_attention={self.prefill_attention!r}; expected one of {PREFILL_ATTENTION}")
         if not isinstance(self.linear, bool):
             raise ValueError(f"linear must be a bool, got {self.linear!r}")
+        if not isinstance(self.topk, bool):
+            raise ValueError(f"topk must be a bool, got {self.topk!r}")
         if not isinstance(self.triton_gemm, bool):
             raise ValueError(f"triton_gemm must be a bool, got {self.triton_gemm!r}")
         if isinstance(self.xla_options, Mapping):  # a dict is accepted and stored as sorted pairs
@@ -110,6 +117,7 @@ class KernelSettings:
         return cls(backend=backend, paged_attention_splits=_splits_from_env(environ.get(SPLITS_ENV)),
                    triton_gemm=environ.get(TRITON_GEMM_ENV) == "1", prefill_attention=prefill,
                    linear=_flag_from_env(LINEAR_ENV, environ.get(LINEAR_ENV), default=True),
+                   topk=_flag_from_env(TOPK_ENV, environ.get(TOPK_ENV), default=True),
                    xla_options=_xla_options_from_env(environ.get(XLA_OPTIONS_ENV)))
 
 

@@ -52,6 +52,16 @@ def project(x: jax.Array, wi: Mapping, name: str) -> jax.Array:
     return x @ wi[name]
 
 
+def head_logits(x: jax.Array, head: jax.Array) -> jax.Array:
+    """fp32 logits x [..., H] @ head [V, H].T of an output head. Through the skinny-matmul kernel
+    (transposed weight, fp32 out) when the rows are few (a draft step's B x K, the draft extend's B),
+    the settings allow it and no tensor-parallel mesh is active; else XLA's dot."""
+    m, h, v = math.prod(x.shape[:-1]), x.shape[-1], head.shape[0]
+    if current().linear and context_tp() == 1 and linear_serves(m, h, v):
+        return linear(x.reshape(m, h), head, transposed=True, out_dtype=jnp.float32).reshape(*x.shape[:-1], v)
+    return jnp.einsum("...h,vh->...v", x, head.astype(x.dtype), preferred_element_type=jnp.float32)
+
+
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     """HF semantics: normalise in fp32, cast back to the input dtype, then scale."""
     xf = x.astype(jnp.float32)

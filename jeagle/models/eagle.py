@@ -29,8 +29,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jeagle.config import DraftConfig
-from jeagle.models.common import (AttnInputs, LayerWeights, abstract_module, attention_sublayer, mlp_sublayer,
-                                   random_module, rms_norm, rope_cos_sin)
+from jeagle.models.common import (AttnInputs, LayerWeights, abstract_module, attention_sublayer, head_logits,
+                                   mlp_sublayer, random_module, rms_norm, rope_cos_sin)
 from jeagle.sharding import embed_rows
 
 
@@ -134,7 +134,7 @@ class EagleHead(nnx.Module):
             x, head = h, lm_head
         if logits_index is not None:
             x = x[jnp.arange(x.shape[0]), logits_index]
-        logits = jnp.einsum("...h,vh->...v", x, head.astype(x.dtype), preferred_element_type=jnp.float32)
+        logits = head_logits(x, head)
         return DraftOut(hidden=h, logits=logits, k=k_pool, v=v_pool)
 
     def draft_to_target(self, draft_ids: jax.Array) -> jax.Array:

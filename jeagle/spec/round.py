@@ -42,6 +42,7 @@ import jax.numpy as jnp
 from jeagle.models.common import AttnInputs
 from jeagle.kernels.build_tree import build_tree
 from jeagle.kernels.commit_slots import commit_slots
+from jeagle.kernels.topk import softmax_topk
 from jeagle.kernels.tree_speculative_sampling import tree_speculative_sampling
 from jeagle.kernels.verify_tree_greedy import verify_tree_greedy
 from jeagle.grammar import apply_token_mask
@@ -174,8 +175,9 @@ class RoundResult:
 
 
 def draft_topk(head, logits, k: int):
-    """Top-K probabilities and target token ids of draft logits [..., Vd]."""
-    p, idx = jax.lax.top_k(jax.nn.softmax(logits.astype(jnp.float32), -1), k)
+    """Top-K probabilities and target token ids of draft logits [..., Vd] (jeagle/kernels/topk.py: one
+    kernel per row on a GPU, else softmax + jax.lax.top_k)."""
+    p, idx = softmax_topk(logits, k)
     return p, head.draft_to_target(idx).astype(jnp.int32)
 
 

@@ -67,6 +67,44 @@ def test_tiles_override_matches_reference():
             linear(x, w, 1, tiles=(16, 128, 32, 4))  # 576 is no multiple of 128
 
 
+@pytest.mark.parametrize("m,k,n", [(1, 576, 8192), (4, 576, 8192), (16, 64, 48)])
+def test_interpreted_transposed_weight_matches_reference(m, k, n):
+    """An output head's [N, K] layout (the draft's logits at a draft step's rows), fp32 out from bf16."""
+    rng = np.random.default_rng(m + n)
+    x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
+    w = jnp.asarray(rng.normal(size=(n, k)) / np.sqrt(k), jnp.bfloat16)
+    with use(KernelSettings(backend="interpret")):
+        got = jax.jit(lambda x, w: linear(x, w, transposed=True, out_dtype=jnp.float32))(x, w)
+    want = jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32).T)
+    assert got.shape == (m, n) and got.dtype == jnp.float32
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(linear_reference(x, w, transposed=True, out_dtype=jnp.float32)),
+                               np.asarray(want), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match=r"\[N, K\] with the same K"):
+        linear(x, w.T, transposed=True)
+
+
+def test_draft_head_logits_route_through_the_kernel_and_its_switch(monkeypatch):
+    """A draft step's logits (few rows) go through the kernel's transposed form; JEAGLE_LINEAR=0 takes
+    them out; the logits agree."""
+    import jeagle.models.common as common
+
+    calls = []
+    real = common.linear
+    monkeypatch.setattr(common, "linear", lambda *a, **kw: calls.append(kw.get("transposed")) or real(*a, **kw))
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(2, 4, 64)), jnp.float32)  # [B, K, H]
+    head = jnp.asarray(rng.normal(size=(256, 64)) / 8, jnp.float32)  # [Vd, H]
+    out = {}
+    for on in (True, False):
+        calls.clear()
+        with use(KernelSettings(backend="interpret", linear=on)):
+            out[on] = np.asarray(jax.jit(common.head_logits)(x, head))
+        assert calls == ([True] if on else [])
+    assert out[True].shape == (2, 4, 256) and out[True].dtype == np.float32
+    np.testing.assert_allclose(out[True], out[False], rtol=2e-5, atol=2e-5)
+
+
 def test_refuses_mismatched_operands():
     x, w = operands(2, 32, 16, 0)
     with pytest.raises(ValueError, match="same K"):
@@ -108,6 +146,8 @@ def test_lowers_for_h100():
         for m, k, n in [(1, 576, 960), (8, 576, 576), (48, 1536, 576)]:
             x, w = operands(m, k, n, 0, jnp.bfloat16)
             lower_for_h100(lambda *a: linear(*a), x, w, jnp.int32(1))
+        x, w = operands(4, 576, 8192, 0, jnp.bfloat16, layers=1)
+        lower_for_h100(lambda x, w: linear(x, w, transposed=True, out_dtype=jnp.float32), x, w[0].T)
 
 
 @pytest.mark.gpu
@@ -115,3 +155,14 @@ def test_lowers_for_h100():
 def test_compiled_kernel_matches_reference(m, k, n):
     check("pallas", m, k, n, seed=m + n, dtype=jnp.float32, tol=2e-2)  # TF32 dots in the kernel and in XLA
     check("pallas", m, k, n, seed=m + n + 1, dtype=jnp.bfloat16, tol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 4, 16, 64])
+def test_compiled_transposed_weight_matches_reference(m):
+    x, w = operands(m, 576, 8192, m, jnp.bfloat16, layers=1)
+    wt = w[0].T  # [N, K]
+    with use(KernelSettings(backend="pallas")):
+        got = jax.jit(lambda x, w: linear(x, w, transposed=True, out_dtype=jnp.float32))(x, wt)
+    want = jnp.dot(x.astype(jnp.float32), wt.astype(jnp.float32).T)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-2, atol=2e-2)

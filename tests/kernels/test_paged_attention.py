@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jeagle.kernels.paged_attention import (BLOCK, QUERY_TILE, kernel_serves, paged_attention,
+from jeagle.kernels.paged_attention import (BLOCK, MIN_DECODE_SPLITS, QUERY_TILE, kernel_serves, paged_attention,
                                             paged_attention_reference, prefix_splits)
 from jeagle.kernels.settings import KernelSettings, use
 from tests.kernels.lowering import lower_for_h100
@@ -127,7 +127,11 @@ def test_prefix_splits_choice():
     with use(KernelSettings(paged_attention_splits=None)):
         assert prefix_splits(1, 3, 2048) == 1  # off
     with use(KernelSettings(paged_attention_splits="auto")):
-        assert prefix_splits(1, 3, 2048) == 16 and prefix_splits(48, 3, 2048) == 1 and prefix_splits(1, 3, 100) == 2
+        assert prefix_splits(1, 3, 2048) == 16 and prefix_splits(1, 3, 100) == 2
+        # a decode-form call never below MIN_DECODE_SPLITS (batch 48 x 3 KV heads: ~1 program per SM
+        # otherwise); the causal (prefill) form keeps the plain rule; never more runs than table blocks
+        assert prefix_splits(48, 3, 2048) == prefix_splits(16, 3, 2048) == MIN_DECODE_SPLITS == 4
+        assert prefix_splits(48, 3, 2048, causal=True) == 1 and prefix_splits(48, 3, 128) == 2
     with use(KernelSettings(paged_attention_splits=8)):
         assert prefix_splits(64, 8, 2048) == 8 and prefix_splits(1, 1, 64) == 1
     with pytest.raises(ValueError, match="a count >= 1"):

@@ -62,6 +62,19 @@ def test_linear_refuses_bad_values():
         KernelSettings(linear="yes")
 
 
+@pytest.mark.parametrize("text,want", [("1", True), ("0", False), ("off", False), ("", True), (None, True)])
+def test_from_env_topk(text, want):
+    env = {} if text is None else {"JEAGLE_TOPK": text}
+    assert KernelSettings.from_env(env).topk is want  # on unless turned off
+
+
+def test_topk_refuses_bad_values():
+    with pytest.raises(ValueError, match="JEAGLE_TOPK='2': expected 1 or 0"):
+        KernelSettings.from_env({"JEAGLE_TOPK": "2"})
+    with pytest.raises(ValueError, match="topk must be a bool"):
+        KernelSettings(topk=1)
+
+
 def test_from_env_xla_options():
     s = KernelSettings.from_env({"JEAGLE_XLA_OPTIONS": '{"xla_gpu_autotune_level": 0, "xla_a": true}'})
     assert s.xla_options == (("xla_a", True), ("xla_gpu_autotune_level", 0))

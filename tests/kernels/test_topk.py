@@ -1,0 +1,111 @@
+"""The draft's one-pass softmax + top-K kernel (jeagle/kernels/topk.py): interpreted on CPU and compiled
+with -m gpu, against `jax.lax.top_k(jax.nn.softmax(x), k)`. Cases: the shipped head's 8,192-entry draft
+vocabulary in one chunk, a vocabulary padded to a whole chunk, one of several chunks (a 32k-entry
+EAGLE-3 draft vocabulary, a target vocabulary for EAGLE-1 heads), k from 1 to the adaptive tiers' 10;
+ties and -inf logits; the switch; the draft's top-K going through it inside a round."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jeagle.kernels.settings import KernelSettings, use
+from jeagle.kernels.topk import CHUNK, softmax_topk, softmax_topk_reference
+from tests.kernels.lowering import lower_for_h100
+
+# (rows, vocabulary, k): batch 1 / batch 4 of a (5,4,8) draft step, padded, several chunks, k = 1 and 10.
+SHAPES = [(1, 8192, 4), (16, 8192, 4), (5, 1000, 4), (3, 2 * CHUNK + 700, 10), (4, 64, 1), (2, 49152, 8)]
+
+
+def logits(r, v, seed, dtype=jnp.float32):
+    return jnp.asarray(np.random.default_rng(seed).normal(size=(r, v)) * 3, dtype)
+
+
+def check(mode, r, v, k, seed, dtype=jnp.float32):
+    x = logits(r, v, seed, dtype)
+    with use(KernelSettings(backend=mode)):
+        p, idx = jax.jit(lambda a: softmax_topk(a, k))(x)
+    want_p, want_idx = softmax_topk_reference(x, k)
+    assert p.shape == idx.shape == (r, k) and p.dtype == jnp.float32 and idx.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(want_idx))
+    np.testing.assert_allclose(np.asarray(p), np.asarray(want_p), rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("r,v,k", SHAPES)
+def test_interpreted_kernel_matches_reference(r, v, k):
+    check("interpret", r, v, k, seed=r + v + k)
+
+
+def test_bf16_logits_and_leading_axes():
+    x = logits(6, 8192, 1, jnp.bfloat16).reshape(2, 3, 8192)  # [B, K, Vd] as a draft step has them
+    with use(KernelSettings(backend="interpret")):
+        p, idx = softmax_topk(x, 4)
+    want_p, want_idx = softmax_topk_reference(x, 4)
+    assert p.shape == (2, 3, 4)
+    # bf16 logits tie often: the kernel breaks ties to the lower index, as the reference does
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(want_idx))
+    np.testing.assert_allclose(np.asarray(p), np.asarray(want_p), rtol=1e-5)
+
+
+def test_ties_and_minus_infinity():
+    inf = float("inf")
+    x = jnp.asarray([[1.0, 3.0, 3.0, -inf, 3.0, -inf, 0.5, 3.0] + [-inf] * 8,
+                     [-inf] * 14 + [2.0, -inf]])
+    with use(KernelSettings(backend="interpret")):
+        p, idx = softmax_topk(x, 6)
+    # equal logits in index order; past the finite ones, -inf entries by index, never one twice
+    np.testing.assert_array_equal(np.asarray(idx), [[1, 2, 4, 7, 0, 6], [14, 0, 1, 2, 3, 4]])
+    np.testing.assert_allclose(np.asarray(p[0]), np.asarray(softmax_topk_reference(x[:1], 6)[0][0]), rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(p[1]), [1, 0, 0, 0, 0, 0])
+
+
+def test_switch_and_validation(monkeypatch):
+    import jeagle.kernels.topk as topk
+
+    calls = []
+    monkeypatch.setattr(topk, "_pallas", lambda *a, **kw: calls.append(1) or (_ for _ in ()).throw(AssertionError))
+    x = logits(2, 64, 0)
+    with use(KernelSettings(backend="interpret", topk=False)):
+        softmax_topk(x, 3)  # the switch off: the reference, the kernel never called
+    with use(KernelSettings(backend="reference")):
+        softmax_topk(x, 3)
+    assert not calls
+    with pytest.raises(ValueError, match="k must be in"):
+        softmax_topk(x, 65)
+    with pytest.raises(ValueError, match="k must be in"):
+        softmax_topk(x, 0)
+
+
+def test_rounds_take_the_draft_topk_through_the_kernel(monkeypatch):
+    """draft_topk (every draft step, the draft extend, a speculative prefill) asks the kernel."""
+    import jeagle.kernels.topk as topk
+    from jeagle.spec import round as spec_round
+
+    seen = []
+    real = topk._pallas
+    monkeypatch.setattr(topk, "_pallas", lambda x, k, **kw: seen.append((x.shape, k)) or real(x, k, **kw))
+
+    class Head:
+        def draft_to_target(self, ids):
+            return ids + 100
+
+    with use(KernelSettings(backend="interpret")):
+        p, ids = spec_round.draft_topk(Head(), logits(6, 128, 2).reshape(2, 3, 128), 4)
+    want_p, want_ids = softmax_topk_reference(logits(6, 128, 2), 4)
+    assert seen == [((6, 128), 4)]
+    np.testing.assert_array_equal(np.asarray(ids).reshape(6, 4), np.asarray(want_ids) + 100)
+
+
+def test_lowers_for_h100():
+    with use(KernelSettings(backend="pallas")):
+        for r, v, k in [(4, 8192, 4), (192, 8192, 4), (10, 2 * CHUNK + 700, 10)]:
+            lower_for_h100(lambda a: softmax_topk(a, k), logits(r, v, 0))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("r,v,k", SHAPES)
+def test_compiled_kernel_matches_reference(r, v, k):
+    check("pallas", r, v, k, seed=r + k)
+    check("pallas", r, v, k, seed=r + k + 1, dtype=jnp.bfloat16)
