@@ -318,7 +318,7 @@ if [[ "$steps" == *" commitab "* ]]; then  # one commit against another in one c
       [ "$tree" = old ] && dir="$HOME/old" && cache="$HOME/jcache_old"
       echo "== $tree run $i ($dir)" | tee -a "$OUT/commitab.log"
       (cd "$dir" && JEAGLE_CACHE="$cache" PYTHONPATH="$HOME/site:$dir" python3 bench/decode.py --prompts .data/mtbench.jsonl \
-        --draft "$head" --hf-batch-sizes "" --systems jeagle,jeagle-eagle --batch-sizes "${AB_BATCHES:-1,16}" 2>&1 \
+        --draft "$head" --hf-batch-sizes "" --systems jeagle,jeagle-eagle --batch-sizes "${AB_BATCHES:-1,16}" ${AB_ARGS:-} 2>&1 \
         | grep '^{"bench"' | tee -a "$OUT/commitab_$tree.jsonl" \
         | python3 -c "import json,sys; [print(r) for r in json.load(sys.stdin)['rows']]" | tee -a "$OUT/commitab.log")
     done
