@@ -227,10 +227,33 @@ def test_sampling_verify_by_hand():
 
 
 # ---- sampling is exact -----------------------------------------------------------------------
-@pytest.mark.slow
-@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 0.8)], ids=["plain", "T0.7-k5-p0.8"])
-def test_speculative_sampling_follows_the_target_distribution(temperature, top_k, top_p):
-    """20k requests, one seed each: the joint law of the first two emitted tokens equals the target's."""
+# N requests, one seed each (seed = i: the draws do not depend on how they are batched), prompt [7], two
+# tokens each: the first is the prefill's sample, the second the first round's (the tree walk's accepted
+# draft or its residual bonus). A chi-square test of the 256 (first, second) cells against the target's
+# joint law p(a) p(b | a) must give p > 0.001 (cells expected below 5 pooled), and no token may fall
+# outside the top-k/top-p support.
+#
+# The engine runs them SAMPLING_BATCH at a time (one generate() call, the scheduler refilling rows as
+# requests finish): admission costs O(running requests) per admitted request, so one batch of all N
+# (the old form, max_batch_size = N = 20000) spent 410-460 s per case on the host; batches of 128 draw
+# the same tokens in ~5 s per 20k requests on 2 CPU cores.
+#
+# Power (N = 40000, CPU). The lossless sampler gives p = 0.07-0.95 (plain) and 0.12-0.93 (T0.7-k5-p0.8)
+# over five seed offsets. Accepting a drafted child when coin <= mass / 0.8 instead of coin <= mass
+# (SpecConfig threshold_acc=0.8: 20 % over-acceptance) gives p ~ 1e-31..1e-37 (plain) and ~ 1e-125
+# (T0.7-k5-p0.8); threshold_acc=0.9 gives p ~ 1e-19..1e-21 (T0.7-k5-p0.8) but only 0.03-0.004 (plain: the flat
+# 16-token law spreads the bias over 255 degrees of freedom). Breaking the reference walk: always
+# accepting the first child fails both cases (p = 0; emitted tokens outside the support); drawing the bonus
+# from the target row without removing the rejected children's mass gives p = 0 in both; comparing the
+# coin with each child's own p instead of the running mass gives p = 0 in plain (T0.7-k5-p0.8 alone does
+# not catch that one). test_the_sampling_test_rejects_a_biased_acceptance_rule keeps the threshold_acc=0.8
+# sampler as a control that must fail.
+SAMPLING_N = 40000
+SAMPLING_BATCH = 128
+
+
+def sampling_pvalue(temperature, top_k, top_p, spec=SpecConfig(3, 2, 5), n=SAMPLING_N):
+    """The chi-square p-value of N two-token samples against the target's joint law (see above)."""
     from scipy.stats import chisquare
 
     from tests.util import ragged_forward
@@ -238,10 +261,9 @@ def test_speculative_sampling_follows_the_target_distribution(temperature, top_k
     cfg = target_config(vocab=16, hidden=16, eos=())
     target = bigram_target(cfg, seed=3, scale=1.5)
     head = signed_identity_head(target, +1.0, noise=0.3)  # proposals that are often, not always, right
-    n = 20000
     prompt = [7]
-    engine = speculative(target, head, EngineConfig(max_batch_size=n, max_context=16, batch_buckets=(n,),
-                                                   max_prefill_tokens=n * 16), SpecConfig(3, 2, 5))
+    b = SAMPLING_BATCH
+    engine = speculative(target, head, EngineConfig(max_batch_size=b, max_context=16, batch_buckets=(b,)), spec)
     sp = [SamplingParams(max_new_tokens=2, temperature=temperature, top_k=top_k, top_p=top_p, seed=i)
           for i in range(n)]
     outs = engine.generate([prompt] * n, sp)
@@ -276,7 +298,21 @@ def test_speculative_sampling_follows_the_target_distribution(temperature, top_k
     exp = np.append(expected[big], expected[~big].sum())
     if exp[-1] == 0:
         obs, exp = obs[:-1], exp[:-1]
-    assert chisquare(obs, exp * obs.sum() / exp.sum()).pvalue > 0.001
+    return chisquare(obs, exp * obs.sum() / exp.sum()).pvalue
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 5, 0.8)], ids=["plain", "T0.7-k5-p0.8"])
+def test_speculative_sampling_follows_the_target_distribution(temperature, top_k, top_p):
+    """40k requests, one seed each: the joint law of the first two emitted tokens equals the target's."""
+    assert sampling_pvalue(temperature, top_k, top_p) > 0.001
+
+
+@pytest.mark.slow
+def test_the_sampling_test_rejects_a_biased_acceptance_rule():
+    """The control: the same test on a sampler that over-accepts drafts by 20 % (threshold_acc 0.8, not
+    lossless) must fail, by far (p ~ 1e-31..1e-37 measured over seed offsets; the test's bar is 0.001)."""
+    assert sampling_pvalue(1.0, 0, 1.0, SpecConfig(3, 2, 5, threshold_acc=0.8)) < 1e-9
 
 
 def test_split_round_executables_give_the_same_output(target, heads, prompts):
