@@ -1,6 +1,7 @@
 """The skinny-matmul kernel (jeagle/kernels/linear.py) against XLA's dot, per tile choice, on the GPU.
 
-For SmolLM2's four layer matmuls (q|k|v 576x960, output 576x576, gate|up 576x3072, down 1536x576) at
+For SmolLM2's four layer matmuls (q|k|v 576x960, output 576x576, gate|up 576x3072, down 1536x576; or
+the Llama-3.1-8B shape's with `--shape llama8b`) at
 M rows, a jitted loop runs `--layers` x `--chains` matmuls in a row, each reading its layer of a
 stacked [L, K, N] bf16 weight at a traced index and feeding the next (x += 1e-3 * a row-sum of y: one
 small fusion per matmul, the same for every variant). Prints us per matmul (median of `--samples`
@@ -22,11 +23,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from common import device_kind, emit  # noqa: E402
 
-SHAPES = {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)}
+SHAPES = {"smollm2": {"qkv": (576, 960), "o": (576, 576), "gate_up": (576, 3072), "down": (1536, 576)},
+          "llama8b": {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}}
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="smollm2", choices=sorted(SHAPES))
     p.add_argument("--rows", default="1,8,48")
     p.add_argument("--layers", type=int, default=30)
     p.add_argument("--chains", type=int, default=8)
@@ -42,7 +45,7 @@ def main(argv=None):
     from jeagle.kernels.settings import KernelSettings, use
 
     bns, splits = ([int(v) for v in part.split(",")] for part in args.grid.split("/"))
-    out = {"bench": "linear_probe", "device": device_kind(), "rows": []}
+    out = {"bench": "linear_probe", "shape": args.shape, "device": device_kind(), "rows": []}
     steps = args.layers * args.chains
 
     def timed(mm, x, w):
@@ -64,7 +67,7 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     with use(KernelSettings(backend="pallas")):
         for m in [int(v) for v in args.rows.split(",")]:
-            for name, (k, n) in SHAPES.items():
+            for name, (k, n) in SHAPES[args.shape].items():
                 x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
                 w = jnp.asarray(rng.normal(size=(args.layers, k, n)) / np.sqrt(k), jnp.bfloat16)
                 row = {"m": m, "name": name, "k": k, "n": n, "default_tiles": lin.linear_tiles(m, k, n)}

@@ -40,6 +40,12 @@ __all__ = ["linear", "linear_reference", "linear_serves", "linear_tiles", "MAX_R
 # (verifies of 144 and 432 rows through this kernel, in row tiles: a batch-48 round 2.81 vs 2.40 ms
 # busy; bench/HISTORY.md session 23).
 MAX_ROWS = 64
+# Weights (K x N elements) up to which `linear_serves`; beyond, XLA's dot. SmolLM2's layer matmuls (<= 1.8 M
+# elements) and its draft head's logits (4.7 M) run faster through the kernel; the Llama-3.1-8B shape's
+# (16.8-117 M) run at 1.0-2.0 TB/s through it, where XLA's dot reads them at ~2.6 (8B target-only at
+# batch 1: 135.5 vs 173.8 tok/s on the H100, bench/HISTORY.md session 24). Between 4.7 and 16.8 M it is
+# unmeasured; 8 M is the cut.
+MAX_WEIGHT = 8 * 1024 * 1024
 BLOCK_N = 32  # columns per program; 16-wide blocks measured slower (1.011 vs 0.990 ms a batch-1 step)
 TARGET_PROGRAMS = 132  # K is split until column blocks x splits reach about one program per H100 SM
 MAX_SPLITS = 8
@@ -67,10 +73,11 @@ def _largest_pow2_divisor(n: int, lo: int, hi: int) -> int | None:
 
 def linear_tiles(m: int, k: int, n: int) -> tuple[int, int, int, int] | None:
     """(rows padded, K block, N block, K splits) for an [m, k] x [k, n] product, or None when the kernel
-    does not take it (m over MAX_ROWS, or k / n not multiples of 16, Triton's smallest dot). A vector
+    does not take it (m over MAX_ROWS, a weight over MAX_WEIGHT elements, or k / n not multiples of 16,
+    Triton's smallest dot). A vector
     form for one row (products summed over K instead of a 16-row dot) measured slower (1.154 vs 0.990
     ms a batch-1 step; session 23): one row is padded to 16 like any other count."""
-    if m < 1 or m > MAX_ROWS:
+    if m < 1 or m > MAX_ROWS or k * n > MAX_WEIGHT:
         return None
     bk = _largest_pow2_divisor(k, 16, 128)
     if bk is None or n % 16:

@@ -50,6 +50,7 @@ def test_tiles():
     assert (mp, bk) == (16, 64) and 960 % bn == 0 and splits >= 2  # few column blocks: K is split too
     assert linear_tiles(48, 576, 960)[0] == 64
     assert linear_tiles(MAX_ROWS + 1, 576, 960) is None  # prefills: XLA's GEMMs
+    assert linear_tiles(1, 4096, 4096) is None and linear_tiles(1, 576, 8192) is not None  # 8B-sized: XLA's dot
     assert linear_tiles(1, 40, 960) is None and linear_tiles(1, 576, 40) is None  # Triton's 16-wide dot
     with use(KernelSettings(backend="reference")):
         assert not linear_serves(1, 576, 960)
