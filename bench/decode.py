@@ -26,6 +26,10 @@ with one prompt says little about a head; `--waves 8` runs the first 8 prompts o
 Every jeagle system's row says how many requests produced exactly target-only's tokens and the shortest
 common prefix (greedy speculation is lossless; in bf16 the verify's different batch shape can part from
 target-only at a near tie). `--engine-config JSON` sets more EngineConfig fields for every jeagle system.
+`--buckets default` gives the engines the batch buckets a user gets (SGLang's list up to the largest
+batch: a batch whose requests finish at different rounds shrinks into the next smaller one); `batches`
+(the default until session 24) makes the timed batch sizes the only buckets (fewer executables to
+compile; a speculative batch's last rounds then run at the full bucket until 16 or 1 rows remain).
 
 Prints a table, writes `--plot` (tokens/s vs batch, one line per system; needs matplotlib, else
 skipped with a message — `--plot-only JSON` draws it later), and prints one JSON line last.
@@ -94,7 +98,7 @@ def token_agreement(got: list[list[int]], want: list[list[int]]) -> dict:
 
 def jeagle_rows(target_dir, head_dir, prompts_ids, batches, max_new, repeats, tier, systems=JEAGLE_SYSTEMS,
                 adaptive_config=None, engine_config: dict | None = None, sampling: dict | None = None,
-                tokenizer=None, kv_chunk: int | None = None, waves: int = 1) -> list[dict]:
+                tokenizer=None, kv_chunk: int | None = None, waves: int = 1, buckets: str = "default") -> list[dict]:
     from jeagle.adaptive import AdaptiveConfig
     from jeagle.checkpoint import load_draft, load_model
     from jeagle.engine import EngineConfig, speculative, target_only
@@ -106,7 +110,8 @@ def jeagle_rows(target_dir, head_dir, prompts_ids, batches, max_new, repeats, ti
     head = load_draft(head_dir, target=model.cfg)
     longest = max(len(p) for p in prompts_ids)
     # The kernel settings come from the environment (JEAGLE_KERNELS, JEAGLE_PAGED_ATTENTION_SPLITS, ...).
-    ec = EngineConfig(max_batch_size=max(batches), batch_buckets=tuple(sorted(set(batches))),
+    ec = EngineConfig(max_batch_size=max(batches),
+                      batch_buckets=tuple(sorted(set(batches))) if buckets == "batches" else None,
                       max_context=longest + max_new + 16, kernels=KernelSettings.from_env(), **(engine_config or {}))
     adaptive = AdaptiveConfig.from_json(adaptive_config) if adaptive_config else AdaptiveConfig()
     make = {"jeagle": lambda: target_only(model, ec),
@@ -156,7 +161,7 @@ def jeagle_rows(target_dir, head_dir, prompts_ids, batches, max_new, repeats, ti
                 return n, merge_waves(stats)
 
             tps, stats = median_run(once, repeats)
-            row = {"system": name, "batch": batch, "tokens_per_s": round(tps, 1)} | (
+            row = {"system": name, "batch": batch, "tokens_per_s": round(tps, 1), "buckets": buckets} | (
                 {"waves": waves} if waves > 1 else {}) | (
                 {"sampling": report} if report else {})
             # Where the median run's time went: decode steps / rounds dispatched, the engine's wall, the
@@ -279,6 +284,8 @@ def main(argv=None) -> dict:
     p.add_argument("--waves", type=int, default=1,
                    help="batches of distinct prompts timed one after another per batch size (batch 1 with "
                         "--waves 8: the first 8 prompts, one at a time); tokens/s over them all")
+    p.add_argument("--buckets", default="default", choices=["default", "batches"],
+                   help="default: the engine's batch buckets (what a user gets); batches: the batch sizes only")
     p.add_argument("--json-out", default=None)
     p.add_argument("--plot", default=None, help="PNG path")
     p.add_argument("--plot-only", default=None, metavar="JSON", help="draw --plot from an earlier --json-out")
@@ -329,7 +336,7 @@ def main(argv=None) -> dict:
     doc["rows"] += jeagle_rows(target_dir, head_dir, prompts_ids, batches, args.max_new_tokens, args.repeats, tier,
                                systems, args.adaptive_config, engine_config,
                                json.loads(args.sampling) if args.sampling else None, tok,
-                               args.kv_chunk, args.waves)
+                               args.kv_chunk, args.waves, args.buckets)
     hf_batches = [int(b) for b in args.hf_batch_sizes.split(",") if b.strip()]
     if hf_batches:
         if args.target is not None:
