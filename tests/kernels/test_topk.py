@@ -1,8 +1,8 @@
 """The draft's one-pass softmax + top-K kernel (jeagle/kernels/topk.py): interpreted on CPU and compiled
 with -m gpu, against `jax.lax.top_k(jax.nn.softmax(x), k)`. Cases: the shipped head's 8,192-entry draft
-vocabulary in one chunk, a vocabulary padded to a whole chunk, one of several chunks (a 32k-entry
-EAGLE-3 draft vocabulary, a target vocabulary for EAGLE-1 heads), k from 1 to the adaptive tiers' 10;
-ties and -inf logits; the switch; the draft's top-K going through it inside a round."""
+vocabulary, rows padded to a power of two, k from 1 to the adaptive tiers' 10; ties and -inf logits;
+longer vocabularies (32k-entry EAGLE-3 heads, EAGLE-1 heads over the target's) and the switch taking
+the reference; the draft's top-K going through it inside a round."""
 
 from __future__ import annotations
 
@@ -12,11 +12,11 @@ import numpy as np
 import pytest
 
 from jeagle.kernels.settings import KernelSettings, use
-from jeagle.kernels.topk import CHUNK, softmax_topk, softmax_topk_reference
+from jeagle.kernels.topk import MAX_VOCAB, softmax_topk, softmax_topk_reference
 from tests.kernels.lowering import lower_for_h100
 
-# (rows, vocabulary, k): batch 1 / batch 4 of a (5,4,8) draft step, padded, several chunks, k = 1 and 10.
-SHAPES = [(1, 8192, 4), (16, 8192, 4), (5, 1000, 4), (3, 2 * CHUNK + 700, 10), (4, 64, 1), (2, 49152, 8)]
+# (rows, vocabulary, k): batch 1 / batch 4 of a (5,4,8) draft step, padded rows, k = 1 and 10.
+SHAPES = [(1, 8192, 4), (16, 8192, 4), (5, 1000, 4), (3, 5000, 10), (4, 64, 1), (2, 4096, 8)]
 
 
 def logits(r, v, seed, dtype=jnp.float32):
@@ -71,6 +71,10 @@ def test_switch_and_validation(monkeypatch):
         softmax_topk(x, 3)  # the switch off: the reference, the kernel never called
     with use(KernelSettings(backend="reference")):
         softmax_topk(x, 3)
+    big = logits(2, MAX_VOCAB + 1, 0)  # a longer vocabulary: the reference, equal to itself
+    with use(KernelSettings(backend="interpret")):
+        p, idx = softmax_topk(big, 4)
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(softmax_topk_reference(big, 4)[1]))
     assert not calls
     with pytest.raises(ValueError, match="k must be in"):
         softmax_topk(x, 65)
@@ -100,7 +104,7 @@ def test_rounds_take_the_draft_topk_through_the_kernel(monkeypatch):
 
 def test_lowers_for_h100():
     with use(KernelSettings(backend="pallas")):
-        for r, v, k in [(4, 8192, 4), (192, 8192, 4), (10, 2 * CHUNK + 700, 10)]:
+        for r, v, k in [(4, 8192, 4), (192, 8192, 4), (10, 5000, 10)]:
             lower_for_h100(lambda a: softmax_topk(a, k), logits(r, v, 0))
 
 
