@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import sys
 import time
 
 from jeagle.runtime.kv import Committed, ShortOfSlots
@@ -54,17 +55,12 @@ class KVFlow:
         retracted 47 requests in 15 s and served 0.92x (target-only) and 0.31x (EAGLE) the old
         whole-context reservation (H100, bench/HISTORY.md session 21). r's cached prefix is not
         counted (`KVManager.admit` takes only what r adds). Nothing running: none (r is admitted if
-        it fits at all)."""
+        it fits at all). The running requests' part is summed once per `_admit_waiting` (`_books`)."""
         ratio = self.new_token_ratio
-        running = self._holders()
-        if ratio <= 0 or not running:
+        books = self._books()
+        if ratio <= 0 or not books.holders:
             return 0
-
-        def expected(x: Request) -> float:  # positions x is expected to reach
-            return len(x.seq) + ratio * max(0, x.position_cap - len(x.seq))
-
-        grow = sum(max(0.0, expected(x) - len(x.table)) for x in running) + max(0.0, expected(r) - positions)
-        return math.ceil(grow)
+        return math.ceil(books.grow.value() + max(0.0, expected_positions(r, ratio) - positions))
 
     def _retracted_ratio(self) -> None:
         """After a retraction (SGLang's estimate): the share the running requests have used so far
@@ -81,18 +77,47 @@ class KVFlow:
         earlier in the same `_admit_waiting` call (their prefill not dispatched yet)."""
         return [x for x in self._running + self._admitting if x.table is not None]
 
+    # Admission's sums over `_holders()` (`AdmissionBooks`), kept through one `_admit_waiting` call
+    # (`_open_books` .. `_close_books`): there nothing changes a holder's table or tokens, or the
+    # ratio, but a trim (they are summed again) and the admissions (each adds its request). Outside
+    # such a call every `_admit` sums afresh. Summed per admitted request, they cost O(running) each:
+    # O(N^2) host time to fill a batch of N (bench/probes/admission.py, CPU: generate() of 8,000
+    # requests at once spent 41 of its 42 s admitting them, target-only; 3.2 s in all with the books).
+    # Once per call, not kept across steps: the ratio moves every step and with it every holder's term
+    # (and whether it is clipped at 0), so no exact running form outlives a step; a step costs
+    # O(running) anyway.
+    _books_open = False
+    _books_kept: AdmissionBooks | None = None
+
+    def _open_books(self) -> None:
+        self._books_open, self._books_kept = True, None
+
+    def _close_books(self) -> None:
+        self._books_open, self._books_kept = False, None
+
+    def _books(self) -> AdmissionBooks:
+        books = self._books_kept
+        if books is None or books.ratio != self.new_token_ratio:
+            books = AdmissionBooks(self.new_token_ratio, self.kv.chunk)
+            for x in self._holders():
+                books.add(x)
+            if self._books_open:
+                self._books_kept = books
+        return books
+
     def _admit(self, r: Request) -> bool:
+        """Admit r if the pool has room for it and for what the holders are expected to grow into
+        (`KVManager.admit`); the caller then adds it to `_admitting`."""
         lay, kv = self.decoder.layout, self.kv
         extra = lay.tree + lay.scratch
         # Room for the prompt and a chunk more (its whole context while the pool has room to spare:
         # no slot-table update while it runs); the running requests keep a chunk each to grow into.
         chunk = kv.chunk
-        running = self._holders()
-        headroom = sum(min(chunk, x.position_cap - len(x.table)) for x in running)
+        books = self._books()
+        headroom = books.headroom
         # What everything else could still ask: the running requests' whole contexts, a whole context
         # for every other free row.
-        elsewhere = (sum(x.position_cap - len(x.table) for x in running)
-                     + (self.pool.free_rows - 1) * (self.max_context + extra))
+        elsewhere = books.want + (self.pool.free_rows - 1) * (self.max_context + extra)
         positions = (r.position_cap if kv.roomy(r.position_cap + extra + headroom, elsewhere)
                      else min(r.position_cap, len(r.seq) + chunk))
         room = max(headroom, self._expected_room(r, positions))
@@ -102,6 +127,7 @@ class KVFlow:
             # many into the growth still expected, so it would only cost slot-table updates.
             if room > headroom or not (self.pool.free_rows and self._trim_running()):
                 return False
+            self._books_kept = None  # the running requests' tables shrank: summed again
             positions = min(r.position_cap, len(r.seq) + chunk)
             if not kv.admit(r, positions, extra, max(headroom, self._expected_room(r, positions))):
                 return False
@@ -109,6 +135,8 @@ class KVFlow:
             r.cached_tokens = r.cached
         self._admitted += 1
         r.admit_order = self._admitted
+        if self._books_kept is not None:
+            self._books_kept.add(r)  # the next holder: the caller appends r to `_admitting`
         return True
 
     def _trim_running(self) -> int:
@@ -220,3 +248,58 @@ class KVFlow:
         self._retracted_ratio()
         log.info("retracted request %d after %d tokens (%d KV slots free)", r.index, len(r.out.token_ids),
                  self.pool.free_slots)
+
+
+def expected_positions(x: Request, ratio: float) -> float:
+    """The positions x is expected to reach: what it holds of its sequence and `ratio` of the rest."""
+    n = len(x.prompt) + len(x.out.token_ids)  # len(x.seq), without building it
+    return n + ratio * max(0, x.position_cap - n)
+
+
+class FloatSum:
+    """`builtins.sum` of the floats added so far, in that order, kept as they come: CPython 3.12 and
+    later sum floats with Neumaier's compensation (earlier ones left to right), and `value()` is that
+    sum bit for bit (tests/test_admission_books.py)."""
+    __slots__ = ("s", "c")
+
+    def __init__(self):
+        self.s, self.c = 0.0, 0.0
+
+    if sys.version_info >= (3, 12):
+        def add(self, x: float) -> None:
+            s = self.s
+            t = s + x
+            if abs(s) >= abs(x):
+                self.c += (s - t) + x
+            else:
+                self.c += (x - t) + s
+            self.s = t
+
+        def value(self) -> float:
+            c = self.c
+            return self.s + c if c and math.isfinite(c) else self.s
+    else:
+        def add(self, x: float) -> None:
+            self.s += x
+
+        def value(self) -> float:
+            return self.s
+
+
+class AdmissionBooks:
+    """What admission sums over the requests holding slots (`KVFlow._holders`), in their order, at one
+    `new_token_ratio`: `headroom` (a chunk each, within its context), `want` (the rest of every
+    context) and `grow` (the expected positions past what each holds, `KVFlow._expected_room`)."""
+    __slots__ = ("ratio", "chunk", "holders", "headroom", "want", "grow")
+
+    def __init__(self, ratio: float, chunk: int):
+        self.ratio, self.chunk = ratio, chunk
+        self.holders = self.headroom = self.want = 0
+        self.grow = FloatSum()
+
+    def add(self, x: Request) -> None:
+        have, cap = len(x.table), x.position_cap
+        self.holders += 1
+        self.headroom += min(self.chunk, cap - have)
+        self.want += cap - have
+        self.grow.add(max(0.0, expected_positions(x, self.ratio) - have))

@@ -227,17 +227,21 @@ class Engine(KVFlow):
             # continue one of them (the next turn of a chat). This waits for the round in flight.
             self._ask_tables()
             self._complete_releases()
-        while waiting and len(running) + len(group) < self.max_running:
-            nxt = waiting[0]
-            if group and (not self.buckets.prefill_fits(len(group) + 1, max(longest, len(nxt.seq) - nxt.start))
-                          or self.kv.shares_prefix(nxt, group)):
-                flush()
-                longest = 0
-                continue
-            if not self._admit(nxt):
-                break
-            group.append(waiting.popleft())
-            longest = max(longest, len(nxt.seq) - nxt.start)
+        self._open_books()  # admission's sums over the running requests: once in this call, not per request
+        try:
+            while waiting and len(running) + len(group) < self.max_running:
+                nxt = waiting[0]
+                if group and (not self.buckets.prefill_fits(len(group) + 1, max(longest, len(nxt.seq) - nxt.start))
+                              or self.kv.shares_prefix(nxt, group)):
+                    flush()
+                    longest = 0
+                    continue
+                if not self._admit(nxt):
+                    break
+                group.append(waiting.popleft())
+                longest = max(longest, len(nxt.seq) - nxt.start)
+        finally:
+            self._close_books()
         if group:
             flush()
         if waiting and not running and not self._pending:
