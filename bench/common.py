@@ -111,8 +111,15 @@ def median_run(fn, repeats: int) -> tuple[float, dict]:
 
 
 # ---- random models of a named shape ---------------------------------------------------------------------
-def random_eagle3_head(cfg, seed: int = 1):
-    """A one-layer EAGLE-3 head shaped for `cfg` (32k draft vocabulary, as the published 8B heads)."""
+# The draft vocabulary of a shape's random EAGLE-3 head: the shipped SmolLM2 head's 8,192 (its draft top-K
+# then takes the same kernel as the real head's), the published 8B heads' 32,000. Until session 24 every
+# shape's random head had min(32000, vocab): SmolLM2 rounds measured before then drafted over 32,000.
+DRAFT_VOCAB = {"smollm2": 8192, "llama8b": 32000}
+
+
+def random_eagle3_head(cfg, seed: int = 1, draft_vocab: int | None = None):
+    """A one-layer EAGLE-3 head shaped for `cfg`, its draft vocabulary `draft_vocab` (default: 32k, as
+    the published 8B heads, or the target's if smaller)."""
     from jeagle.config import DraftConfig
     from jeagle.models.eagle import random_draft
 
@@ -120,7 +127,8 @@ def random_eagle3_head(cfg, seed: int = 1):
     return random_draft(DraftConfig(kind="eagle3", hidden_size=cfg.hidden_size, intermediate_size=cfg.intermediate_size,
                                     num_layers=1, num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
                                     head_dim=cfg.head_dim, vocab_size=cfg.vocab_size,
-                                    draft_vocab_size=min(32000, cfg.vocab_size), target_hidden_size=cfg.hidden_size,
+                                    draft_vocab_size=min(draft_vocab or 32000, cfg.vocab_size),
+                                    target_hidden_size=cfg.hidden_size,
                                     aux_layer_ids=(min(2, n - 1), n // 2, max(n - 3, 0)), rope_theta=cfg.rope_theta,
                                     rms_norm_eps=cfg.rms_norm_eps), seed=seed)
 

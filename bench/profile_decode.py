@@ -32,7 +32,8 @@ import json
 import tempfile
 import time
 
-from common import SHAPES, PhaseMap, device_events_by_device, device_kind, emit, idle_gaps, random_eagle3_head
+from common import (DRAFT_VOCAB, SHAPES, PhaseMap, device_events_by_device, device_kind, emit, idle_gaps,
+                    random_eagle3_head)
 
 
 def decode_phase(events: list[tuple]) -> tuple[list[tuple], bool]:
@@ -117,7 +118,7 @@ def main(argv=None):
     if args.spec:
         from jeagle.spec.round import SpecConfig
 
-        head = random_eagle3_head(cfg)
+        head = random_eagle3_head(cfg, draft_vocab=DRAFT_VOCAB.get(args.shape))
         tier = SpecConfig(*(int(x) for x in args.spec.split(",")))
     # (A bare --unroll once meant "all"; False, the old default, overrode the engine's own choice.)
     unroll = {"auto": None, "all": True}.get(args.unroll, args.unroll)

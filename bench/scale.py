@@ -30,7 +30,7 @@ import re
 import tempfile
 import time
 
-from common import SHAPES, device_events_by_device, emit, git_commit, median_run, random_eagle3_head
+from common import DRAFT_VOCAB, SHAPES, device_events_by_device, emit, git_commit, median_run, random_eagle3_head
 
 # SGLang's published single-H100 Llama-3.1-8B figures (issue 9): tokens/s at batch 1.
 SGLANG_H100 = {"target_only": 158.3, "eagle3_tau_4.68": 361.7, "eagle3_mtbench": 373.3}
@@ -151,7 +151,7 @@ def main(argv=None) -> dict:
     kernels = KernelSettings.from_env()  # JEAGLE_KERNELS, JEAGLE_PAGED_ATTENTION_SPLITS, ...: read once, here
     bw = copy_bandwidth()
     model = random_model(cfg)
-    head = random_eagle3_head(cfg) if taus else None
+    head = random_eagle3_head(cfg, draft_vocab=DRAFT_VOCAB.get(args.shape)) if taus else None
     # A decode step reads every weight but the input embedding (B rows of it; tied: it is the lm_head).
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(nnx.state(model)))
     if not cfg.tie_word_embeddings:
