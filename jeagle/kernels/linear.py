@@ -74,9 +74,9 @@ def _largest_pow2_divisor(n: int, lo: int, hi: int) -> int | None:
 def linear_tiles(m: int, k: int, n: int) -> tuple[int, int, int, int] | None:
     """(rows padded, K block, N block, K splits) for an [m, k] x [k, n] product, or None when the kernel
     does not take it (m over MAX_ROWS, a weight over MAX_WEIGHT elements, or k / n not multiples of 16,
-    Triton's smallest dot). A vector
-    form for one row (products summed over K instead of a 16-row dot) measured slower (1.154 vs 0.990
-    ms a batch-1 step; session 23): one row is padded to 16 like any other count."""
+    Triton's smallest dot). A vector form for one row (products summed over K instead of a 16-row dot)
+    measured slower (1.154 vs 0.990 ms a batch-1 step; session 23): one row is padded to 16 like any
+    other count."""
     if m < 1 or m > MAX_ROWS or k * n > MAX_WEIGHT:
         return None
     bk = _largest_pow2_divisor(k, 16, 128)

@@ -44,12 +44,18 @@ def project(x: jax.Array, wi: Mapping, name: str) -> jax.Array:
     """x [..., K] @ wi[name] [K, N]. Through the skinny-matmul kernel (jeagle/kernels/linear.py) when
     `wi` is a `LayerWeights`, the rows are few enough (decode steps, rounds, draft steps), the
     settings allow it and no tensor-parallel mesh splits the weight; else XLA's dot."""
-    if isinstance(wi, LayerWeights) and current().linear and context_tp() == 1:
+    if isinstance(wi, LayerWeights):
         w = wi.stacked[name]
         m, k, n = math.prod(x.shape[:-1]), x.shape[-1], w.shape[-1]
-        if linear_serves(m, k, n):
+        if _linear_takes(m, k, n):
             return linear(x.reshape(m, k), w, wi.layer).reshape(*x.shape[:-1], n)
     return x @ wi[name]
+
+
+def _linear_takes(m: int, k: int, n: int) -> bool:
+    """Whether an [m, k] x [k, n] product of the models goes through the skinny-matmul kernel: the
+    settings allow it, no tensor-parallel mesh splits the weight, and the kernel serves the shape."""
+    return current().linear and context_tp() == 1 and linear_serves(m, k, n)
 
 
 def head_logits(x: jax.Array, head: jax.Array) -> jax.Array:
@@ -57,7 +63,7 @@ def head_logits(x: jax.Array, head: jax.Array) -> jax.Array:
     (transposed weight, fp32 out) when the rows are few (a draft step's B x K, the draft extend's B),
     the settings allow it and no tensor-parallel mesh is active; else XLA's dot."""
     m, h, v = math.prod(x.shape[:-1]), x.shape[-1], head.shape[0]
-    if current().linear and context_tp() == 1 and linear_serves(m, h, v):
+    if _linear_takes(m, h, v):
         return linear(x.reshape(m, h), head, transposed=True, out_dtype=jnp.float32).reshape(*x.shape[:-1], v)
     return jnp.einsum("...h,vh->...v", x, head.astype(x.dtype), preferred_element_type=jnp.float32)
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 import time
 
 from jeagle.runtime.kv import Committed, ShortOfSlots
@@ -257,33 +256,26 @@ def expected_positions(x: Request, ratio: float) -> float:
 
 
 class FloatSum:
-    """`builtins.sum` of the floats added so far, in that order, kept as they come: CPython 3.12 and
-    later sum floats with Neumaier's compensation (earlier ones left to right), and `value()` is that
-    sum bit for bit (tests/test_admission_books.py)."""
+    """`builtins.sum` of the floats added so far, in that order, kept as they come: CPython (3.12 and
+    later, what jeagle requires) sums floats with Neumaier's compensation, and `value()` is that sum
+    bit for bit (tests/test_admission_books.py)."""
     __slots__ = ("s", "c")
 
     def __init__(self):
         self.s, self.c = 0.0, 0.0
 
-    if sys.version_info >= (3, 12):
-        def add(self, x: float) -> None:
-            s = self.s
-            t = s + x
-            if abs(s) >= abs(x):
-                self.c += (s - t) + x
-            else:
-                self.c += (x - t) + s
-            self.s = t
+    def add(self, x: float) -> None:
+        s = self.s
+        t = s + x
+        if abs(s) >= abs(x):
+            self.c += (s - t) + x
+        else:
+            self.c += (x - t) + s
+        self.s = t
 
-        def value(self) -> float:
-            c = self.c
-            return self.s + c if c and math.isfinite(c) else self.s
-    else:
-        def add(self, x: float) -> None:
-            self.s += x
-
-        def value(self) -> float:
-            return self.s
+    def value(self) -> float:
+        c = self.c
+        return self.s + c if c and math.isfinite(c) else self.s
 
 
 class AdmissionBooks:

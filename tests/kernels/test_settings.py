@@ -49,30 +49,22 @@ def test_from_env_triton_gemm(text, want):
     assert KernelSettings.from_env({"JEAGLE_TRITON_GEMM": text}).triton_gemm is want  # only "1" turns it on
 
 
+SWITCHES = [("JEAGLE_LINEAR", "linear"), ("JEAGLE_TOPK", "topk")]  # kernels on unless turned off
+
+
+@pytest.mark.parametrize("env,field", SWITCHES)
 @pytest.mark.parametrize("text,want", [("1", True), ("0", False), ("off", False), ("", True), (None, True)])
-def test_from_env_linear(text, want):
-    env = {} if text is None else {"JEAGLE_LINEAR": text}
-    assert KernelSettings.from_env(env).linear is want  # on unless turned off
+def test_from_env_kernel_switches(env, field, text, want):
+    environ = {} if text is None else {env: text}
+    assert getattr(KernelSettings.from_env(environ), field) is want
 
 
-def test_linear_refuses_bad_values():
-    with pytest.raises(ValueError, match="JEAGLE_LINEAR='maybe': expected 1 or 0"):
-        KernelSettings.from_env({"JEAGLE_LINEAR": "maybe"})
-    with pytest.raises(ValueError, match="linear must be a bool"):
-        KernelSettings(linear="yes")
-
-
-@pytest.mark.parametrize("text,want", [("1", True), ("0", False), ("off", False), ("", True), (None, True)])
-def test_from_env_topk(text, want):
-    env = {} if text is None else {"JEAGLE_TOPK": text}
-    assert KernelSettings.from_env(env).topk is want  # on unless turned off
-
-
-def test_topk_refuses_bad_values():
-    with pytest.raises(ValueError, match="JEAGLE_TOPK='2': expected 1 or 0"):
-        KernelSettings.from_env({"JEAGLE_TOPK": "2"})
-    with pytest.raises(ValueError, match="topk must be a bool"):
-        KernelSettings(topk=1)
+@pytest.mark.parametrize("env,field", SWITCHES)
+def test_kernel_switches_refuse_bad_values(env, field):
+    with pytest.raises(ValueError, match=f"{env}='maybe': expected 1 or 0"):
+        KernelSettings.from_env({env: "maybe"})
+    with pytest.raises(ValueError, match=f"{field} must be a bool"):
+        KernelSettings(**{field: "yes"})
 
 
 def test_from_env_xla_options():
