@@ -15,21 +15,35 @@ SGLang's EMA policy: on the H100 it measured ahead of the cost-aware one on the 
     AdaptiveController   feeds the policy after each verify and swaps the active TierState (a reference
                          swap: every tier is compiled at warm-up, a switch never compiles)
 
-The throughput policy. A round of a tier with reach D = min(S, N - 1) (the deepest node its tree can
-hold) accepts a drafts (bonus excluded): depths 1..a passed, depth a + 1 was tried and failed when
-a < D, and nothing is known past D. Counts per depth, decayed over the last `accept_window`
-request-rounds (so a batch of 16 forgets 16 times faster per verify than a batch of 1), give the
-conditional acceptance p_d = P(depth d accepted | depth d - 1 accepted), each shrunk towards the
-depth above it (pseudo-counts `PRIOR_WEIGHT`), so a depth no tier has tried yet is estimated like the
-deepest one tried (a geometric tail). Tier j would emit E_j = 1 + sum_{d <= D_j} p_1 ... p_d tokens
-per round (bonus included) and costs T_j, its measured round time at the current batch bucket;
-every `update_interval` verifies after `warmup_batches` (defaults 1 and 8: a decision costs
-microseconds; the first rounds' times are noisy) the policy picks argmax E_j / T_j, and leaves
-the active tier only for one at least `switch_margin` faster. Under this policy the base tier
-(S, K, N) is always one of the tiers (it starts there). Tree shape beyond depth (a wider N at the
-same depth) is not modelled: tiers are compared through their depth alone, so a tier whose tree is
-narrower than the one that produced the counts is over-estimated. (Per-tier counts with probes were
-tried, 6cc26c0: a tier's counts from an earlier phase of the workload then held it off for good;
+The throughput policy. Every `update_interval` verifies after `warmup_batches` (defaults 1 and 8: a
+decision costs microseconds; the first rounds' times are noisy) it picks argmax E_j / T_j, E_j the
+tokens per round (bonus included) tier j would emit now and T_j its measured round time at the
+current batch bucket (`RoundTimes`), and leaves the active tier only for one at least
+`switch_margin` faster. Under this policy the base tier (S, K, N) is always one of the tiers (it
+starts there). E_j comes from, in order:
+  1. rounds that observed tier j: its own, and those of any tier that nests it (the same K, no more
+     steps: `nested_tiers`). A round reports what each nested tier's tree would have accepted
+     (`jeagle.spec.round.nested_accepts`: exact for greedy rows but in a rare case, where it is a
+     lower bound), so the tiers below the active one are measured every round, tree width included;
+     decayed over the last `accept_window` request-rounds (a batch of 16 forgets 16 times faster per
+     verify than a batch of 1).
+  2. for a tier the active one does not nest: the active tier's E times the ratio of the two over
+     the request-rounds that observed both, kept over RATIO_WINDOW accept windows (a ratio holds
+     across text far better than either accept length). A larger tier's rounds observe the active
+     one, so every `probe_interval` verifies one round runs the smallest tier nesting the active one
+     (a probe) to keep that ratio current.
+  3. a tier never observed beside the active one: the depth model below, scaled to agree with the
+     active tier's observed E.
+At a switch the estimates decided on seed every tier's recent mean (SEED_ROUNDS of a window), so the
+new tier's first rounds refine them rather than its rounds from long ago.
+The depth model. A round of reach D = min(S, N - 1) (the deepest node its tree can hold) accepts a
+drafts: depths 1..a passed, depth a + 1 was tried and failed when a < D, nothing is known past D.
+Counts per depth, decayed like (1), give p_d = P(depth d accepted | depth d - 1 accepted), each
+shrunk towards the depth above it (pseudo-counts `PRIOR_WEIGHT`), so a depth no tier has tried is
+estimated like the deepest one tried (a geometric tail); E_j = 1 + sum_{d <= D_j} p_1 ... p_d. It
+sees depth only: a narrower tree at the same depth is over-estimated, a wider one under-estimated,
+which is why (1) and (2) come first. (Per-tier counts with probes and no nesting were tried in
+6cc26c0: a tier's counts from an earlier phase of the workload then held it off for good;
 bench/HISTORY.md session 12.)
 
 The EMA policy. After each verify, batch_avg = mean accepted draft tokens per request (bonus
@@ -44,6 +58,8 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -52,6 +68,9 @@ POLICIES = ("throughput", "ema")
 PRIOR_WEIGHT = 2.0  # pseudo-rounds shrinking a depth's acceptance towards the depth above it
 PRIOR_ACCEPT = 0.5  # depth 1's prior acceptance
 STALE_DECAY = 4  # counts of depths past the running tier's reach fade this many times faster
+RATIO_WINDOW = 8  # two tiers' accept-length ratio is kept over this many accept windows
+MIN_PAIR_TOKENS = 4.0  # tokens (decayed) behind a ratio before it replaces the depth model
+SEED_ROUNDS = 0.25  # at a switch, the estimates decided on count as this share of an accept window
 
 
 class AdaptiveConfigError(ValueError):
@@ -86,6 +105,7 @@ class AdaptiveConfig:
     policy: str = "ema"  # SGLang's; or "throughput" (expected tokens per second)
     accept_window: int = 32  # throughput: request-rounds over which the per-depth acceptance counts decay (1/e)
     switch_margin: float = 0.03  # throughput: leave the active tier only for one this much faster
+    probe_interval: int = 16  # throughput: every this many verifies, one round of the next larger tier (0: never)
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -122,6 +142,7 @@ class AdaptiveConfig:
         object.__setattr__(self, "up_hysteresis", _float("up_hysteresis", self.up_hysteresis))
         _int("accept_window", self.accept_window, 1)
         object.__setattr__(self, "switch_margin", _float("switch_margin", self.switch_margin, 0.0))
+        _int("probe_interval", self.probe_interval, 0)
 
     @classmethod
     def from_dict(cls, d: dict) -> "AdaptiveConfig":
@@ -211,20 +232,40 @@ class AdaptivePolicy:
         return changed
 
 
+def nested_tiers(tiers: Sequence[tuple[int, int, int]]) -> list[tuple[int, ...]]:
+    """For each tier (S, K, N), the indices of the other tiers nested in it: the same K and S' <= S,
+    so that a round of it tells what each of them would have accepted (`jeagle.spec.round.nested_accepts`)."""
+    return [tuple(i for i, (s_i, k_i, _) in enumerate(tiers) if i != j and k_i == k and s_i <= s)
+            for j, (s, k, _) in enumerate(tiers)]
+
+
 class ThroughputPolicy:
     """The tier with the most expected tokens per second (module docstring). `tiers`: (S, K, N) each,
     in the controller's order."""
 
     def __init__(self, config: AdaptiveConfig, tiers: Sequence[tuple[int, int, int]], initial_index: int):
         self.cfg = config
+        self.tiers = [tuple(t) for t in tiers]
         self.reach = [min(s, n - 1) for s, _, n in tiers]
         deepest = max(self.reach)
         self.tried = [0.0] * (deepest + 1)  # [d]: decayed rounds that tried depth d (index 0 unused)
         self.passed = [0.0] * (deepest + 1)  # [d]: ... that accepted it
+        self.nests = nested_tiers(self.tiers)
+        n = len(tiers)
+        # Tokens per request-round (bonus included) each tier emitted or would have emitted, decayed over
+        # accept_window request-rounds (a tier not observed fades with the rest)...
+        self.tokens = [0.0] * n
+        self.weight = [0.0] * n
+        # ... and for each pair (j, i) observed in the same request-rounds, their sums over a window
+        # RATIO_WINDOW times longer: tier j's accept length relative to tier i's.
+        self.pair = [[[0.0, 0.0] for _ in range(n)] for _ in range(n)]
         self.index = initial_index
         self.batches = 0
+        self.since_probe = 0
+        self.probes = 0
         self.last_rates: list[float | None] = [None] * len(tiers)  # expected tokens/ms at the last decision
 
+    # ---- the depth model (tiers no round has observed) -------------------------------------------
     def observe(self, accepted: Sequence[int], reach: int) -> None:
         """One verify's accepted drafts per request (bonus excluded) from rounds of reach `reach`."""
         keep = (1.0 - 1.0 / self.cfg.accept_window) ** len(accepted)
@@ -249,8 +290,8 @@ class ThroughputPolicy:
             out.append(prior)
         return out
 
-    def expected_tokens(self) -> list[float]:
-        """E_j: tokens per round (bonus included) each tier would emit."""
+    def model_tokens(self) -> list[float]:
+        """The depth model's tokens per round (bonus included) for each tier."""
         rates, out = self.accept_rates(), []
         for reach in self.reach:
             e, run = 1.0, 1.0
@@ -260,13 +301,77 @@ class ThroughputPolicy:
             out.append(e)
         return out
 
-    def update(self, accepted: Sequence[int], ran: int, round_ms: Callable[[int], float | None]) -> bool:
+    # ---- observed and nested accept lengths ------------------------------------------------------
+    def record(self, accepted: Sequence[int], ran: int, nested: Sequence[Sequence[int]] | None = None) -> None:
+        """One verify of tier `ran`: its accepted drafts per request and, per request, what each tier of
+        `nests[ran]` would have accepted (-1: unknown)."""
+        n = len(accepted)
+        keep = (1.0 - 1.0 / self.cfg.accept_window) ** n
+        self.tokens = [x * keep for x in self.tokens]
+        self.weight = [x * keep for x in self.weight]
+        slow = (1.0 - 1.0 / (RATIO_WINDOW * self.cfg.accept_window)) ** n
+        seen = (ran,) + (self.nests[ran] if nested is not None else ())
+        for j in seen:
+            for i in seen:
+                if i != j:
+                    self.pair[j][i] = [x * slow for x in self.pair[j][i]]
+        for row, a in enumerate(accepted):
+            vals = {ran: a + 1.0}
+            if nested is not None:
+                vals.update((i, v + 1.0) for i, v in zip(self.nests[ran], nested[row]) if v >= 0)
+            for j, v in vals.items():
+                self.tokens[j] += v
+                self.weight[j] += 1.0
+                for i, u in vals.items():
+                    if i != j:
+                        self.pair[j][i][0] += v
+                        self.pair[j][i][1] += u
+
+    def expected_tokens(self) -> list[float]:
+        """E_j: tokens per round (bonus included) each tier would emit now. The active tier and those
+        nested in it: their recent rounds (observed or would-be, exact for greedy rows); a larger tier:
+        the active one's times its ratio to it over the request-rounds that observed both (a probe
+        round observes both: `probe`); a tier never observed beside the active one: the depth model,
+        scaled to agree with the active tier's observed accept length."""
+        r = self.index
+        model = self.model_tokens()
+        if self.weight[r] <= 0:
+            return model
+        e_r = self.tokens[r] / self.weight[r]
+        out = []
+        for j in range(len(self.tiers)):
+            num, den = self.pair[j][r]
+            if (j == r or j in self.nests[r]) and self.weight[j] > 0:
+                out.append(self.tokens[j] / self.weight[j])
+            elif den >= MIN_PAIR_TOKENS:
+                out.append(e_r * num / den)
+            else:
+                out.append(model[j] * e_r / model[r])
+        return out
+
+    def probe(self) -> int | None:
+        """The tier to run for one round instead of the active one, or None: every `probe_interval`
+        verifies, the smallest tier that nests the active one (so its round also tells the active
+        tier's, and the pair's ratio stays current while the active tier cannot see it)."""
+        if not self.cfg.probe_interval or self.since_probe < self.cfg.probe_interval:
+            return None
+        up = [j for j in range(len(self.tiers)) if self.index in self.nests[j] and self.tiers[j] != self.tiers[self.index]]
+        if not up:
+            return None
+        self.since_probe = 0
+        self.probes += 1
+        return min(up, key=lambda j: self.tiers[j])
+
+    def update(self, accepted: Sequence[int], ran: int, round_ms: Callable[[int], float | None],
+               nested: Sequence[Sequence[int]] | None = None) -> bool:
         """Feed one verify of tier index `ran`; round_ms(j): tier j's round time at the current bucket
         (None: unknown). True if the active tier changed."""
         if len(accepted) == 0:
             return False
         self.observe(accepted, self.reach[ran])
+        self.record(accepted, ran, nested)
         self.batches += 1
+        self.since_probe += 1
         past = self.batches - self.cfg.warmup_batches
         if past <= 0 or past % self.cfg.update_interval:
             return False
@@ -281,6 +386,12 @@ class ThroughputPolicy:
         best = max((j for j, r in enumerate(self.last_rates) if r is not None), key=lambda j: self.last_rates[j])
         if best == self.index or self.last_rates[best] <= now * (1.0 + self.cfg.switch_margin):
             return False
+        # What the decision saw becomes every tier's recent mean, at the weight of SEED_ROUNDS of the
+        # window's request-rounds: the new tier's own rounds take over from there (its old rounds, from
+        # before it was left, would otherwise speak first and could send the policy straight back).
+        seed = self.cfg.accept_window * SEED_ROUNDS
+        self.tokens = [e * seed for e in self.expected_tokens()]
+        self.weight = [seed] * len(self.tiers)
         self.index = best
         return True
 
@@ -288,17 +399,18 @@ class ThroughputPolicy:
 class RoundTimes:
     """One round's wall time (ms) per (tier index, bucket): `calibrated` from timed runs at warm-up
     (or the first dispatch of a bucket), `observed` online in the steady state. A tier observed at a
-    bucket `min_samples` times is estimated by its observations (an EMA; the first rounds after a
-    prefill or a switch are noisy), one not (yet) by its calibration times the running ratio
-    observed / calibrated (online rounds carry host work and real prefixes a calibration run on
-    padding rows lacks, and every tier carries them alike)."""
+    bucket `min_samples` times is estimated by the median of its last `window` observations (the
+    first rounds after a prefill or a switch, and a round the host kept waiting, are outliers an
+    average would carry for many rounds), one not (yet) by its calibration times the median ratio
+    observed / calibrated of the last `window` observations at any tier (online rounds carry host
+    work and real prefixes a calibration run on padding rows lacks, and every tier carries them
+    alike)."""
 
-    def __init__(self, alpha: float = 0.1, min_samples: int = 8):
-        self.alpha, self.min_samples = alpha, min_samples
+    def __init__(self, window: int = 15, min_samples: int = 8):
+        self.window, self.min_samples = window, min_samples
         self.calibration: dict[tuple, float] = {}
-        self.online: dict[tuple, float] = {}
-        self.samples: dict[tuple, int] = {}
-        self.ratio: float | None = None  # EMA of observed / calibrated
+        self.online: dict[tuple, deque] = {}
+        self.ratios: deque = deque(maxlen=window)  # observed / calibrated
 
     def has(self, tier: int, bucket) -> bool:
         return (tier, bucket) in self.calibration
@@ -307,17 +419,20 @@ class RoundTimes:
         self.calibration[tier, bucket] = ms
 
     def observed(self, tier: int, bucket, ms: float) -> None:
-        key, a = (tier, bucket), self.alpha
-        self.online[key] = ms if key not in self.online else (1 - a) * self.online[key] + a * ms
-        self.samples[key] = self.samples.get(key, 0) + 1
+        key = (tier, bucket)
+        self.online.setdefault(key, deque(maxlen=self.window)).append(ms)
         if key in self.calibration:
-            r = ms / self.calibration[key]
-            self.ratio = r if self.ratio is None else (1 - a) * self.ratio + a * r
+            self.ratios.append(ms / self.calibration[key])
+
+    @property
+    def ratio(self) -> float | None:
+        return statistics.median(self.ratios) if self.ratios else None
 
     def estimate(self, tier: int, bucket) -> float | None:
         key = (tier, bucket)
-        if self.samples.get(key, 0) >= self.min_samples or (key in self.online and key not in self.calibration):
-            return self.online[key]
+        seen = self.online.get(key, ())
+        if len(seen) >= self.min_samples or (seen and key not in self.calibration):
+            return statistics.median(seen)
         if key in self.calibration:
             return self.calibration[key] * (self.ratio or 1.0)
         return None
@@ -361,14 +476,32 @@ class AdaptiveController:
     def active_index(self) -> int:
         return self.policy.index
 
-    def on_verify_complete(self, accept_lengths: Sequence[float], ran: int | None = None, bucket=None) -> bool:
+    @property
+    def nests(self) -> list[tuple[int, ...]]:
+        """Per tier, the tiers nested in it whose would-be accept lengths its rounds should report
+        (the throughput policy's; none for the EMA policy)."""
+        if isinstance(self.policy, ThroughputPolicy):
+            return self.policy.nests
+        return [()] * len(self.states)
+
+    def dispatch_index(self) -> int:
+        """The tier the next dispatch runs: the active one, or now and then a probe (`ThroughputPolicy.probe`)."""
+        if isinstance(self.policy, ThroughputPolicy):
+            probe = self.policy.probe()
+            if probe is not None:
+                return probe
+        return self.policy.index
+
+    def on_verify_complete(self, accept_lengths: Sequence[float], ran: int | None = None, bucket=None,
+                           nested: Sequence[Sequence[int]] | None = None) -> bool:
         """Accepted draft tokens per request of one verify (bonus excluded), of rounds of tier index `ran`
         (default: the active one) at `bucket` (the throughput policy compares the tiers' round times
-        there). True if the tier switched; the next dispatch uses `active`."""
+        there); nested: per request, what each tier nested in `ran` would have accepted. True if the
+        tier switched; the next dispatch uses `active`."""
         self.verifies += 1
         if isinstance(self.policy, ThroughputPolicy):
             ran = self.policy.index if ran is None else ran
-            changed = self.policy.update(accept_lengths, ran, lambda j: self.times.estimate(j, bucket))
+            changed = self.policy.update(accept_lengths, ran, lambda j: self.times.estimate(j, bucket), nested)
         else:
             changed = self.policy.update(accept_lengths)
         self.switches += changed
@@ -382,6 +515,7 @@ class AdaptiveController:
                                              for st, e in zip(self.states, self.policy.expected_tokens())}
             out["expected_tokens_per_ms"] = {str(list(st.shape)): (None if r is None else round(r, 4))
                                              for st, r in zip(self.states, self.policy.last_rates)}
+            out["probes"] = self.policy.probes
         else:
             out["ema"] = round(self.policy.ema, 3)
         return out

@@ -11,7 +11,7 @@ import pytest
 from flax import nnx
 
 from jeagle.adaptive import (AdaptiveConfig, AdaptiveConfigError, AdaptiveController, AdaptivePolicy, RoundTimes,
-                             ThroughputPolicy, TierState)
+                             ThroughputPolicy, TierState, nested_tiers)
 from jeagle.engine import EngineConfig, speculative, target_only
 from jeagle.sampling import SamplingParams
 from jeagle.spec.round import SpecConfig
@@ -189,7 +189,7 @@ def test_switch_margin_and_unknown_times_hold_the_tier():
 
 
 def test_round_times_calibration_online_and_ratio():
-    t = RoundTimes(alpha=0.5, min_samples=1)
+    t = RoundTimes(window=3, min_samples=1)
     assert t.estimate(0, (1, 128, True)) is None and not t.has(0, (1, 128, True))
     t.calibrated(0, (1, 128, True), 2.0)
     t.calibrated(1, (1, 128, True), 4.0)
@@ -197,19 +197,79 @@ def test_round_times_calibration_online_and_ratio():
     t.observed(0, (1, 128, True), 3.0)  # online 1.5x the calibration: tier 1, not observed, scales alike
     assert t.estimate(0, (1, 128, True)) == 3.0 and t.estimate(1, (1, 128, True)) == pytest.approx(6.0)
     t.observed(0, (1, 128, True), 5.0)
-    assert t.estimate(0, (1, 128, True)) == pytest.approx(4.0) and t.ratio == pytest.approx(0.5 * 1.5 + 0.5 * 2.5)
+    assert t.estimate(0, (1, 128, True)) == pytest.approx(4.0) and t.ratio == pytest.approx(2.0)
 
 
-def test_round_times_trust_online_samples_only_after_min_samples():
-    t = RoundTimes(alpha=0.5, min_samples=3)
+def test_round_times_are_medians_an_outlier_does_not_move():
+    """One round the host kept waiting (40 ms among 2 ms rounds) leaves the estimate where it was: an
+    average would have carried it for tens of rounds."""
+    t = RoundTimes(window=5, min_samples=3)
     t.calibrated(0, "b", 2.0)
-    t.observed(0, "b", 8.0)  # one noisy first round: the calibration (scaled) still speaks
+    t.observed(0, "b", 8.0)  # one noisy first round: the calibration (scaled by the median ratio) speaks
     assert t.estimate(0, "b") == pytest.approx(2.0 * 4.0)
     t.observed(0, "b", 4.0)
     t.observed(0, "b", 4.0)
-    assert t.estimate(0, "b") == pytest.approx(0.25 * 8.0 + 0.25 * 4.0 + 0.5 * 4.0)  # its own EMA now
+    assert t.estimate(0, "b") == 4.0  # its own samples now: their median
+    for ms in (2.0, 40.0, 2.0, 2.0):
+        t.observed(0, "b", ms)
+    assert t.estimate(0, "b") == 2.0  # the window's last 5: 4, 2, 40, 2, 2
     t.observed(1, "x", 1.5)  # never calibrated: online from the first sample
     assert t.estimate(1, "x") == 1.5
+
+
+# ---- nested tiers: would-be accept lengths, ratios, probes ---------------------------------------------
+NESTED = ((1, 4, 2), (3, 4, 5), (5, 4, 8), (7, 4, 11))
+
+
+def test_nested_tiers_share_k_and_have_no_more_steps():
+    assert nested_tiers(NESTED) == [(), (0,), (0, 1), (0, 1, 2)]
+    assert nested_tiers(((3, 1, 4), (5, 4, 8), (6, 4, 16))) == [(), (), (1,)]  # another K: not nested
+
+
+def test_nested_accept_lengths_are_the_estimates_of_the_tiers_they_observe():
+    """Running (5,4,8), each round also says what (1,4,2) and (3,4,5) would have accepted: their
+    estimates are those rounds' means, not the depth model's extrapolation of (5,4,8)'s depths."""
+    pol = throughput(initial=2, tiers=NESTED, warmup_batches=10**9)
+    for _ in range(50):  # (5,4,8) accepts 4 drafts; (3,4,5)'s narrower tree would have accepted 1
+        pol.update([4, 4], 2, lambda j: 1.0, nested=[[1, 1, 1][:2], [1, 1]])
+    e = pol.expected_tokens()
+    assert e[0] == pytest.approx(2.0) and e[1] == pytest.approx(2.0) and e[2] == pytest.approx(5.0)
+    assert pol.model_tokens()[1] == pytest.approx(4.0, abs=0.1)  # depth-only: (3,4,5) reaches 3 of the 4
+
+
+def test_a_larger_tier_is_judged_by_its_ratio_to_the_active_one():
+    """After (5,4,8) ran beside (3,4,5) (every (5,4,8) round tells both), the policy moves to (3,4,5)
+    when it is cheaper; then (5,4,8) is estimated as (3,4,5)'s current accept length times their
+    ratio, so when acceptance doubles it moves back; the depth model (from (3,4,5)'s own narrow rounds)
+    would not have."""
+    times = [1.0, 1.0, 1.5, 3.0]
+    pol = throughput(initial=2, tiers=NESTED, accept_window=8, probe_interval=0)
+    for _ in range(40):  # (5,4,8) accepts 2 drafts, (3,4,5) would accept 1: 3/1.5 = 2/1.0, (3,4,5) cheaper
+        pol.update([2], 2, lambda j: times[j], nested=[[0, 1]])
+    pol.update([2], 2, lambda j: [1.0, 0.9, 1.5, 3.0][j], nested=[[0, 1]])  # (3,4,5) now 10 % cheaper
+    assert pol.index == 1
+    assert pol.pair[2][1][0] / pol.pair[2][1][1] == pytest.approx(1.5, rel=0.01)
+    times = [1.0, 1.0, 1.2, 3.0]
+    for _ in range(40):  # the text gets easy: (3,4,5) accepts 3 of its 3
+        pol.update([3], 1, lambda j: times[j], nested=[[1]])
+        if pol.index == 2:
+            break
+    assert pol.index == 2  # the decision's estimates seed the means: (5,4,8)'s was (3,4,5)'s x 1.5
+    assert pol.tokens[2] / pol.weight[2] == pytest.approx(1.5 * pol.tokens[1] / pol.weight[1], rel=0.01)
+
+
+def test_probes_run_the_next_larger_tier_every_interval():
+    pol = throughput(initial=1, tiers=NESTED, warmup_batches=10**9, probe_interval=3)
+    seen = []
+    for _ in range(9):
+        j = pol.probe()
+        seen.append(pol.index if j is None else j)
+        pol.update([1], seen[-1], lambda j: 1.0, nested=[[0] * len(pol.nests[seen[-1]])])
+    assert seen == [1, 1, 1, 2, 1, 1, 2, 1, 1] and pol.probes == 2
+    top = throughput(initial=3, tiers=NESTED, probe_interval=1)
+    top.update([1], 3, lambda j: 1.0, nested=[[0, 0, 0]])
+    assert top.probe() is None  # nothing nests the largest tier
+    assert throughput(initial=1, tiers=NESTED, probe_interval=0).probe() is None
 
 
 def test_controller_reports_the_throughput_view():
@@ -231,7 +291,8 @@ def test_config_defaults_and_json(tmp_path):
     assert (cfg.policy, cfg.candidate_steps, cfg.ema_alpha, cfg.warmup_batches, cfg.update_interval,
             cfg.down_hysteresis, cfg.up_hysteresis) == ("ema", (1, 3, 7), 0.2, 10, 5, -0.25, 0.0)
     tp = AdaptiveConfig(policy="throughput")
-    assert (tp.warmup_batches, tp.update_interval, tp.accept_window, tp.switch_margin) == (8, 1, 32, 0.03)
+    assert (tp.warmup_batches, tp.update_interval, tp.accept_window, tp.switch_margin, tp.probe_interval) == (
+        8, 1, 32, 0.03, 16)
     f = tmp_path / "a.json"
     f.write_text(json.dumps({"candidate_steps": [7, 2], "ema_alpha": 0.5, "policy": "ema"}))
     cfg = AdaptiveConfig.from_json(f)
@@ -371,3 +432,62 @@ def test_a_bucket_not_warmed_up_is_timed_at_its_first_dispatch():
     times = engine.decoder.controller.times
     assert len(out[0].token_ids) == 8
     assert {j for j, _ in times.calibration} == {0, 1} and all(ms > 0 for ms in times.calibration.values())
+
+
+def test_nested_tiers_accept_lengths_equal_running_those_tiers():
+    """A (5,4,8) round reports what (1,4,2) and (3,4,5) would have accepted. From the same state (a
+    request's first round after its prefill) that is exactly what a round of each of them accepts
+    (greedy, fp32), for a head that accepts some depths and not others."""
+    target = bigram_target(target_config())
+    head = signed_identity_head(target, +1.0, noise=0.04, seed=2)
+    rng = np.random.default_rng(11)
+    prompts = [list(rng.integers(4, 96, n)) for n in (5, 2, 9, 3, 7, 4, 6, 8)]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    cfg = EngineConfig(max_batch_size=2, max_context=128, batch_buckets=(1, 2))
+    tiers = ((1, 4, 2), (3, 4, 5), (5, 4, 8))
+    big = speculative(target, head, cfg, SpecConfig(5, 4, 8),
+                      adaptive=AdaptiveConfig(candidate_tiers=tiers, policy="throughput", warmup_batches=10**9,
+                                              probe_interval=0))
+    seen = []
+    feed = big.decoder.controller.on_verify_complete
+    big.decoder.controller.on_verify_complete = lambda acc, ran, bucket, nested=None: (
+        seen.append((list(acc), ran, nested)), feed(acc, ran, bucket, nested))[1]
+    first = {}
+    for s, _, n in tiers[:2]:
+        small = speculative(target, head, cfg, SpecConfig(s, 4, n))
+        first[s] = []
+        for p in prompts:
+            small.decoder.accept_lengths.clear()
+            small.generate([p], [params])
+            first[s].append(small.decoder.accept_lengths[0] - 1)
+    would, ran_big = [], []
+    for p in prompts:
+        seen.clear()
+        big.generate([p], [params])
+        acc, ran, nested = seen[0]
+        ran_big.extend(acc)
+        assert ran == 2 and len(acc) == 1 and len(nested[0]) == 2
+        assert all(0 <= w <= a + 1 for w in nested[0] for a in acc)  # at most one node the running tree lacked
+        would.append(nested[0])
+    assert [w[0] for w in would] == first[1] and [w[1] for w in would] == first[3]
+    assert len(set(first[3])) > 1, "the head should accept different depths on different prompts"
+    assert any(w[1] > a for w, a in zip(would, ran_big)), "a case where (3,4,5) holds a node (5,4,8) lacks"
+
+
+def test_throughput_probes_stay_lossless_and_report():
+    target = bigram_target(target_config())
+    head = signed_identity_head(target, +1.0, noise=0.04, seed=2)
+    rng = np.random.default_rng(12)
+    prompts = [list(rng.integers(4, 96, n)) for n in (5, 2, 9)]
+    params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in (30, 24, 28)]
+    cfg = EngineConfig(max_batch_size=4, max_context=128, batch_buckets=(1, 2, 4))
+    want = [o.token_ids for o in target_only(target, cfg).generate(prompts, params)]
+    engine = speculative(target, head, cfg, SpecConfig(3, 4, 5),
+                         adaptive=AdaptiveConfig(candidate_tiers=((1, 4, 2), (3, 4, 5), (5, 4, 8)),
+                                                 policy="throughput", warmup_batches=10**9, probe_interval=2))
+    engine.warmup(prefill_lengths=[9], greedy=(True,), progress=False)
+    assert [o.token_ids for o in engine.generate(prompts, params)] == want
+    stats = engine.last_stats
+    assert stats.compilations_after_warmup == 0
+    assert stats.speculative.adaptive_state["probes"] >= 3 and engine.decoder.controller.active.shape == (3, 4, 5)
+    assert engine.decoder.controller.policy.pair[2][1][1] > 0, "probe rounds of (5,4,8) observe (3,4,5) too"

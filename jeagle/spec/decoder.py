@@ -151,7 +151,15 @@ class SpecDecoder(SlotTables, GrammarMasks):
     def round_key(self, tier: SpecConfig, b: int, kv: int, greedy: bool, logprobs: bool = False,
                   penalties: bool = False) -> RoundKey:
         return RoundKey(self.static, tier, b, kv, greedy, rounds=self.rounds_per_dispatch, logprobs=logprobs,
-                        penalties=penalties)
+                        penalties=penalties, nested=self._nested(tier))
+
+    def _nested(self, tier: SpecConfig) -> tuple[tuple[int, int], ...]:
+        """(S', N') of the tiers whose would-be accept lengths `tier`'s rounds report (the throughput
+        policy's nested tiers, `jeagle.adaptive.nested_tiers`)."""
+        if not self.timed:
+            return ()
+        nest = self.controller.nests[self.tiers.index(tier)]
+        return tuple((self.tiers[i].num_steps, self.tiers[i].num_draft_tokens) for i in nest)
 
     def warmup_keys(self, prefill, decode, greedy=(True, False), logprobs=(False,), penalties=(False,),
                     grammar=(False,)) -> list:
@@ -166,7 +174,7 @@ class SpecDecoder(SlotTables, GrammarMasks):
                 keys.append(self.round_key(tier, b, kv, g, lp, pen))
             if True in grammar:
                 accept = dataclasses.replace(self.round_key(tier, b, kv, g, lp, pen), phase="accept", rounds=1,
-                                             grammar=True)
+                                             grammar=True, nested=())
                 keys += [DraftKey(self.static, tier, b, kv), accept.forward_key(), accept]
         return list(dict.fromkeys(keys))  # the draft and forward keys repeat across modes
 
@@ -249,19 +257,24 @@ class SpecDecoder(SlotTables, GrammarMasks):
         greedy, lp, pen = all(r.params.greedy for r in reqs), wants_logprobs(reqs), wants_penalties(reqs)
         if self.timed and not all(self.controller.times.has(j, (b, kv, greedy)) for j in range(len(self.tiers))):
             self.calibrate(b, kv, greedy)
-        tier = self.spec
-        if not self.tier_log or self.tier_log[-1][1] != tier:
-            self.tier_log.append((self.rounds_dispatched, tier))
+        if not self.tier_log or self.tier_log[-1][1] != self.spec:
+            self.tier_log.append((self.rounds_dispatched, self.spec))
         self.rounds_dispatched += 1
-        index = self.controller.active_index if self.controller is not None else 0
-        self._last_bucket = (b, kv, greedy)
-        self._dispatches.append((index, self._last_bucket, time.perf_counter(), self._prefill_since))
-        self._prefill_since = False
         grammar = wants_grammar(reqs)
-        if self.fused_round and not grammar:
-            return self._run(self._round_exe(self._state, b, kv, greedy, lp, pen), row_ids)
+        fused = self.fused_round and not grammar
+        # The active tier, or (throughput policy, fused rounds) now and then a probe of a larger one.
+        index = 0 if self.controller is None else (self.controller.dispatch_index() if fused
+                                                   else self.controller.active_index)
+        state = self.tier_states[index]
+        tier = state.tier
+        self._last_bucket = (b, kv, greedy)
+        nested = len(self.controller.nests[index]) if fused and self.timed else 0
+        self._dispatches.append((index, self._last_bucket, time.perf_counter(), self._prefill_since, nested))
+        self._prefill_since = False
+        if fused:
+            return self._run(self._round_exe(state, b, kv, greedy, lp, pen), row_ids)
         tree = self._run_draft(self.executables.get(DraftKey(self.static, tier, b, kv)), row_ids)
-        verify = dataclasses.replace(self.round_key(tier, b, kv, greedy, lp, pen), phase="verify", rounds=1)
+        verify = dataclasses.replace(self.round_key(tier, b, kv, greedy, lp, pen), phase="verify", rounds=1, nested=())
         if not grammar:
             return self._run(self.executables.get(verify), (row_ids, tree))
         # Grammar: the device runs the verify's forward while the host computes the tree's masks
@@ -332,9 +345,9 @@ class SpecDecoder(SlotTables, GrammarMasks):
         it and, when it asked, the tokens' packed logprob blocks [n, LOGPROB_COLUMNS]; the rounds' accept
         lengths go to the stats and the adaptive controller."""
         now = time.perf_counter()
-        ran, bucket = 0, None
+        ran, bucket, nested = 0, None, 0
         if kind == "step":
-            ran, bucket, dispatched, after_prefill = self._dispatches.popleft()
+            ran, bucket, dispatched, after_prefill, nested = self._dispatches.popleft()
             if self.timed and self._last_read is not None and not after_prefill and self.rounds_per_dispatch == 1:
                 self.controller.times.observed(ran, bucket, (now - max(self._last_read, dispatched)) * 1e3)
             self._last_read = now
@@ -343,16 +356,18 @@ class SpecDecoder(SlotTables, GrammarMasks):
         prompt = [None] * len(reqs)
         if kind == "prefill":  # 2 tokens (the first and an empty one), accepted, finished, their logprobs
             host, prompt = split_prompt_logprobs(host, reqs, 4 + (2 * logprobs.LOGPROB_COLUMNS if lp else 0))
-        rounds = ([RoundResult.unpack(host, lp)] if host.ndim == 2
-                  else [RoundResult.unpack(host[:, j], lp) for j in range(host.shape[1])])
+        rounds = ([RoundResult.unpack(host, lp, nested)] if host.ndim == 2
+                  else [RoundResult.unpack(host[:, j], lp, nested) for j in range(host.shape[1])])
         if len(rounds) == 1:
             res = rounds[0]
             toks, blocks, finished, acc = res.tokens, res.logprobs, res.finished, res.accepted[:, None]
+            nest = None if res.nested is None else res.nested[:, None]
         else:  # each row's tokens round after round
             toks = np.concatenate([res.tokens for res in rounds], 1)
             blocks = np.concatenate([res.logprobs for res in rounds], 1) if lp else None
             finished = np.logical_or.reduce([res.finished for res in rounds])
             acc = np.stack([res.accepted for res in rounds], 1)
+            nest = None if rounds[0].nested is None else np.stack([res.nested for res in rounds], 1)
         # Every row's emitted tokens (and their logprob blocks: one copy, only the emitted ones) in one
         # array, row after row; a request's are a slice of it (no per-token object).
         valid = toks >= 0
@@ -360,7 +375,8 @@ class SpecDecoder(SlotTables, GrammarMasks):
         flat_lp = blocks[valid] if lp else None
         ends = np.cumsum(valid.sum(1)).tolist()
         finished, acc = finished.tolist(), acc.tolist()
-        accepted, out, start = [], [], 0
+        nest = None if nest is None else nest.tolist()
+        accepted, would, out, start = [], [], [], 0
         for i, r in enumerate(reqs):
             r.processed += 1
             end = ends[i]
@@ -369,12 +385,14 @@ class SpecDecoder(SlotTables, GrammarMasks):
             start = end
             if not r.done and kind == "step":
                 accepted.extend(a for a in acc[i] if a >= 0)
+                if nest is not None:
+                    would.extend(w for a, w in zip(acc[i], nest[i]) if a >= 0)
         if accepted:
             self.accept_lengths.extend(a + 1 for a in accepted)
             if len(self.accept_lengths) > ACCEPT_HISTORY:
                 del self.accept_lengths[: -ACCEPT_HISTORY // 2]
             if self.controller is not None:
-                self.controller.on_verify_complete(accepted, ran, bucket)
+                self.controller.on_verify_complete(accepted, ran, bucket, would if nest is not None else None)
                 self._state = self.controller.active  # a reference swap: the next dispatch runs this tier
         return out
 

@@ -147,13 +147,59 @@ def init_rows(num_rows: int, cfg: "SpecConfig | RowLayout", hidden: int, dtype) 
                     top_p=jnp.ones((r,), jnp.float32), seed=z(r, dt=jnp.uint32))
 
 
-def pack_result(emitted, accepted, finished):
-    """A step's result as one int32 array [B, W + 2], so one device→host copy carries it:
+def pack_result(emitted, accepted, finished, nested=None):
+    """A step's result as one int32 array [B, W + 2 (+ T)], so one device→host copy carries it:
 
         | emitted tokens (W, -1 padded) | accepted drafts (bonus excluded; -1: no round for the row) | finished |
+        | with `nested` [B, T]: the drafts each nested tier would have accepted (`nested_accepts`) |
 
     `RoundResult.unpack` is the host's view of it."""
-    return jnp.concatenate([emitted, accepted[:, None], finished[:, None].astype(jnp.int32)], 1)
+    parts = [emitted, accepted[:, None], finished[:, None].astype(jnp.int32)]
+    return jnp.concatenate(parts + ([] if nested is None else [nested.astype(jnp.int32)]), 1)
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class NestedTrees:
+    """What a round needs to tell what each nested tier would have accepted (`nested_trees`)."""
+    member: jax.Array  # [B, T, M] bool: candidate m is a node of nested tier t's tree
+    tokens: jax.Array  # [B, M] the candidates' tokens
+    parents: jax.Array  # [B, M] their parents' candidate indices (-1: the root)
+    selected: jax.Array  # [B, N-1] the running tree's candidates (node i = selected[i - 1])
+
+
+def nested_trees(scores, tokens, parents, selected, topk: int, nested: tuple[tuple[int, int], ...]) -> NestedTrees:
+    """The trees of the tiers (S', K, N') nested in the running (S, K, N) (S' <= S), over the round's
+    candidates `scores` / `tokens` / `parents` [B, M]. Such a tier's S' draft steps are the running
+    tier's first S' (the beam at each step is the top-K of the same expansion, whatever S and N), so
+    its candidates are the first K + (S'-1)·K² and its tree is their N'-1 best (`select_nodes` on that
+    prefix: the same top-K, the same ties)."""
+    m = scores.shape[1]
+    member = []
+    for s_j, n_j in nested:
+        _, idx = jax.lax.top_k(scores[:, : topk + (s_j - 1) * topk * topk], n_j - 1)
+        member.append(jnp.any(jnp.arange(m)[None, :, None] == idx[:, None, :], -1))
+    return NestedTrees(jnp.stack(member, 1), tokens, parents, selected)
+
+
+def nested_accepts(nt: NestedTrees, path, acc, bonus):
+    """The drafts (bonus excluded) each nested tier would have accepted this round, from the accepted
+    path [B, S+1] (tree node ids; acc [B] drafts) and the token the target chose after it (bonus [B]).
+    A greedy tree walk accepts, at each depth, the one child whose token is the target's choice at its
+    parent. The nested tree holds the path's nodes up to some depth: where it lacks one, its walk stops
+    there too (no other child carries that token); where it holds them all, it goes one further if it
+    holds the child of the path's end carrying `bonus` (a node the running tree lacked). Exact for
+    greedy rows, unless that extra child itself has children in the nested tree (then a lower bound:
+    the target never saw them); for sampled rows an estimate (the siblings' rejection order differs)."""
+    cand = jnp.take_along_axis(nt.selected, jnp.maximum(path[:, 1:] - 1, 0), 1)  # [B, S] path candidates
+    on_path = jnp.take_along_axis(nt.member, cand[:, None, :], 2)  # [B, T, S]
+    depth = jnp.arange(1, path.shape[1])
+    ok = on_path & (depth[None, None, :] <= acc[:, None, None])
+    lead = jnp.sum(jnp.cumprod(ok.astype(jnp.int32), -1), -1)  # [B, T]
+    end = jnp.where(acc > 0, jnp.take_along_axis(cand, jnp.maximum(acc - 1, 0)[:, None], 1)[:, 0], -1)
+    child = (nt.parents == end[:, None]) & (nt.tokens == bonus[:, None])  # [B, M]
+    further = jnp.any(nt.member & child[:, None, :], -1) & (lead == acc[:, None])
+    return (lead + further).astype(jnp.int32)
 
 
 @dataclass
@@ -164,14 +210,17 @@ class RoundResult:
     accepted: "np.ndarray"  # [B] accepted draft tokens, bonus excluded; -1 where no round ran
     finished: "np.ndarray"  # [B] bool
     logprobs: "np.ndarray | None" = None  # [B, W, LOGPROB_COLUMNS] packed, with `logprobs`
+    nested: "np.ndarray | None" = None  # [B, T] what each nested tier would have accepted (-1: no round)
 
     @classmethod
-    def unpack(cls, host, logprobs: bool = False) -> "RoundResult":
+    def unpack(cls, host, logprobs: bool = False, nested: int = 0) -> "RoundResult":
         blocks = None
         if logprobs:
-            width = (host.shape[-1] - 2) // (1 + LOGPROB_COLUMNS)
+            width = (host.shape[-1] - 2 - nested) // (1 + LOGPROB_COLUMNS)
             host, blocks = split_logprobs(host, width)
-        return cls(tokens=host[:, :-2], accepted=host[:, -2], finished=host[:, -1].astype(bool), logprobs=blocks)
+        base = host.shape[-1] - nested  # the columns before the nested tiers'
+        return cls(tokens=host[:, : base - 2], accepted=host[:, base - 2], finished=host[:, base - 1].astype(bool),
+                   logprobs=blocks, nested=host[:, base:] if nested else None)
 
 
 def draft_topk(head, logits, k: int):
@@ -192,15 +241,16 @@ def round_keys(seed, seq_len, n):
 
 def spec_round(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, row_ids, *, kv_len: int, greedy: bool,
                aux_layers: tuple[int, ...], unroll: bool | int = False, simulate_accept: float = 0.0,
-               logprobs: bool = False, penalties: PenaltyRows | None = None):
+               logprobs: bool = False, penalties: PenaltyRows | None = None, nested: tuple[tuple[int, int], ...] = ()):
     """One round for the rows `row_ids` [B]. Returns (out [B, S+3] int32 (`pack_result`: emitted
-    tokens, accept length, finished flag; with `logprobs` the emitted tokens' packed logprobs
-    appended); cache, dk, dv, rows, penalties (given: applied in the verify, the emitted tokens
-    counted))."""
-    tree, dk, dv = draft_tree(target, head, cfg, cache, dk, dv, rows, row_ids, kv_len=kv_len, penalties=penalties)
+    tokens, accept length, finished flag; with `nested` tiers (S', N') what each would have accepted;
+    with `logprobs` the emitted tokens' packed logprobs appended); cache, dk, dv, rows, penalties
+    (given: applied in the verify, the emitted tokens counted))."""
+    tree, dk, dv, nt = draft_tree(target, head, cfg, cache, dk, dv, rows, row_ids, kv_len=kv_len,
+                                       penalties=penalties, nested=nested)
     return verify_commit(target, head, cfg, cache, dk, dv, rows, row_ids, tree, kv_len=kv_len, greedy=greedy,
                          aux_layers=aux_layers, unroll=unroll, simulate_accept=simulate_accept, logprobs=logprobs,
-                         penalties=penalties)
+                         penalties=penalties, nested=nt)
 
 
 def _prefix(cache, row_ids, kv_len: int):
@@ -219,10 +269,10 @@ def draft_vocab_ids(head):
 
 
 def draft_tree(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, row_ids, *, kv_len: int,
-               penalties: PenaltyRows | None = None):
-    """Draft S steps of top-K expansion and build the verify tree. Returns (tree, dk, dv). penalties:
-    the draft's logits penalized like the target's (the rows' counts), so it drafts what the verify
-    will accept."""
+               penalties: PenaltyRows | None = None, nested: tuple[tuple[int, int], ...] = ()):
+    """Draft S steps of top-K expansion and build the verify tree. Returns (tree, dk, dv, nested):
+    the `nested` tiers' (S', N') trees (`NestedTrees`; None without). penalties: the draft's logits penalized like the target's (the rows' counts), so
+    it drafts what the verify will accept."""
     S, K, N = cfg.num_steps, cfg.topk, cfg.num_draft_tokens
     r = rows.gather(row_ids)
     b = row_ids.shape[0]
@@ -271,10 +321,11 @@ def draft_tree(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, row
 
     # ---- organize + build the tree -------------------------------------------------------
     with jax.named_scope("tree_build"):
-        selected = select_nodes(jnp.concatenate(scores, 1), N)
-        tree = build_tree(r.root, jnp.concatenate(tokens, 1), jnp.concatenate(parents, 1), selected,  # kernel or ref
-                          S)
-    return tree, dk, dv
+        all_scores, all_tokens, all_parents = (jnp.concatenate(x, 1) for x in (scores, tokens, parents))
+        selected = select_nodes(all_scores, N)
+        tree = build_tree(r.root, all_tokens, all_parents, selected, S)  # kernel or reference
+        nt = nested_trees(all_scores, all_tokens, all_parents, selected, K, nested) if nested else None
+    return tree, dk, dv, nt
 
 
 def _tree_attn(cfg: SpecConfig, cache, r: SpecRows, row_ids, tree, kv_len: int) -> AttnInputs:
@@ -298,8 +349,10 @@ def verify_forward(target, cfg: SpecConfig, cache, r: SpecRows, row_ids, tree, *
 
 def verify_commit(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, row_ids, tree, *, kv_len: int,
                   greedy: bool, aux_layers: tuple[int, ...], unroll: bool | int = False, simulate_accept: float = 0.0,
-                  logprobs: bool = False, penalties: PenaltyRows | None = None, token_masks=None, tout=None):
+                  logprobs: bool = False, penalties: PenaltyRows | None = None, token_masks=None, tout=None,
+                  nested: "NestedTrees | None" = None):
     """Verify the tree with the target, accept, check finishes, extend the draft, commit.
+    nested (`draft_tree`'s): the result also carries what each nested tier would have accepted.
     tout: the verify forward's output computed already (`verify_forward`; else computed here).
     token_masks [B, N, W]: each node's grammar mask (jeagle/grammar.py), applied to its logits.
     logprobs: append the emitted tokens' logprobs from the target's logits at the accepted nodes.
@@ -396,7 +449,10 @@ def verify_commit(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, 
                             max_new=r.max_new, stop_ids=r.stop_ids, finished=finished, temperature=r.temperature,
                             top_k=r.top_k, top_p=r.top_p, seed=r.seed)
         rows = rows.scatter(row_ids, new_rows)
-        out = pack_result(emitted, jnp.where(r.finished, -1, acc), finished)
+        would = None
+        if nested is not None:
+            would = jnp.where(r.finished[:, None], -1, nested_accepts(nested, path, acc, bonus))
+        out = pack_result(emitted, jnp.where(r.finished, -1, acc), finished, would)
     if logprobs:  # emitted token j came from the target's logits at the accepted node path[j]
         with jax.named_scope("logprobs"):
             at_path = tout.logits[ar[:, None], jnp.maximum(path, 0)]  # [B, S+1, V]

@@ -173,10 +173,18 @@ class RoundKey(_SpecKey):
     logprobs: bool = False  # the emitted tokens' logprobs appended to the result
     penalties: bool = False  # the rows' penalties applied in the verify (jeagle/penalties.py)
     grammar: bool = False  # accept only: token masks among the inputs (jeagle/grammar.py)
+    # Fused rounds: (S', N') of tiers nested in this one (same K, S' <= S) whose would-be accept
+    # lengths the result carries (`round.nested_accepts`; the adaptive throughput policy reads them).
+    nested: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self):
         if self.phase not in ("round", "verify", "verify_forward", "accept"):
             raise ValueError(f"unknown round phase {self.phase!r}")
+        if self.nested and self.phase != "round":
+            raise ValueError("nested tiers' accept lengths come from fused rounds only")
+        s, _, n = self.tier.shape
+        if any(not (1 <= s_j <= s and 2 <= n_j) for s_j, n_j in self.nested):
+            raise ValueError(f"nested tiers {self.nested} must have 1 <= S' <= {s} and N' >= 2")
         if self.phase != "round" and self.rounds != 1:
             raise ValueError("a split round runs one round per dispatch")
         if self.grammar != (self.phase == "accept"):
@@ -187,6 +195,7 @@ class RoundKey(_SpecKey):
         s, k, n = self.tier.shape
         r = f"-r{self.rounds}" if self.rounds > 1 else ""
         lp = ("-lp" if self.logprobs else "") + ("-pen" if self.penalties else "") + ("-gram" if self.grammar else "")
+        lp += "".join(f"-in{s_j}n{n_j}" for s_j, n_j in self.nested)
         return f"{self.phase}-b{self.batch}-kv{self.kv_len}-{'greedy' if self.greedy else 'sampled'}-s{s}k{k}n{n}{r}{lp}"
 
     def build(self, shapes: DeviceShapes) -> StepBuild:
@@ -287,7 +296,7 @@ def round_step(key: RoundKey, graphdef, draft_graphdef, params, state: SpecState
         res, cache, dk, dv, rows, pen = spec_round(
             target, head, key.tier, st.cache, st.draft_k, st.draft_v, st.rows, row_ids, kv_len=key.kv_len,
             greedy=key.greedy, aux_layers=s.aux_layers, unroll=s.unroll_round, simulate_accept=s.simulate_accept,
-            logprobs=key.logprobs, penalties=st.penalties if key.penalties else None)
+            logprobs=key.logprobs, penalties=st.penalties if key.penalties else None, nested=key.nested)
         return res, SpecState(cache, dk, dv, rows, pen if key.penalties else st.penalties)
 
     res, state = one(state)
@@ -304,7 +313,8 @@ def round_step(key: RoundKey, graphdef, draft_graphdef, params, state: SpecState
         res, st = one(st)
         return i + 1, st, out.at[:, i].set(res)
 
-    # -1 everywhere but the finished column (S + 1 tokens, accepted, finished, then any logprobs).
+    # -1 everywhere but the finished column (S + 1 tokens, accepted, finished, then any nested tiers'
+    # accept lengths and logprobs).
     empty = jnp.full(res.shape[:1] + (key.rounds,) + res.shape[1:], -1, res.dtype)
     empty = empty.at[..., key.tier.num_steps + 2].set(0)
     _, state, out = jax.lax.while_loop(live, body, (jnp.int32(1), state, empty.at[:, 0].set(res)))
@@ -313,7 +323,7 @@ def round_step(key: RoundKey, graphdef, draft_graphdef, params, state: SpecState
 
 def draft_step(key: DraftKey, graphdef, draft_graphdef, params, state: SpecState, row_ids):
     target, head = nnx.merge(graphdef, params[0]), nnx.merge(draft_graphdef, params[1])
-    tree, dk, dv = draft_tree(target, head, key.tier, state.cache, state.draft_k, state.draft_v, state.rows,
+    tree, dk, dv, _ = draft_tree(target, head, key.tier, state.cache, state.draft_k, state.draft_v, state.rows,
                               row_ids, kv_len=key.kv_len)
     return tree, SpecState(state.cache, dk, dv, state.rows, state.penalties)
 
