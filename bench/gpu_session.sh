@@ -305,6 +305,19 @@ if [[ "$steps" == *" tiers "* ]]; then  # issue 23 item 3: tokens/s of each (S,K
       --tier "$t" --systems "$sys" --repeats "${TIER_REPEATS:-2}" ${TIER_ARGS:-}
   done
 fi
+if [[ "$steps" == *" adaptivecmp "* ]]; then  # issue 22: the adaptive policies against static tiers, MT-bench
+  # Processes: target-only + static (5,4,8) + the throughput policy; SGLang's EMA policy; static (3,4,5).
+  echo '{"policy": "throughput"}' > "$OUT/throughput.json"
+  for b in ${ACMP_BATCHES:-1 16,48}; do
+    waves=1; [ "$b" = 1 ] && waves=${ACMP_WAVES1:-5}
+    decode_variant adaptivecmp "batch $b, waves $waves: target-only, (5,4,8), throughput policy" --batch-sizes "$b" \
+      --waves "$waves" --systems jeagle,jeagle-eagle,jeagle-adaptive --adaptive-config "$OUT/throughput.json" ${ACMP_ARGS:-}
+    decode_variant adaptivecmp "batch $b, waves $waves: EMA policy" --batch-sizes "$b" --waves "$waves" \
+      --systems jeagle-adaptive ${ACMP_ARGS:-}
+    decode_variant adaptivecmp "batch $b, waves $waves: (3,4,5)" --batch-sizes "$b" --waves "$waves" \
+      --systems jeagle-eagle --tier 3,4,5 ${ACMP_ARGS:-}
+  done
+fi
 if [[ "$steps" == *" commitab "* ]]; then  # one commit against another in one call: bench/decode.py, jeagle systems
   # An older tree travels as old.tar.gz (`git archive --prefix=old/ COMMIT -- . ':!jeagle/heads' ':!bench/results'
   # | gzip` in a staged part); it runs with this tree's shipped head and GGUF, its own conversion cache. Runs
