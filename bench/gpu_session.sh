@@ -306,16 +306,23 @@ if [[ "$steps" == *" tiers "* ]]; then  # issue 23 item 3: tokens/s of each (S,K
   done
 fi
 if [[ "$steps" == *" adaptivecmp "* ]]; then  # issue 22: the adaptive policies against static tiers, MT-bench
-  # Processes: target-only + static (5,4,8) + the throughput policy; SGLang's EMA policy; static (3,4,5).
+  # Processes per batch group: target-only + static (5,4,8) + the throughput policy; then each of ACMP_SYSTEMS:
+  # "ema" (SGLang's policy), "pinned" (the throughput policy held on (5,4,8), no probes: what its nested
+  # accept lengths cost), or a static tier S,K,N.
   echo '{"policy": "throughput"}' > "$OUT/throughput.json"
+  echo '{"policy": "throughput", "warmup_batches": 1000000000, "probe_interval": 0}' > "$OUT/pinned.json"
   for b in ${ACMP_BATCHES:-1 16,48}; do
     waves=1; [ "$b" = 1 ] && waves=${ACMP_WAVES1:-5}
     decode_variant adaptivecmp "batch $b, waves $waves: target-only, (5,4,8), throughput policy" --batch-sizes "$b" \
       --waves "$waves" --systems jeagle,jeagle-eagle,jeagle-adaptive --adaptive-config "$OUT/throughput.json" ${ACMP_ARGS:-}
-    decode_variant adaptivecmp "batch $b, waves $waves: EMA policy" --batch-sizes "$b" --waves "$waves" \
-      --systems jeagle-adaptive ${ACMP_ARGS:-}
-    decode_variant adaptivecmp "batch $b, waves $waves: (3,4,5)" --batch-sizes "$b" --waves "$waves" \
-      --systems jeagle-eagle --tier 3,4,5 ${ACMP_ARGS:-}
+    for sys in ${ACMP_SYSTEMS:-ema 3,4,5}; do
+      case "$sys" in
+        ema) args=(--systems jeagle-adaptive) ;;
+        pinned) args=(--systems jeagle-adaptive --adaptive-config "$OUT/pinned.json") ;;
+        *) args=(--systems jeagle-eagle --tier "$sys") ;;
+      esac
+      decode_variant adaptivecmp "batch $b, waves $waves: $sys" --batch-sizes "$b" --waves "$waves" "${args[@]}" ${ACMP_ARGS:-}
+    done
   done
 fi
 if [[ "$steps" == *" commitab "* ]]; then  # one commit against another in one call: bench/decode.py, jeagle systems

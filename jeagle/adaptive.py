@@ -64,6 +64,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+import numpy as np
+
 POLICIES = ("throughput", "ema")
 PRIOR_WEIGHT = 2.0  # pseudo-rounds shrinking a depth's acceptance towards the depth above it
 PRIOR_ACCEPT = 0.5  # depth 1's prior acceptance
@@ -254,11 +256,12 @@ class ThroughputPolicy:
         n = len(tiers)
         # Tokens per request-round (bonus included) each tier emitted or would have emitted, decayed over
         # accept_window request-rounds (a tier not observed fades with the rest)...
-        self.tokens = [0.0] * n
-        self.weight = [0.0] * n
-        # ... and for each pair (j, i) observed in the same request-rounds, their sums over a window
-        # RATIO_WINDOW times longer: tier j's accept length relative to tier i's.
-        self.pair = [[[0.0, 0.0] for _ in range(n)] for _ in range(n)]
+        self.tokens = np.zeros(n)
+        self.weight = np.zeros(n)
+        # ... and for each pair (j, i) observed in the same request-rounds, over a window RATIO_WINDOW
+        # times longer: pair_num[j, i] sums tier j's tokens, pair_den[j, i] tier i's (j's relative to i's).
+        self.pair_num = np.zeros((n, n))
+        self.pair_den = np.zeros((n, n))
         self.index = initial_index
         self.batches = 0
         self.since_probe = 0
@@ -305,27 +308,26 @@ class ThroughputPolicy:
     def record(self, accepted: Sequence[int], ran: int, nested: Sequence[Sequence[int]] | None = None) -> None:
         """One verify of tier `ran`: its accepted drafts per request and, per request, what each tier of
         `nests[ran]` would have accepted (-1: unknown)."""
-        n = len(accepted)
+        n, t = len(accepted), len(self.tiers)
+        vals = np.full((n, t), np.nan)
+        vals[:, ran] = np.asarray(accepted, float) + 1.0
+        nest = self.nests[ran] if nested is not None else ()
+        if nest:
+            would = np.asarray(nested, float).reshape(n, len(nest))
+            vals[:, list(nest)] = np.where(would >= 0, would + 1.0, np.nan)
+        seen = ~np.isnan(vals)
+        v = np.where(seen, vals, 0.0)
         keep = (1.0 - 1.0 / self.cfg.accept_window) ** n
-        self.tokens = [x * keep for x in self.tokens]
-        self.weight = [x * keep for x in self.weight]
-        slow = (1.0 - 1.0 / (RATIO_WINDOW * self.cfg.accept_window)) ** n
-        seen = (ran,) + (self.nests[ran] if nested is not None else ())
-        for j in seen:
-            for i in seen:
-                if i != j:
-                    self.pair[j][i] = [x * slow for x in self.pair[j][i]]
-        for row, a in enumerate(accepted):
-            vals = {ran: a + 1.0}
-            if nested is not None:
-                vals.update((i, v + 1.0) for i, v in zip(self.nests[ran], nested[row]) if v >= 0)
-            for j, v in vals.items():
-                self.tokens[j] += v
-                self.weight[j] += 1.0
-                for i, u in vals.items():
-                    if i != j:
-                        self.pair[j][i][0] += v
-                        self.pair[j][i][1] += u
+        self.tokens = self.tokens * keep + v.sum(0)
+        self.weight = self.weight * keep + seen.sum(0)
+        both = v.T @ seen  # [j, i]: tier j's tokens over the request-rounds that observed i too
+        pairs = np.zeros((t, t), bool)
+        cols = [ran, *nest]
+        pairs[np.ix_(cols, cols)] = True
+        np.fill_diagonal(pairs, False)
+        slow = np.where(pairs, (1.0 - 1.0 / (RATIO_WINDOW * self.cfg.accept_window)) ** n, 1.0)
+        self.pair_num = self.pair_num * slow + np.where(pairs, both, 0.0)
+        self.pair_den = self.pair_den * slow + np.where(pairs, both.T, 0.0)
 
     def expected_tokens(self) -> list[float]:
         """E_j: tokens per round (bonus included) each tier would emit now. The active tier and those
@@ -337,14 +339,14 @@ class ThroughputPolicy:
         model = self.model_tokens()
         if self.weight[r] <= 0:
             return model
-        e_r = self.tokens[r] / self.weight[r]
+        e_r = float(self.tokens[r] / self.weight[r])
         out = []
         for j in range(len(self.tiers)):
-            num, den = self.pair[j][r]
+            num, den = self.pair_num[j, r], self.pair_den[j, r]
             if (j == r or j in self.nests[r]) and self.weight[j] > 0:
-                out.append(self.tokens[j] / self.weight[j])
+                out.append(float(self.tokens[j] / self.weight[j]))
             elif den >= MIN_PAIR_TOKENS:
-                out.append(e_r * num / den)
+                out.append(float(e_r * num / den))
             else:
                 out.append(model[j] * e_r / model[r])
         return out
@@ -390,8 +392,8 @@ class ThroughputPolicy:
         # window's request-rounds: the new tier's own rounds take over from there (its old rounds, from
         # before it was left, would otherwise speak first and could send the policy straight back).
         seed = self.cfg.accept_window * SEED_ROUNDS
-        self.tokens = [e * seed for e in self.expected_tokens()]
-        self.weight = [seed] * len(self.tiers)
+        self.tokens = np.asarray(self.expected_tokens()) * seed
+        self.weight = np.full(len(self.tiers), seed)
         self.index = best
         return True
 
@@ -401,15 +403,16 @@ class RoundTimes:
     (or the first dispatch of a bucket), `observed` online in the steady state. A tier observed at a
     bucket `min_samples` times is estimated by the median of its last `window` observations (the
     first rounds after a prefill or a switch, and a round the host kept waiting, are outliers an
-    average would carry for many rounds), one not (yet) by its calibration times the median ratio
-    observed / calibrated of the last `window` observations at any tier (online rounds carry host
-    work and real prefixes a calibration run on padding rows lacks, and every tier carries them
-    alike)."""
+    average would carry for many rounds), one not (yet) by its calibration times the ratio observed /
+    calibrated of the tier observed most at that bucket (online rounds carry host work and real
+    prefixes a calibration run on padding rows lacks, and the tiers carry them alike), else the
+    median ratio of the last `window` observations anywhere."""
 
     def __init__(self, window: int = 15, min_samples: int = 8):
         self.window, self.min_samples = window, min_samples
         self.calibration: dict[tuple, float] = {}
         self.online: dict[tuple, deque] = {}
+        self.at_bucket: dict[Any, dict[int, deque]] = {}  # bucket -> tier -> its online samples
         self.ratios: deque = deque(maxlen=window)  # observed / calibrated
 
     def has(self, tier: int, bucket) -> bool:
@@ -420,7 +423,9 @@ class RoundTimes:
 
     def observed(self, tier: int, bucket, ms: float) -> None:
         key = (tier, bucket)
-        self.online.setdefault(key, deque(maxlen=self.window)).append(ms)
+        if key not in self.online:
+            self.online[key] = self.at_bucket.setdefault(bucket, {})[tier] = deque(maxlen=self.window)
+        self.online[key].append(ms)
         if key in self.calibration:
             self.ratios.append(ms / self.calibration[key])
 
@@ -428,14 +433,31 @@ class RoundTimes:
     def ratio(self) -> float | None:
         return statistics.median(self.ratios) if self.ratios else None
 
+    def bucket_ratio(self, bucket) -> float | None:
+        """Observed / calibrated at `bucket`, from its most observed calibrated tier (None: none yet)."""
+        seen = [(len(d), t) for t, d in self.at_bucket.get(bucket, {}).items()
+                if len(d) >= self.min_samples and (t, bucket) in self.calibration]
+        if not seen:
+            return None
+        t = max(seen)[1]
+        return statistics.median(self.online[t, bucket]) / self.calibration[t, bucket]
+
     def estimate(self, tier: int, bucket) -> float | None:
         key = (tier, bucket)
         seen = self.online.get(key, ())
         if len(seen) >= self.min_samples or (seen and key not in self.calibration):
             return statistics.median(seen)
         if key in self.calibration:
-            return self.calibration[key] * (self.ratio or 1.0)
+            r = self.bucket_ratio(bucket)
+            return self.calibration[key] * (r if r is not None else (self.ratio or 1.0))
         return None
+
+    def report(self, tiers: int, bucket) -> dict:
+        """Per tier at `bucket`: the calibration and the observed median (ms; None: none)."""
+        med = lambda d: round(statistics.median(d), 4) if d else None  # noqa: E731
+        return {"calibrated": [None if (j, bucket) not in self.calibration else round(self.calibration[j, bucket], 4)
+                               for j in range(tiers)],
+                "observed": [med(self.online.get((j, bucket))) for j in range(tiers)]}
 
 
 @dataclass

@@ -248,7 +248,7 @@ def test_a_larger_tier_is_judged_by_its_ratio_to_the_active_one():
         pol.update([2], 2, lambda j: times[j], nested=[[0, 1]])
     pol.update([2], 2, lambda j: [1.0, 0.9, 1.5, 3.0][j], nested=[[0, 1]])  # (3,4,5) now 10 % cheaper
     assert pol.index == 1
-    assert pol.pair[2][1][0] / pol.pair[2][1][1] == pytest.approx(1.5, rel=0.01)
+    assert pol.pair_num[2, 1] / pol.pair_den[2, 1] == pytest.approx(1.5, rel=0.01)
     times = [1.0, 1.0, 1.2, 3.0]
     for _ in range(40):  # the text gets easy: (3,4,5) accepts 3 of its 3
         pol.update([3], 1, lambda j: times[j], nested=[[1]])
@@ -490,4 +490,20 @@ def test_throughput_probes_stay_lossless_and_report():
     stats = engine.last_stats
     assert stats.compilations_after_warmup == 0
     assert stats.speculative.adaptive_state["probes"] >= 3 and engine.decoder.controller.active.shape == (3, 4, 5)
-    assert engine.decoder.controller.policy.pair[2][1][1] > 0, "probe rounds of (5,4,8) observe (3,4,5) too"
+    assert engine.decoder.controller.policy.pair_den[2, 1] > 0, "probe rounds of (5,4,8) observe (3,4,5) too"
+
+
+def test_round_times_scale_calibrations_by_the_bucket_s_own_ratio():
+    """At a bucket where the active tier's rounds measure 2x its calibration, another tier is estimated
+    at 2x its own calibration there, whatever the ratios seen at other buckets; the report shows both."""
+    t = RoundTimes(window=5, min_samples=2)
+    for j, ms in enumerate((1.0, 1.5)):
+        t.calibrated(j, "b16", ms)
+        t.calibrated(j, "b1", ms / 2)
+    for _ in range(4):
+        t.observed(0, "b1", 0.5 * 1.1)  # 1.1x at batch 1
+    assert t.estimate(1, "b16") == pytest.approx(1.5 * 1.1)  # no samples at b16 yet: the global ratio
+    t.observed(0, "b16", 2.0)
+    t.observed(0, "b16", 2.0)
+    assert t.estimate(1, "b16") == pytest.approx(3.0) and t.estimate(1, "b1") == pytest.approx(0.75 * 1.1)
+    assert t.report(2, "b16") == {"calibrated": [1.0, 1.5], "observed": [2.0, None]}

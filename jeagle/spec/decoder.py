@@ -426,6 +426,9 @@ class SpecDecoder(SlotTables, GrammarMasks):
             out["bucket"] = {"batch": b, "kv": kv, "greedy": greedy}
             out["round_ms"] = {str(list(t.shape)): _round(self.controller.times.estimate(j, self._last_bucket))
                                for j, t in enumerate(self.tiers)}
+            seen = self.controller.times.report(len(self.tiers), self._last_bucket)
+            for what, ms in seen.items():
+                out[f"round_ms_{what}"] = {str(list(t.shape)): m for t, m in zip(self.tiers, ms)}
         return out
 
     def info(self) -> dict:

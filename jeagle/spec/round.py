@@ -172,13 +172,18 @@ def nested_trees(scores, tokens, parents, selected, topk: int, nested: tuple[tup
     """The trees of the tiers (S', K, N') nested in the running (S, K, N) (S' <= S), over the round's
     candidates `scores` / `tokens` / `parents` [B, M]. Such a tier's S' draft steps are the running
     tier's first S' (the beam at each step is the top-K of the same expansion, whatever S and N), so
-    its candidates are the first K + (S'-1)·K² and its tree is their N'-1 best (`select_nodes` on that
-    prefix: the same top-K, the same ties)."""
+    its candidates are the first K + (S'-1)·K² and its tree is their N'-1 best: what `select_nodes`
+    takes from that prefix, ties to the lower index (as jax.lax.top_k breaks them), found here by
+    ranks (one [B, M, M] compare for every tier, no sort)."""
     m = scores.shape[1]
+    idx = jnp.arange(m)
+    ahead = (scores[:, None, :] > scores[:, :, None]) | (
+        (scores[:, None, :] == scores[:, :, None]) & (idx[None, None, :] < idx[None, :, None]))  # [B, m, m']
+    ranks = jnp.cumsum(ahead.astype(jnp.int32), -1)  # [B, m, c]: candidates among the first c + 1 ahead of m
     member = []
     for s_j, n_j in nested:
-        _, idx = jax.lax.top_k(scores[:, : topk + (s_j - 1) * topk * topk], n_j - 1)
-        member.append(jnp.any(jnp.arange(m)[None, :, None] == idx[:, None, :], -1))
+        c = topk + (s_j - 1) * topk * topk
+        member.append((idx[None, :] < c) & (ranks[:, :, c - 1] < n_j - 1))
     return NestedTrees(jnp.stack(member, 1), tokens, parents, selected)
 
 
