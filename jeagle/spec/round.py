@@ -179,11 +179,11 @@ def nested_trees(scores, tokens, parents, selected, topk: int, nested: tuple[tup
     idx = jnp.arange(m)
     ahead = (scores[:, None, :] > scores[:, :, None]) | (
         (scores[:, None, :] == scores[:, :, None]) & (idx[None, None, :] < idx[None, :, None]))  # [B, m, m']
-    ranks = jnp.cumsum(ahead.astype(jnp.int32), -1)  # [B, m, c]: candidates among the first c + 1 ahead of m
     member = []
     for s_j, n_j in nested:
         c = topk + (s_j - 1) * topk * topk
-        member.append((idx[None, :] < c) & (ranks[:, :, c - 1] < n_j - 1))
+        rank = jnp.sum(ahead & (idx < c)[None, None, :], -1)  # candidates of the prefix ahead of m
+        member.append((idx[None, :] < c) & (rank < n_j - 1))
     return NestedTrees(jnp.stack(member, 1), tokens, parents, selected)
 
 
