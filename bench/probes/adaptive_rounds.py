@@ -1,0 +1,101 @@
+"""Where an adaptive engine's time goes, dispatch by dispatch (issue 22): SmolLM2 + the shipped head on
+MT-bench first turns, one batch, the engine warmed like bench/decode.py; every round dispatch logged with
+its tier and bucket and the wall time from the previous result to its own. Prints per (tier, batch
+bucket) the rounds and their median / mean / max gap, and the largest gaps with what ran.
+
+    python bench/probes/adaptive_rounds.py --prompts .data/mtbench.jsonl --batch 16 --adaptive '{"policy": "throughput"}'
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompts", required=True)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--adaptive", default=None, metavar="JSON", help="AdaptiveConfig fields; none: static --tier")
+    p.add_argument("--tier", default="5,4,8")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--runs", type=int, default=3)
+    args = p.parse_args(argv)
+
+    from jeagle.adaptive import AdaptiveConfig
+    from jeagle.checkpoint import load_draft, load_model
+    from jeagle.engine import EngineConfig, speculative
+    from jeagle.fetch import resolve_draft, resolve_target
+    from jeagle.heads import default_head_dir
+    from jeagle.kernels.settings import KernelSettings
+    from jeagle.sampling import SamplingParams
+    from jeagle.spec.round import SpecConfig
+    from jeagle.tokenizer import Tokenizer
+
+    from decode import chat_ids, read_prompts
+
+    target_dir = resolve_target(None, quiet=True)
+    head_dir = resolve_draft(str(default_head_dir()), target_dir, quiet=True)
+    ids = chat_ids(Tokenizer.from_dir(target_dir), read_prompts(args.prompts, ""))[: args.batch]
+    model = load_model(target_dir)
+    head = load_draft(head_dir, target=model.cfg)
+    ec = EngineConfig(max_batch_size=args.batch, max_context=max(map(len, ids)) + args.max_new_tokens + 16,
+                      kernels=KernelSettings.from_env())
+    adaptive = AdaptiveConfig.from_dict(json.loads(args.adaptive)) if args.adaptive else None
+    eng = speculative(model, head, ec, SpecConfig(*map(int, args.tier.split(","))), adaptive=adaptive)
+    sp = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
+    eng.warmup(batch_sizes=range(1, args.batch + 1), prefill_lengths=sorted({len(x) for x in ids}), greedy=(True,),
+               prefix=(False, True), progress=False)
+    eng.generate(ids, sp)
+    dec = eng.decoder
+    log = []  # (kind, tier index, batch, kv, time)
+    step, unpack = dec.step, dec.unpack
+
+    def step_logged(reqs, b, kv, drain=None):
+        out = step(reqs, b, kv, drain)
+        log.append(("dispatch", dec._dispatches[-1][0], b, kv, time.perf_counter()))
+        return out
+
+    def unpack_logged(kind, reqs, host):
+        if kind == "step":
+            ran, (b, kv, _), *_ = dec._dispatches[0]
+            log.append(("result", ran, b, kv, time.perf_counter()))
+        return unpack(kind, reqs, host)
+
+    dec.step, dec.unpack = step_logged, unpack_logged
+    for run in range(args.runs):
+        log.clear()
+        eng.flush_cache()
+        if dec.controller is not None:
+            dec.reset_tier()
+        t0 = time.perf_counter()
+        outs = eng.generate(ids, sp)
+        wall = time.perf_counter() - t0
+        n = sum(len(o.token_ids) for o in outs)
+        res = [e for e in log if e[0] == "result"]
+        gaps = collections.defaultdict(list)
+        worst = []
+        for prev, cur in zip(res, res[1:]):
+            g = (cur[4] - prev[4]) * 1e3
+            gaps[dec.tiers[cur[1]].shape, cur[2]].append(g)
+            worst.append((g, dec.tiers[cur[1]].shape, cur[2], cur[3], dec.tiers[prev[1]].shape))
+        print(f"run {run}: {n} tokens in {wall:.3f} s = {n / wall:.1f} tok/s, {len(res)} rounds, "
+              f"{eng.last_stats.speculative.accept_length:.3f} accepted", flush=True)
+        for (shape, b), g in sorted(gaps.items(), key=lambda kv: (-kv[0][1], kv[0][0])):
+            print(f"  tier {shape} batch {b}: {len(g)} rounds, gap median {statistics.median(g):.3f} mean "
+                  f"{statistics.fmean(g):.3f} max {max(g):.3f} ms, sum {sum(g):.1f} ms")
+        print("  largest gaps (ms, tier, batch, kv, previous tier):",
+              [(round(g, 2), s, b, kv, ps) for g, s, b, kv, ps in sorted(worst, reverse=True)[:8]])
+        if dec.controller is not None:
+            print("  state:", json.dumps(dec.adaptive_state()))
+
+
+if __name__ == "__main__":
+    main()
