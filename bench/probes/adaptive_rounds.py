@@ -56,22 +56,45 @@ def main(argv=None):
     eng.generate(ids, sp)
     dec = eng.decoder
     log = []  # (kind, tier index, batch, kv, time)
-    step, unpack = dec.step, dec.unpack
+    step, unpack, calibrate = dec.step, dec.unpack, dec.calibrate
+    host = collections.Counter()  # seconds inside the decoder's step / unpack / the controller / calibrate
 
     def step_logged(reqs, b, kv, drain=None):
+        t = time.perf_counter()
         out = step(reqs, b, kv, drain)
+        host["step"] += time.perf_counter() - t
         log.append(("dispatch", dec._dispatches[-1][0], b, kv, time.perf_counter()))
         return out
 
-    def unpack_logged(kind, reqs, host):
+    def unpack_logged(kind, reqs, host_array):
         if kind == "step":
             ran, (b, kv, _), *_ = dec._dispatches[0]
             log.append(("result", ran, b, kv, time.perf_counter()))
-        return unpack(kind, reqs, host)
+        t = time.perf_counter()
+        out = unpack(kind, reqs, host_array)
+        host["unpack"] += time.perf_counter() - t
+        return out
 
-    dec.step, dec.unpack = step_logged, unpack_logged
+    def calibrate_logged(*a, **k):
+        t = time.perf_counter()
+        calibrate(*a, **k)
+        host["calibrate"] += time.perf_counter() - t
+        host["calibrations"] += 1
+
+    dec.step, dec.unpack, dec.calibrate = step_logged, unpack_logged, calibrate_logged
+    if dec.controller is not None:
+        verify = dec.controller.on_verify_complete
+
+        def verify_logged(*a, **k):
+            t = time.perf_counter()
+            out = verify(*a, **k)
+            host["controller"] += time.perf_counter() - t
+            return out
+
+        dec.controller.on_verify_complete = verify_logged
     for run in range(args.runs):
         log.clear()
+        host.clear()
         eng.flush_cache()
         if dec.controller is not None:
             dec.reset_tier()
@@ -87,7 +110,9 @@ def main(argv=None):
             gaps[dec.tiers[cur[1]].shape, cur[2]].append(g)
             worst.append((g, dec.tiers[cur[1]].shape, cur[2], cur[3], dec.tiers[prev[1]].shape))
         print(f"run {run}: {n} tokens in {wall:.3f} s = {n / wall:.1f} tok/s, {len(res)} rounds, "
-              f"{eng.last_stats.speculative.accept_length:.3f} accepted", flush=True)
+              f"{eng.last_stats.speculative.accept_length:.3f} accepted; host ms in "
+              + ", ".join(f"{k} {v * 1e3:.1f}" if k != "calibrations" else f"{k} {v}" for k, v in host.items()),
+              flush=True)
         for (shape, b), g in sorted(gaps.items(), key=lambda kv: (-kv[0][1], kv[0][0])):
             print(f"  tier {shape} batch {b}: {len(g)} rounds, gap median {statistics.median(g):.3f} mean "
                   f"{statistics.fmean(g):.3f} max {max(g):.3f} ms, sum {sum(g):.1f} ms")
