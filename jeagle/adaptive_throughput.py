@@ -1,0 +1,289 @@
+"""The adaptive controller's cost-aware policy, "throughput" (`jeagle/adaptive.py` holds the config, SGLang's
+EMA policy and the controller): the tier with the most expected tokens per second, and the round
+times it weighs them by. Host-only (no JAX here).
+
+    nested_tiers      which tiers a round of each tier also observes
+    ThroughputPolicy  the policy
+    RoundTimes        one round's wall time per (tier, bucket): timed at warm-up, refined online
+
+The throughput policy. Every `update_interval` verifies after `warmup_batches` (defaults 1 and 8: a
+decision costs microseconds; the first rounds' times are noisy) it picks argmax E_j / T_j, E_j the
+tokens per round (bonus included) tier j would emit now and T_j its measured round time at the
+current batch bucket (`RoundTimes`), and leaves the active tier only for one at least
+`switch_margin` faster. Under this policy the base tier (S, K, N) is always one of the tiers (it
+starts there). E_j comes from, in order:
+  1. rounds that observed tier j: its own, and those of any tier that nests it (the same K, no more
+     steps: `nested_tiers`). A round reports what each nested tier's tree would have accepted
+     (`jeagle.spec.round.nested_accepts`: exact for greedy rows but in a rare case, where it is a
+     lower bound), so the tiers below the active one are measured every round, tree width included;
+     decayed over the last `accept_window` request-rounds (a batch of 16 forgets 16 times faster per
+     verify than a batch of 1).
+  2. for a tier the active one does not nest: the active tier's E times the ratio of the two over
+     the request-rounds that observed both, kept over RATIO_WINDOW accept windows (a ratio holds
+     across text far better than either accept length). A larger tier's rounds observe the active
+     one, so every `probe_interval` verifies one round runs the smallest tier nesting the active one
+     (a probe) to keep that ratio current.
+  3. a tier never observed beside the active one: the depth model below, scaled to agree with the
+     active tier's observed E.
+At a switch the estimates decided on seed every tier's recent mean (SEED_ROUNDS of a window), so the
+new tier's first rounds refine them rather than its rounds from long ago. A switch costs: on the H100
+the first rounds of an executable after another one ran took up to 1.8x its steady round at batch 16
+(bench/HISTORY.md session 25: the device-side command buffers see new buffer addresses), so a tier
+runs `min_dwell` verifies before the policy may leave it, and probes are rare (`probe_interval`).
+The depth model. A round of reach D = min(S, N - 1) (the deepest node its tree can hold) accepts a
+drafts: depths 1..a passed, depth a + 1 was tried and failed when a < D, nothing is known past D.
+Counts per depth, decayed like (1), give p_d = P(depth d accepted | depth d - 1 accepted), each
+shrunk towards the depth above it (pseudo-counts `PRIOR_WEIGHT`), so a depth no tier has tried is
+estimated like the deepest one tried (a geometric tail); E_j = 1 + sum_{d <= D_j} p_1 ... p_d. It
+sees depth only: a narrower tree at the same depth is over-estimated, a wider one under-estimated,
+which is why (1) and (2) come first. (Per-tier counts with probes and no nesting were tried in
+6cc26c0: a tier's counts from an earlier phase of the workload then held it off for good;
+bench/HISTORY.md session 12.)
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from typing import TYPE_CHECKING, Any, Callable, Sequence
+
+import numpy as np
+
+if TYPE_CHECKING:
+    from jeagle.adaptive import AdaptiveConfig
+
+PRIOR_WEIGHT = 2.0  # pseudo-rounds shrinking a depth's acceptance towards the depth above it
+PRIOR_ACCEPT = 0.5  # depth 1's prior acceptance
+STALE_DECAY = 4  # counts of depths past the running tier's reach fade this many times faster
+RATIO_WINDOW = 8  # two tiers' accept-length ratio is kept over this many accept windows
+MIN_PAIR_TOKENS = 4.0  # tokens (decayed) behind a ratio before it replaces the depth model
+SEED_ROUNDS = 0.25  # at a switch, the estimates decided on count as this share of an accept window
+
+
+def nested_tiers(tiers: Sequence[tuple[int, int, int]]) -> list[tuple[int, ...]]:
+    """For each tier (S, K, N), the indices of the other tiers nested in it: the same K and S' <= S,
+    so that a round of it tells what each of them would have accepted (`jeagle.spec.round.nested_accepts`)."""
+    return [tuple(i for i, (s_i, k_i, _) in enumerate(tiers) if i != j and k_i == k and s_i <= s)
+            for j, (s, k, _) in enumerate(tiers)]
+
+
+class ThroughputPolicy:
+    """The tier with the most expected tokens per second (module docstring). `tiers`: (S, K, N) each,
+    in the controller's order."""
+
+    def __init__(self, config: AdaptiveConfig, tiers: Sequence[tuple[int, int, int]], initial_index: int):
+        self.cfg = config
+        self.tiers = [tuple(t) for t in tiers]
+        self.reach = [min(s, n - 1) for s, _, n in tiers]
+        deepest = max(self.reach)
+        self.tried = [0.0] * (deepest + 1)  # [d]: decayed rounds that tried depth d (index 0 unused)
+        self.passed = [0.0] * (deepest + 1)  # [d]: ... that accepted it
+        self.nests = nested_tiers(self.tiers)
+        n = len(tiers)
+        # Tokens per request-round (bonus included) each tier emitted or would have emitted, decayed over
+        # accept_window request-rounds (a tier not observed fades with the rest)...
+        self.tokens = np.zeros(n)
+        self.weight = np.zeros(n)
+        # ... and for each pair (j, i) observed in the same request-rounds, over a window RATIO_WINDOW
+        # times longer: pair_num[j, i] sums tier j's tokens, pair_den[j, i] tier i's (j's relative to i's).
+        self.pair_num = np.zeros((n, n))
+        self.pair_den = np.zeros((n, n))
+        self.index = initial_index
+        self.batches = 0
+        self.since_probe = 0
+        self.since_switch = config.min_dwell  # the start is no switch (warmup_batches covers it)
+        self.probes = 0
+        self.last_rates: list[float | None] = [None] * len(tiers)  # expected tokens/ms at the last decision
+
+    # ---- the depth model (tiers no round has observed) -------------------------------------------
+    def observe(self, accepted: Sequence[int], reach: int) -> None:
+        """One verify's accepted drafts per request (bonus excluded) from rounds of reach `reach`."""
+        keep = (1.0 - 1.0 / self.cfg.accept_window) ** len(accepted)
+        # Depths past `reach` cannot be seen now: their counts are from earlier rounds of a deeper tier,
+        # maybe of another workload, and fade STALE_DECAY times faster (else a deep tier that failed
+        # once is judged by that failure long after the acceptance above it has recovered).
+        fade = [keep if d <= reach else keep**STALE_DECAY for d in range(len(self.tried))]
+        self.tried = [x * f for x, f in zip(self.tried, fade)]
+        self.passed = [x * f for x, f in zip(self.passed, fade)]
+        for a in accepted:
+            a = min(int(a), reach)
+            for d in range(1, a + 1):
+                self.passed[d] += 1.0
+            for d in range(1, min(a + 1, reach) + 1):
+                self.tried[d] += 1.0
+
+    def accept_rates(self) -> list[float]:
+        """p_d, d = 1..deepest: P(depth d accepted | depth d - 1 accepted), shrunk towards p_{d-1}."""
+        out, prior = [], PRIOR_ACCEPT
+        for d in range(1, len(self.tried)):
+            prior = (self.passed[d] + PRIOR_WEIGHT * prior) / (self.tried[d] + PRIOR_WEIGHT)
+            out.append(prior)
+        return out
+
+    def model_tokens(self) -> list[float]:
+        """The depth model's tokens per round (bonus included) for each tier."""
+        rates, out = self.accept_rates(), []
+        for reach in self.reach:
+            e, run = 1.0, 1.0
+            for p in rates[:reach]:
+                run *= p
+                e += run
+            out.append(e)
+        return out
+
+    # ---- observed and nested accept lengths ------------------------------------------------------
+    def record(self, accepted: Sequence[int], ran: int, nested: Sequence[Sequence[int]] | None = None) -> None:
+        """One verify of tier `ran`: its accepted drafts per request and, per request, what each tier of
+        `nests[ran]` would have accepted (-1: unknown)."""
+        n, t = len(accepted), len(self.tiers)
+        vals = np.full((n, t), np.nan)
+        vals[:, ran] = np.asarray(accepted, float) + 1.0
+        nest = self.nests[ran] if nested is not None else ()
+        if nest:
+            would = np.asarray(nested, float).reshape(n, len(nest))
+            vals[:, list(nest)] = np.where(would >= 0, would + 1.0, np.nan)
+        seen = ~np.isnan(vals)
+        v = np.where(seen, vals, 0.0)
+        keep = (1.0 - 1.0 / self.cfg.accept_window) ** n
+        self.tokens = self.tokens * keep + v.sum(0)
+        self.weight = self.weight * keep + seen.sum(0)
+        both = v.T @ seen  # [j, i]: tier j's tokens over the request-rounds that observed i too
+        pairs = np.zeros((t, t), bool)
+        cols = [ran, *nest]
+        pairs[np.ix_(cols, cols)] = True
+        np.fill_diagonal(pairs, False)
+        slow = np.where(pairs, (1.0 - 1.0 / (RATIO_WINDOW * self.cfg.accept_window)) ** n, 1.0)
+        self.pair_num = self.pair_num * slow + np.where(pairs, both, 0.0)
+        self.pair_den = self.pair_den * slow + np.where(pairs, both.T, 0.0)
+
+    def expected_tokens(self) -> list[float]:
+        """E_j: tokens per round (bonus included) each tier would emit now. The active tier and those
+        nested in it: their recent rounds (observed or would-be, exact for greedy rows); a larger tier:
+        the active one's times its ratio to it over the request-rounds that observed both (a probe
+        round observes both: `probe`); a tier never observed beside the active one: the depth model,
+        scaled to agree with the active tier's observed accept length."""
+        r = self.index
+        model = self.model_tokens()
+        if self.weight[r] <= 0:
+            return model
+        e_r = float(self.tokens[r] / self.weight[r])
+        out = []
+        for j in range(len(self.tiers)):
+            num, den = self.pair_num[j, r], self.pair_den[j, r]
+            if (j == r or j in self.nests[r]) and self.weight[j] > 0:
+                out.append(float(self.tokens[j] / self.weight[j]))
+            elif den >= MIN_PAIR_TOKENS:
+                out.append(float(e_r * num / den))
+            else:
+                out.append(model[j] * e_r / model[r])
+        return out
+
+    def probe(self) -> int | None:
+        """The tier to run for one round instead of the active one, or None: every `probe_interval`
+        verifies, the smallest tier that nests the active one (so its round also tells the active
+        tier's, and the pair's ratio stays current while the active tier cannot see it)."""
+        if not self.cfg.probe_interval or self.since_probe < self.cfg.probe_interval:
+            return None
+        up = [j for j in range(len(self.tiers)) if self.index in self.nests[j] and self.tiers[j] != self.tiers[self.index]]
+        if not up:
+            return None
+        self.since_probe = 0
+        self.probes += 1
+        return min(up, key=lambda j: self.tiers[j])
+
+    def update(self, accepted: Sequence[int], ran: int, round_ms: Callable[[int], float | None],
+               nested: Sequence[Sequence[int]] | None = None) -> bool:
+        """Feed one verify of tier index `ran`; round_ms(j): tier j's round time at the current bucket
+        (None: unknown). True if the active tier changed."""
+        if len(accepted) == 0:
+            return False
+        self.observe(accepted, self.reach[ran])
+        self.record(accepted, ran, nested)
+        self.batches += 1
+        self.since_probe += 1
+        self.since_switch += 1
+        past = self.batches - self.cfg.warmup_batches
+        if past <= 0 or past % self.cfg.update_interval or self.since_switch < self.cfg.min_dwell:
+            return False
+        return self._decide(round_ms)
+
+    def _decide(self, round_ms) -> bool:
+        times = [round_ms(j) for j in range(len(self.reach))]
+        self.last_rates = [e / t if t else None for e, t in zip(self.expected_tokens(), times)]
+        now = self.last_rates[self.index]
+        if now is None:
+            return False
+        best = max((j for j, r in enumerate(self.last_rates) if r is not None), key=lambda j: self.last_rates[j])
+        if best == self.index or self.last_rates[best] <= now * (1.0 + self.cfg.switch_margin):
+            return False
+        # What the decision saw becomes every tier's recent mean, at the weight of SEED_ROUNDS of the
+        # window's request-rounds: the new tier's own rounds take over from there (its old rounds, from
+        # before it was left, would otherwise speak first and could send the policy straight back).
+        seed = self.cfg.accept_window * SEED_ROUNDS
+        self.tokens = np.asarray(self.expected_tokens()) * seed
+        self.weight = np.full(len(self.tiers), seed)
+        self.index = best
+        self.since_switch = 0
+        return True
+
+
+class RoundTimes:
+    """One round's wall time (ms) per (tier index, bucket): `calibrated` from timed runs at warm-up
+    (or the first dispatch of a bucket), `observed` online in the steady state. A tier observed at a
+    bucket `min_samples` times is estimated by the median of its last `window` observations (the
+    first rounds after a prefill or a switch, and a round the host kept waiting, are outliers an
+    average would carry for many rounds), one not (yet) by its calibration times the ratio observed /
+    calibrated of the tier observed most at that bucket (online rounds carry host work and real
+    prefixes a calibration run on padding rows lacks, and the tiers carry them alike), else the
+    median ratio of the last `window` observations anywhere."""
+
+    def __init__(self, window: int = 15, min_samples: int = 8):
+        self.window, self.min_samples = window, min_samples
+        self.calibration: dict[tuple, float] = {}
+        self.online: dict[tuple, deque] = {}
+        self.at_bucket: dict[Any, dict[int, deque]] = {}  # bucket -> tier -> its online samples
+        self.ratios: deque = deque(maxlen=window)  # observed / calibrated
+
+    def has(self, tier: int, bucket) -> bool:
+        return (tier, bucket) in self.calibration
+
+    def calibrated(self, tier: int, bucket, ms: float) -> None:
+        self.calibration[tier, bucket] = ms
+
+    def observed(self, tier: int, bucket, ms: float) -> None:
+        key = (tier, bucket)
+        if key not in self.online:
+            self.online[key] = self.at_bucket.setdefault(bucket, {})[tier] = deque(maxlen=self.window)
+        self.online[key].append(ms)
+        if key in self.calibration:
+            self.ratios.append(ms / self.calibration[key])
+
+    @property
+    def ratio(self) -> float | None:
+        return statistics.median(self.ratios) if self.ratios else None
+
+    def bucket_ratio(self, bucket) -> float | None:
+        """Observed / calibrated at `bucket`, from its most observed calibrated tier (None: none yet)."""
+        seen = [(len(d), t) for t, d in self.at_bucket.get(bucket, {}).items()
+                if len(d) >= self.min_samples and (t, bucket) in self.calibration]
+        if not seen:
+            return None
+        t = max(seen)[1]
+        return statistics.median(self.online[t, bucket]) / self.calibration[t, bucket]
+
+    def estimate(self, tier: int, bucket) -> float | None:
+        key = (tier, bucket)
+        seen = self.online.get(key, ())
+        if len(seen) >= self.min_samples or (seen and key not in self.calibration):
+            return statistics.median(seen)
+        if key in self.calibration:
+            r = self.bucket_ratio(bucket)
+            return self.calibration[key] * (r if r is not None else (self.ratio or 1.0))
+        return None
+
+    def report(self, tiers: int, bucket) -> dict:
+        """Per tier at `bucket`: the calibration and the observed median (ms; None: none)."""
+        med = lambda d: round(statistics.median(d), 4) if d else None  # noqa: E731
+        return {"calibrated": [None if (j, bucket) not in self.calibration else round(self.calibration[j, bucket], 4)
+                               for j in range(tiers)],
+                "observed": [med(self.online.get((j, bucket))) for j in range(tiers)]}

@@ -1,0 +1,286 @@
+"""The adaptive throughput policy (issue 22): expected tokens per second from observed, nested and
+ratio-scaled accept lengths, round times, probes and dwell; in the engine, nested tiers' would-be
+accept lengths equal running those tiers, and probes stay lossless."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jeagle.adaptive import AdaptiveConfig, AdaptiveController, TierState
+from jeagle.adaptive_throughput import RoundTimes, ThroughputPolicy, nested_tiers
+from jeagle.engine import EngineConfig, speculative, target_only
+from jeagle.sampling import SamplingParams
+from jeagle.spec.round import SpecConfig
+from tests.spec_models import bigram_target, signed_identity_head, target_config
+
+
+# ---- the throughput policy ---------------------------------------------------------------------------
+TIERS = ((1, 4, 3), (3, 4, 5), (7, 4, 11))  # reach 1, 3, 7
+
+
+def throughput(initial=1, tiers=TIERS, **kw):
+    kw = {"warmup_batches": 0, "update_interval": 1, "accept_window": 10_000, "policy": "throughput", "min_dwell": 0,
+          **kw}
+    return ThroughputPolicy(AdaptiveConfig(**kw), tiers, initial)
+
+
+def geometric_rounds(rng, p, reach, n):
+    """n accepted-draft counts of rounds whose every depth passes with probability p, capped at reach."""
+    out = []
+    for _ in range(n):
+        a = 0
+        while a < reach and rng.random() < p:
+            a += 1
+        out.append(a)
+    return out
+
+
+def test_expected_tokens_recover_a_known_acceptance_through_censoring():
+    """Rounds of reach 3 (depths past 3 never tried) at p = 0.8 per depth: p_1..p_3 are estimated from
+    the data, deeper ones extrapolate the deepest tried, so every tier's E is near the truth."""
+    rng = np.random.default_rng(0)
+    pol = throughput(initial=1, warmup_batches=10**9)
+    for _ in range(400):
+        pol.observe(geometric_rounds(rng, 0.8, 3, 8), reach=3)
+    rates = pol.accept_rates()
+    assert rates[:3] == pytest.approx([0.8] * 3, abs=0.03) and rates[6] == pytest.approx(rates[2], abs=1e-3)
+    truth = [1 + sum(0.8**d for d in range(1, r + 1)) for r in (1, 3, 7)]
+    assert pol.expected_tokens() == pytest.approx(truth, rel=0.04)
+
+
+def test_a_depth_never_reached_keeps_the_prior_of_the_one_above():
+    pol = throughput()
+    pol.observe([0, 0, 0, 0], reach=7)  # depth 1 always fails: depths 2.. never tried
+    rates = pol.accept_rates()
+    assert rates[0] == pytest.approx((0 + 2 * 0.5) / (4 + 2)) and all(r == pytest.approx(rates[0]) for r in rates)
+    assert pol.tried[2:] == [0.0] * 6 and pol.passed[1:] == [0.0] * 7
+
+
+def test_counts_decay_over_the_accept_window_in_request_rounds():
+    pol = throughput(accept_window=4)
+    pol.observe([3], reach=3)
+    pol.observe([0, 0], reach=3)  # two request-rounds age the counts twice
+    assert pol.passed[3] == pytest.approx(0.75**2) and pol.tried[1] == pytest.approx(0.75**2 + 2)
+    pol.observe([], reach=3)  # nothing observed: nothing ages
+    assert pol.passed[3] == pytest.approx(0.75**2)
+
+
+def test_counts_past_the_running_reach_fade_faster():
+    """A deep tier failed in an earlier phase; now a shallow tier accepts everything: the deep depths'
+    old failures fade STALE_DECAY times faster, so the deep tier is tried again within a window."""
+    pol = throughput(initial=2, accept_window=8)
+    pol.observe([3] * 8, reach=7)  # depth 4 fails in the old phase
+    pol.observe([3] * 8, reach=3)  # the shallow tier: depths 1..3 pass, depth 4 unseen
+    old4 = (1 - 1 / 8) ** 8
+    assert pol.tried[4] == pytest.approx(8 * old4**4) and pol.tried[3] == pytest.approx(8 * old4 + 8)
+    for _ in range(3):
+        pol.observe([3] * 8, reach=3)
+    assert pol.accept_rates()[3] > 0.9  # the prior (depth 3's ~1) wins over the faded failure
+
+
+@pytest.mark.parametrize("p,times,want", [
+    (0.9, (1.0, 1.3, 2.0), 2),  # accepts deep: the 7-step tier pays (E 5.8 / 2.0 vs 3.4 / 1.3)
+    (0.9, (1.0, 1.3, 5.0), 1),  # ... unless its round costs 5 short ones
+    (0.3, (1.0, 1.3, 2.0), 0),  # accepts little: the cheapest round wins
+])
+def test_decisions_maximise_expected_tokens_per_second(p, times, want):
+    rng = np.random.default_rng(1)
+    pol = throughput(initial=1)
+    for _ in range(200):
+        pol.update(geometric_rounds(rng, p, pol.reach[pol.index], 16), pol.index, lambda j: times[j])
+    assert pol.index == want
+    e = pol.expected_tokens()
+    assert max(range(3), key=lambda j: e[j] / times[j]) == want
+
+
+def test_switch_margin_and_unknown_times_hold_the_tier():
+    pol = throughput(initial=0, switch_margin=0.5)
+    pol.observe([1] * 50, reach=1)  # p_1 ~ 1: E = 2, 4, 8 at reach 1, 3, 7
+    assert not pol._decide(lambda j: (1.0, 2.9, 6.0)[j])  # 4/2.9 = 1.38 < 2 x 1.5: stays
+    assert pol._decide(lambda j: (1.0, 1.2, 6.0)[j]) and pol.index == 1
+    assert not pol._decide(lambda j: None if j == 1 else 1.0)  # the active tier's time unknown: no basis
+    assert pol.last_rates[1] is None
+
+
+def test_round_times_calibration_online_and_ratio():
+    t = RoundTimes(window=3, min_samples=1)
+    assert t.estimate(0, (1, 128, True)) is None and not t.has(0, (1, 128, True))
+    t.calibrated(0, (1, 128, True), 2.0)
+    t.calibrated(1, (1, 128, True), 4.0)
+    assert t.has(1, (1, 128, True)) and t.estimate(1, (1, 128, True)) == 4.0
+    t.observed(0, (1, 128, True), 3.0)  # online 1.5x the calibration: tier 1, not observed, scales alike
+    assert t.estimate(0, (1, 128, True)) == 3.0 and t.estimate(1, (1, 128, True)) == pytest.approx(6.0)
+    t.observed(0, (1, 128, True), 5.0)
+    assert t.estimate(0, (1, 128, True)) == pytest.approx(4.0) and t.ratio == pytest.approx(2.0)
+
+
+def test_round_times_are_medians_an_outlier_does_not_move():
+    """One round the host kept waiting (40 ms among 2 ms rounds) leaves the estimate where it was: an
+    average would have carried it for tens of rounds."""
+    t = RoundTimes(window=5, min_samples=3)
+    t.calibrated(0, "b", 2.0)
+    t.observed(0, "b", 8.0)  # one noisy first round: the calibration (scaled by the median ratio) speaks
+    assert t.estimate(0, "b") == pytest.approx(2.0 * 4.0)
+    t.observed(0, "b", 4.0)
+    t.observed(0, "b", 4.0)
+    assert t.estimate(0, "b") == 4.0  # its own samples now: their median
+    for ms in (2.0, 40.0, 2.0, 2.0):
+        t.observed(0, "b", ms)
+    assert t.estimate(0, "b") == 2.0  # the window's last 5: 4, 2, 40, 2, 2
+    t.observed(1, "x", 1.5)  # never calibrated: online from the first sample
+    assert t.estimate(1, "x") == 1.5
+
+
+# ---- nested tiers: would-be accept lengths, ratios, probes ---------------------------------------------
+NESTED = ((1, 4, 2), (3, 4, 5), (5, 4, 8), (7, 4, 11))
+
+
+def test_nested_tiers_share_k_and_have_no_more_steps():
+    assert nested_tiers(NESTED) == [(), (0,), (0, 1), (0, 1, 2)]
+    assert nested_tiers(((3, 1, 4), (5, 4, 8), (6, 4, 16))) == [(), (), (1,)]  # another K: not nested
+
+
+def test_nested_accept_lengths_are_the_estimates_of_the_tiers_they_observe():
+    """Running (5,4,8), each round also says what (1,4,2) and (3,4,5) would have accepted: their
+    estimates are those rounds' means, not the depth model's extrapolation of (5,4,8)'s depths."""
+    pol = throughput(initial=2, tiers=NESTED, warmup_batches=10**9)
+    for _ in range(50):  # (5,4,8) accepts 4 drafts; (3,4,5)'s narrower tree would have accepted 1
+        pol.update([4, 4], 2, lambda j: 1.0, nested=[[1, 1, 1][:2], [1, 1]])
+    e = pol.expected_tokens()
+    assert e[0] == pytest.approx(2.0) and e[1] == pytest.approx(2.0) and e[2] == pytest.approx(5.0)
+    assert pol.model_tokens()[1] == pytest.approx(4.0, abs=0.1)  # depth-only: (3,4,5) reaches 3 of the 4
+
+
+def test_a_larger_tier_is_judged_by_its_ratio_to_the_active_one():
+    """After (5,4,8) ran beside (3,4,5) (every (5,4,8) round tells both), the policy moves to (3,4,5)
+    when it is cheaper; then (5,4,8) is estimated as (3,4,5)'s current accept length times their
+    ratio, so when acceptance doubles it moves back; the depth model (from (3,4,5)'s own narrow rounds)
+    would not have."""
+    times = [1.0, 1.0, 1.5, 3.0]
+    pol = throughput(initial=2, tiers=NESTED, accept_window=8, probe_interval=0)
+    for _ in range(40):  # (5,4,8) accepts 2 drafts, (3,4,5) would accept 1: 3/1.5 = 2/1.0, (3,4,5) cheaper
+        pol.update([2], 2, lambda j: times[j], nested=[[0, 1]])
+    pol.update([2], 2, lambda j: [1.0, 0.9, 1.5, 3.0][j], nested=[[0, 1]])  # (3,4,5) now 10 % cheaper
+    assert pol.index == 1
+    assert pol.pair_num[2, 1] / pol.pair_den[2, 1] == pytest.approx(1.5, rel=0.01)
+    times = [1.0, 1.0, 1.2, 3.0]
+    for _ in range(40):  # the text gets easy: (3,4,5) accepts 3 of its 3
+        pol.update([3], 1, lambda j: times[j], nested=[[1]])
+        if pol.index == 2:
+            break
+    assert pol.index == 2  # the decision's estimates seed the means: (5,4,8)'s was (3,4,5)'s x 1.5
+    assert pol.tokens[2] / pol.weight[2] == pytest.approx(1.5 * pol.tokens[1] / pol.weight[1], rel=0.01)
+
+
+def test_probes_run_the_next_larger_tier_every_interval():
+    pol = throughput(initial=1, tiers=NESTED, warmup_batches=10**9, probe_interval=3)
+    seen = []
+    for _ in range(9):
+        j = pol.probe()
+        seen.append(pol.index if j is None else j)
+        pol.update([1], seen[-1], lambda j: 1.0, nested=[[0] * len(pol.nests[seen[-1]])])
+    assert seen == [1, 1, 1, 2, 1, 1, 2, 1, 1] and pol.probes == 2
+    top = throughput(initial=3, tiers=NESTED, probe_interval=1)
+    top.update([1], 3, lambda j: 1.0, nested=[[0, 0, 0]])
+    assert top.probe() is None  # nothing nests the largest tier
+    assert throughput(initial=1, tiers=NESTED, probe_interval=0).probe() is None
+
+
+def test_controller_reports_the_throughput_view():
+    states = [TierState(t, t[0]) for t in TIERS]
+    c = AdaptiveController(AdaptiveConfig(warmup_batches=0, update_interval=1, policy="throughput"), states, 3)
+    assert c.active is states[1]
+    for j, ms in enumerate((1.0, 1.1, 1.6)):
+        c.times.calibrated(j, "b", ms)
+    assert c.on_verify_complete([3, 3, 3], ran=1, bucket="b") and c.active is states[2]
+    rep = c.report()
+    assert rep["policy"] == "throughput" and rep["active_tier"] == [7, 4, 11] and rep["switches"] == 1
+    assert set(rep["expected_accept_length"]) == {"[1, 4, 3]", "[3, 4, 5]", "[7, 4, 11]"}
+    assert rep["expected_tokens_per_ms"]["[7, 4, 11]"] > rep["expected_tokens_per_ms"]["[3, 4, 5]"]
+
+
+def test_nested_tiers_accept_lengths_equal_running_those_tiers():
+    """A (5,4,8) round reports what (1,4,2) and (3,4,5) would have accepted. From the same state (a
+    request's first round after its prefill) that is exactly what a round of each of them accepts
+    (greedy, fp32), for a head that accepts some depths and not others."""
+    target = bigram_target(target_config())
+    head = signed_identity_head(target, +1.0, noise=0.04, seed=2)
+    rng = np.random.default_rng(11)
+    prompts = [list(rng.integers(4, 96, n)) for n in (5, 2, 9, 3, 7, 4, 6, 8)]
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    cfg = EngineConfig(max_batch_size=2, max_context=128, batch_buckets=(1, 2))
+    tiers = ((1, 4, 2), (3, 4, 5), (5, 4, 8))
+    big = speculative(target, head, cfg, SpecConfig(5, 4, 8),
+                      adaptive=AdaptiveConfig(candidate_tiers=tiers, policy="throughput", warmup_batches=10**9,
+                                              probe_interval=0))
+    seen = []
+    feed = big.decoder.controller.on_verify_complete
+    big.decoder.controller.on_verify_complete = lambda acc, ran, bucket, nested=None: (
+        seen.append((list(acc), ran, nested)), feed(acc, ran, bucket, nested))[1]
+    first = {}
+    for s, _, n in tiers[:2]:
+        small = speculative(target, head, cfg, SpecConfig(s, 4, n))
+        first[s] = []
+        for p in prompts:
+            small.decoder.accept_lengths.clear()
+            small.generate([p], [params])
+            first[s].append(small.decoder.accept_lengths[0] - 1)
+    would, ran_big = [], []
+    for p in prompts:
+        seen.clear()
+        big.generate([p], [params])
+        acc, ran, nested = seen[0]
+        ran_big.extend(acc)
+        assert ran == 2 and len(acc) == 1 and len(nested[0]) == 2
+        assert all(0 <= w <= a + 1 for w in nested[0] for a in acc)  # at most one node the running tree lacked
+        would.append(nested[0])
+    assert [w[0] for w in would] == first[1] and [w[1] for w in would] == first[3]
+    assert len(set(first[3])) > 1, "the head should accept different depths on different prompts"
+    assert any(w[1] > a for w, a in zip(would, ran_big)), "a case where (3,4,5) holds a node (5,4,8) lacks"
+
+
+def test_throughput_probes_stay_lossless_and_report():
+    target = bigram_target(target_config())
+    head = signed_identity_head(target, +1.0, noise=0.04, seed=2)
+    rng = np.random.default_rng(12)
+    prompts = [list(rng.integers(4, 96, n)) for n in (5, 2, 9)]
+    params = [SamplingParams(max_new_tokens=m, ignore_eos=True) for m in (30, 24, 28)]
+    cfg = EngineConfig(max_batch_size=4, max_context=128, batch_buckets=(1, 2, 4))
+    want = [o.token_ids for o in target_only(target, cfg).generate(prompts, params)]
+    engine = speculative(target, head, cfg, SpecConfig(3, 4, 5),
+                         adaptive=AdaptiveConfig(candidate_tiers=((1, 4, 2), (3, 4, 5), (5, 4, 8)),
+                                                 policy="throughput", warmup_batches=10**9, probe_interval=2))
+    engine.warmup(prefill_lengths=[9], greedy=(True,), progress=False)
+    assert [o.token_ids for o in engine.generate(prompts, params)] == want
+    stats = engine.last_stats
+    assert stats.compilations_after_warmup == 0
+    assert stats.speculative.adaptive_state["probes"] >= 3 and engine.decoder.controller.active.shape == (3, 4, 5)
+    assert engine.decoder.controller.policy.pair_den[2, 1] > 0, "probe rounds of (5,4,8) observe (3,4,5) too"
+
+
+def test_round_times_scale_calibrations_by_the_bucket_s_own_ratio():
+    """At a bucket where the active tier's rounds measure 2x its calibration, another tier is estimated
+    at 2x its own calibration there, whatever the ratios seen at other buckets; the report shows both."""
+    t = RoundTimes(window=5, min_samples=2)
+    for j, ms in enumerate((1.0, 1.5)):
+        t.calibrated(j, "b16", ms)
+        t.calibrated(j, "b1", ms / 2)
+    for _ in range(4):
+        t.observed(0, "b1", 0.5 * 1.1)  # 1.1x at batch 1
+    assert t.estimate(1, "b16") == pytest.approx(1.5 * 1.1)  # no samples at b16 yet: the global ratio
+    t.observed(0, "b16", 2.0)
+    t.observed(0, "b16", 2.0)
+    assert t.estimate(1, "b16") == pytest.approx(3.0) and t.estimate(1, "b1") == pytest.approx(0.75 * 1.1)
+    assert t.report(2, "b16") == {"calibrated": [1.0, 1.5], "observed": [2.0, None]}
+
+
+def test_a_new_tier_runs_min_dwell_verifies_before_the_next_switch():
+    """Switching executables costs device time (bench/HISTORY.md session 25): a tier just switched to
+    is kept `min_dwell` verifies even when the estimates turn against it at once."""
+    pol = throughput(initial=1, tiers=NESTED, min_dwell=4, probe_interval=0)
+    pol.update([3], 1, lambda j: [1.0, 1.0, 0.5, 1.0][j], nested=[[1]])  # (5,4,8) looks twice as fast: switch
+    assert pol.index == 2 and pol.since_switch == 0
+    for i in range(4):  # now (1,4,2) looks far better, but the dwell holds (5,4,8)
+        pol.update([0], 2, lambda j: [0.1, 1.0, 1.0, 1.0][j], nested=[[0, 0]])
+        assert pol.index == (2 if i < 3 else 0)
