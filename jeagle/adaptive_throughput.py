@@ -26,9 +26,10 @@ starts there). E_j comes from, in order:
   3. a tier never observed beside the active one: the depth model below, scaled to agree with the
      active tier's observed E.
 At a switch the estimates decided on seed every tier's recent mean (SEED_ROUNDS of a window), so the
-new tier's first rounds refine them rather than its rounds from long ago. A switch costs: on the H100 a tier's rounds right after switches took up to 1.8x its steady round at
-batch 16 where its device time is 1.11x (bench/HISTORY.md session 25; why is not established: the
-executables' command buffers meeting new buffer addresses is a suspect), so a tier runs `min_dwell`
+new tier's first rounds refine them rather than its rounds from long ago. Switching seems to cost: on the H100, at batch 16, (7,4,11)'s rounds in runs that switched between it
+and (5,4,8) every few verifies took 1.8x (5,4,8)'s, where its device time is 1.11x (bench/HISTORY.md
+session 25; why is not established: the executables' command buffers meeting new buffer addresses is
+a suspect), so a tier runs `min_dwell`
 verifies before the policy may leave it, and probes are rare (`probe_interval`).
 The depth model. A round of reach D = min(S, N - 1) (the deepest node its tree can hold) accepts a
 drafts: depths 1..a passed, depth a + 1 was tried and failed when a < D, nothing is known past D.
