@@ -70,8 +70,7 @@ class AdaptiveConfig:
     policy: str = "ema"  # SGLang's; or "throughput" (expected tokens per second)
     accept_window: int = 32  # throughput: request-rounds over which the per-depth acceptance counts decay (1/e)
     switch_margin: float = 0.03  # throughput: leave the active tier only for one this much faster
-    probe_interval: int = 64  # throughput: every this many verifies, one round of the next larger tier (0: never)
-    min_dwell: int = 16  # throughput: verifies a tier runs before the policy may leave it
+    min_dwell: int = 0  # throughput: verifies a tier runs after a switch before the policy may leave it
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -108,7 +107,6 @@ class AdaptiveConfig:
         object.__setattr__(self, "up_hysteresis", _float("up_hysteresis", self.up_hysteresis))
         _int("accept_window", self.accept_window, 1)
         object.__setattr__(self, "switch_margin", _float("switch_margin", self.switch_margin, 0.0))
-        _int("probe_interval", self.probe_interval, 0)
         _int("min_dwell", self.min_dwell, 0)
 
     @classmethod
@@ -245,14 +243,6 @@ class AdaptiveController:
             return self.policy.nests
         return [()] * len(self.states)
 
-    def dispatch_index(self) -> int:
-        """The tier the next dispatch runs: the active one, or now and then a probe (`ThroughputPolicy.probe`)."""
-        if isinstance(self.policy, ThroughputPolicy):
-            probe = self.policy.probe()
-            if probe is not None:
-                return probe
-        return self.policy.index
-
     def on_verify_complete(self, accept_lengths: Sequence[float], ran: int | None = None, bucket=None,
                            nested: Sequence[Sequence[int]] | None = None) -> bool:
         """Accepted draft tokens per request of one verify (bonus excluded), of rounds of tier index `ran`
@@ -276,7 +266,6 @@ class AdaptiveController:
                                              for st, e in zip(self.states, self.policy.expected_tokens())}
             out["expected_tokens_per_ms"] = {str(list(st.shape)): (None if r is None else round(r, 4))
                                              for st, r in zip(self.states, self.policy.last_rates)}
-            out["probes"] = self.policy.probes
         else:
             out["ema"] = round(self.policy.ema, 3)
         return out

@@ -11,33 +11,32 @@ decision costs microseconds; the first rounds' times are noisy) it picks argmax 
 tokens per round (bonus included) tier j would emit now and T_j its measured round time at the
 current batch bucket (`RoundTimes`), and leaves the active tier only for one at least
 `switch_margin` faster. Under this policy the base tier (S, K, N) is always one of the tiers (it
-starts there). E_j comes from, in order:
+starts there). E_j comes from:
   1. rounds that observed tier j: its own, and those of any tier that nests it (the same K, no more
      steps: `nested_tiers`). A round reports what each nested tier's tree would have accepted
      (`jeagle.spec.round.nested_accepts`: exact for greedy rows but in a rare case, where it is a
      lower bound), so the tiers below the active one are measured every round, tree width included;
      decayed over the last `accept_window` request-rounds (a batch of 16 forgets 16 times faster per
      verify than a batch of 1).
-  2. for a tier the active one does not nest: the active tier's E times the ratio of the two over
-     the request-rounds that observed both, kept over RATIO_WINDOW accept windows (a ratio holds
-     across text far better than either accept length). A larger tier's rounds observe the active
-     one, so every `probe_interval` verifies one round runs the smallest tier nesting the active one
-     (a probe) to keep that ratio current.
-  3. a tier never observed beside the active one: the depth model below, scaled to agree with the
-     active tier's observed E.
+  2. a tier the active one does not nest: the depth model below, scaled to agree with the active
+     tier's observed E.
 At a switch the estimates decided on seed every tier's recent mean (SEED_ROUNDS of a window), so the
-new tier's first rounds refine them rather than its rounds from long ago. Switching seems to cost: on the H100, at batch 16, (7,4,11)'s rounds in runs that switched between it
-and (5,4,8) every few verifies took 1.8x (5,4,8)'s, where its device time is 1.11x (bench/HISTORY.md
-session 25; why is not established: the executables' command buffers meeting new buffer addresses is
-a suspect), so a tier runs `min_dwell`
-verifies before the policy may leave it, and probes are rare (`probe_interval`).
+new tier's first rounds refine them rather than its rounds from long ago. `min_dwell` (default 0)
+holds a tier that many verifies after a switch: on the H100, at batch 16, (7,4,11)'s rounds in runs
+that switched between it and (5,4,8) every few verifies took 1.8x (5,4,8)'s where its device time is
+1.11x (bench/HISTORY.md session 25; the cause is not established).
+Tried and taken out (session 25): a larger tier estimated as the active one's E times the ratio of the
+two over the request-rounds that observed both, kept current by a probe round of the larger tier every
+N verifies. On the phased workload (bench/adaptive.py) the ratio from one phase misjudged the next (the
+low phase's ~1.0 held (6,4,16) off in the high phase): 0.97 / 0.84 of the best static tier (chain /
+tree) where the depth model alone had measured 1.10 / 1.01.
 The depth model. A round of reach D = min(S, N - 1) (the deepest node its tree can hold) accepts a
 drafts: depths 1..a passed, depth a + 1 was tried and failed when a < D, nothing is known past D.
 Counts per depth, decayed like (1), give p_d = P(depth d accepted | depth d - 1 accepted), each
 shrunk towards the depth above it (pseudo-counts `PRIOR_WEIGHT`), so a depth no tier has tried is
 estimated like the deepest one tried (a geometric tail); E_j = 1 + sum_{d <= D_j} p_1 ... p_d. It
 sees depth only: a narrower tree at the same depth is over-estimated, a wider one under-estimated,
-which is why (1) and (2) come first. (Per-tier counts with probes and no nesting were tried in
+which is why (1) comes first. (Per-tier counts with probes and no nesting were tried in
 6cc26c0: a tier's counts from an earlier phase of the workload then held it off for good;
 bench/HISTORY.md session 12.)
 """
@@ -56,8 +55,6 @@ if TYPE_CHECKING:
 PRIOR_WEIGHT = 2.0  # pseudo-rounds shrinking a depth's acceptance towards the depth above it
 PRIOR_ACCEPT = 0.5  # depth 1's prior acceptance
 STALE_DECAY = 4  # counts of depths past the running tier's reach fade this many times faster
-RATIO_WINDOW = 8  # two tiers' accept-length ratio is kept over this many accept windows
-MIN_PAIR_TOKENS = 4.0  # tokens (decayed) behind a ratio before it replaces the depth model
 SEED_ROUNDS = 0.25  # at a switch, the estimates decided on count as this share of an accept window
 
 
@@ -82,18 +79,12 @@ class ThroughputPolicy:
         self.nests = nested_tiers(self.tiers)
         n = len(tiers)
         # Tokens per request-round (bonus included) each tier emitted or would have emitted, decayed over
-        # accept_window request-rounds (a tier not observed fades with the rest)...
+        # accept_window request-rounds (a tier not observed fades with the rest).
         self.tokens = np.zeros(n)
         self.weight = np.zeros(n)
-        # ... and for each pair (j, i) observed in the same request-rounds, over a window RATIO_WINDOW
-        # times longer: pair_num[j, i] sums tier j's tokens, pair_den[j, i] tier i's (j's relative to i's).
-        self.pair_num = np.zeros((n, n))
-        self.pair_den = np.zeros((n, n))
         self.index = initial_index
         self.batches = 0
-        self.since_probe = 0
         self.since_switch = config.min_dwell  # the start is no switch (warmup_batches covers it)
-        self.probes = 0
         self.last_rates: list[float | None] = [None] * len(tiers)  # expected tokens/ms at the last decision
 
     # ---- the depth model (tiers no round has observed) -------------------------------------------
@@ -136,8 +127,8 @@ class ThroughputPolicy:
     def record(self, accepted: Sequence[int], ran: int, nested: Sequence[Sequence[int]] | None = None) -> None:
         """One verify of tier `ran`: its accepted drafts per request and, per request, what each tier of
         `nests[ran]` would have accepted (-1: unknown)."""
-        n, t = len(accepted), len(self.tiers)
-        vals = np.full((n, t), np.nan)
+        n = len(accepted)
+        vals = np.full((n, len(self.tiers)), np.nan)
         vals[:, ran] = np.asarray(accepted, float) + 1.0
         nest = self.nests[ran] if nested is not None else ()
         if nest:
@@ -148,49 +139,18 @@ class ThroughputPolicy:
         keep = (1.0 - 1.0 / self.cfg.accept_window) ** n
         self.tokens = self.tokens * keep + v.sum(0)
         self.weight = self.weight * keep + seen.sum(0)
-        both = v.T @ seen  # [j, i]: tier j's tokens over the request-rounds that observed i too
-        pairs = np.zeros((t, t), bool)
-        cols = [ran, *nest]
-        pairs[np.ix_(cols, cols)] = True
-        np.fill_diagonal(pairs, False)
-        slow = np.where(pairs, (1.0 - 1.0 / (RATIO_WINDOW * self.cfg.accept_window)) ** n, 1.0)
-        self.pair_num = self.pair_num * slow + np.where(pairs, both, 0.0)
-        self.pair_den = self.pair_den * slow + np.where(pairs, both.T, 0.0)
 
     def expected_tokens(self) -> list[float]:
         """E_j: tokens per round (bonus included) each tier would emit now. The active tier and those
-        nested in it: their recent rounds (observed or would-be, exact for greedy rows); a larger tier:
-        the active one's times its ratio to it over the request-rounds that observed both (a probe
-        round observes both: `probe`); a tier never observed beside the active one: the depth model,
-        scaled to agree with the active tier's observed accept length."""
+        nested in it: their recent rounds (observed or would-be, exact for greedy rows); the others:
+        the depth model, scaled to agree with the active tier's observed accept length."""
         r = self.index
         model = self.model_tokens()
         if self.weight[r] <= 0:
             return model
         e_r = float(self.tokens[r] / self.weight[r])
-        out = []
-        for j in range(len(self.tiers)):
-            num, den = self.pair_num[j, r], self.pair_den[j, r]
-            if (j == r or j in self.nests[r]) and self.weight[j] > 0:
-                out.append(float(self.tokens[j] / self.weight[j]))
-            elif den >= MIN_PAIR_TOKENS:
-                out.append(float(e_r * num / den))
-            else:
-                out.append(model[j] * e_r / model[r])
-        return out
-
-    def probe(self) -> int | None:
-        """The tier to run for one round instead of the active one, or None: every `probe_interval`
-        verifies, the smallest tier that nests the active one (so its round also tells the active
-        tier's, and the pair's ratio stays current while the active tier cannot see it)."""
-        if not self.cfg.probe_interval or self.since_probe < self.cfg.probe_interval:
-            return None
-        up = [j for j in range(len(self.tiers)) if self.index in self.nests[j] and self.tiers[j] != self.tiers[self.index]]
-        if not up:
-            return None
-        self.since_probe = 0
-        self.probes += 1
-        return min(up, key=lambda j: self.tiers[j])
+        return [float(self.tokens[j] / self.weight[j]) if (j == r or j in self.nests[r]) and self.weight[j] > 0
+                else model[j] * e_r / model[r] for j in range(len(self.tiers))]
 
     def update(self, accepted: Sequence[int], ran: int, round_ms: Callable[[int], float | None],
                nested: Sequence[Sequence[int]] | None = None) -> bool:
@@ -201,7 +161,6 @@ class ThroughputPolicy:
         self.observe(accepted, self.reach[ran])
         self.record(accepted, ran, nested)
         self.batches += 1
-        self.since_probe += 1
         self.since_switch += 1
         past = self.batches - self.cfg.warmup_batches
         if past <= 0 or past % self.cfg.update_interval or self.since_switch < self.cfg.min_dwell:

@@ -106,8 +106,8 @@ def test_config_defaults_and_json(tmp_path):
     assert (cfg.policy, cfg.candidate_steps, cfg.ema_alpha, cfg.warmup_batches, cfg.update_interval,
             cfg.down_hysteresis, cfg.up_hysteresis) == ("ema", (1, 3, 7), 0.2, 10, 5, -0.25, 0.0)
     tp = AdaptiveConfig(policy="throughput")
-    assert (tp.warmup_batches, tp.update_interval, tp.accept_window, tp.switch_margin, tp.probe_interval,
-            tp.min_dwell) == (8, 1, 32, 0.03, 64, 16)
+    assert (tp.warmup_batches, tp.update_interval, tp.accept_window, tp.switch_margin, tp.min_dwell) == (
+        8, 1, 32, 0.03, 0)
     f = tmp_path / "a.json"
     f.write_text(json.dumps({"candidate_steps": [7, 2], "ema_alpha": 0.5, "policy": "ema"}))
     cfg = AdaptiveConfig.from_json(f)
@@ -128,7 +128,7 @@ def test_config_defaults_and_json(tmp_path):
     ({"down_hysteresis": float("nan")}, "down_hysteresis"), ({"up_hysteresis": None}, "up_hysteresis"),
     ({"policy": "fastest"}, "policy"), ({"accept_window": 0}, "accept_window"),
     ({"switch_margin": -0.1}, "switch_margin"), ({"switch_margin": "5%"}, "switch_margin"),
-    ({"probe_interval": -1}, "probe_interval"), ({"min_dwell": 1.5}, "min_dwell"),
+    ({"min_dwell": -1}, "min_dwell"), ({"min_dwell": 1.5}, "min_dwell"),
 ])
 def test_config_errors_name_the_key(doc, key):
     with pytest.raises(AdaptiveConfigError, match=key):

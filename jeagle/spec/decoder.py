@@ -262,9 +262,7 @@ class SpecDecoder(SlotTables, GrammarMasks):
         self.rounds_dispatched += 1
         grammar = wants_grammar(reqs)
         fused = self.fused_round and not grammar
-        # The active tier, or (throughput policy, fused rounds) now and then a probe of a larger one.
-        index = 0 if self.controller is None else (self.controller.dispatch_index() if fused
-                                                   else self.controller.active_index)
+        index = self.controller.active_index if self.controller is not None else 0
         state = self.tier_states[index]
         tier = state.tier
         self._last_bucket = (b, kv, greedy)
