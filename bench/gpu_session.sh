@@ -307,10 +307,10 @@ if [[ "$steps" == *" tiers "* ]]; then  # issue 23 item 3: tokens/s of each (S,K
 fi
 if [[ "$steps" == *" adaptivecmp "* ]]; then  # issue 22: the adaptive policies against static tiers, MT-bench
   # Processes per batch group: target-only + static (5,4,8) + the throughput policy; then each of ACMP_SYSTEMS:
-  # "ema" (SGLang's policy), "pinned" (the throughput policy held on (5,4,8), no probes: what its nested
+  # "ema" (SGLang's policy), "pinned" (the throughput policy held on (5,4,8): what its nested
   # accept lengths cost), or a static tier S,K,N.
   echo '{"policy": "throughput"}' > "$OUT/throughput.json"
-  echo '{"policy": "throughput", "warmup_batches": 1000000000, "probe_interval": 0}' > "$OUT/pinned.json"
+  echo '{"policy": "throughput", "warmup_batches": 1000000000}' > "$OUT/pinned.json"
   for b in ${ACMP_BATCHES:-1 16,48}; do
     waves=1; [ "$b" = 1 ] && waves=${ACMP_WAVES1:-5}
     decode_variant adaptivecmp "batch $b, waves $waves: target-only, (5,4,8), throughput policy" --batch-sizes "$b" \
