@@ -75,7 +75,7 @@ def run(kind: str, b: int, w: int, k: int | None, steps: int, reps: int, seed: i
     for _ in range(reps):
         reqs, loop = make_requests(b, k, max_new=10 ** 9)
         if kind == "spec":
-            dec = SimpleNamespace(_dispatches=deque((1, None, 0.0, False) for _ in range(steps)), timed=False,
+            dec = SimpleNamespace(_dispatches=deque((1, None, 0.0, False, 0) for _ in range(steps)), timed=False,
                                   _last_read=None, rounds_per_dispatch=1, accept_lengths=[], controller=None)
             unpack = SpecDecoder.unpack
         else:

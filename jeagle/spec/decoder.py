@@ -121,7 +121,8 @@ class SpecDecoder(SlotTables, GrammarMasks):
         self.rounds_dispatched = 0
         self.tier_log: list[tuple[int, SpecConfig]] = []  # (round index, tier) at every change of tier
         # Dispatched, unread rounds: (tier index, bucket (b, kv, greedy), dispatch time, a prefill ran
-        # since the previous round); the time the previous round's result was read.
+        # since the previous round, the nested tiers' columns in its result); the time the previous
+        # round's result was read.
         self._dispatches: deque = deque()
         self._prefill_since = False
         self._last_read: float | None = None
@@ -155,7 +156,7 @@ class SpecDecoder(SlotTables, GrammarMasks):
 
     def _nested(self, tier: SpecConfig) -> tuple[tuple[int, int], ...]:
         """(S', N') of the tiers whose would-be accept lengths `tier`'s rounds report (the throughput
-        policy's nested tiers, `jeagle.adaptive.nested_tiers`)."""
+        policy's nested tiers, `jeagle.adaptive_throughput.nested_tiers`)."""
         if not self.timed:
             return ()
         nest = self.controller.nests[self.tiers.index(tier)]

@@ -247,7 +247,7 @@ def round_keys(seed, seq_len, n):
 def spec_round(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, row_ids, *, kv_len: int, greedy: bool,
                aux_layers: tuple[int, ...], unroll: bool | int = False, simulate_accept: float = 0.0,
                logprobs: bool = False, penalties: PenaltyRows | None = None, nested: tuple[tuple[int, int], ...] = ()):
-    """One round for the rows `row_ids` [B]. Returns (out [B, S+3] int32 (`pack_result`: emitted
+    """One round for the rows `row_ids` [B]. Returns (out [B, S+3 (+ T)] int32 (`pack_result`: emitted
     tokens, accept length, finished flag; with `nested` tiers (S', N') what each would have accepted;
     with `logprobs` the emitted tokens' packed logprobs appended); cache, dk, dv, rows, penalties
     (given: applied in the verify, the emitted tokens counted))."""
@@ -276,8 +276,8 @@ def draft_vocab_ids(head):
 def draft_tree(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, row_ids, *, kv_len: int,
                penalties: PenaltyRows | None = None, nested: tuple[tuple[int, int], ...] = ()):
     """Draft S steps of top-K expansion and build the verify tree. Returns (tree, dk, dv, nested):
-    the `nested` tiers' (S', N') trees (`NestedTrees`; None without). penalties: the draft's logits penalized like the target's (the rows' counts), so
-    it drafts what the verify will accept."""
+    the `nested` tiers' (S', N') trees (`NestedTrees`; None without). penalties: the draft's logits
+    penalized like the target's (the rows' counts), so it drafts what the verify will accept."""
     S, K, N = cfg.num_steps, cfg.topk, cfg.num_draft_tokens
     r = rows.gather(row_ids)
     b = row_ids.shape[0]

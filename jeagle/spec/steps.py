@@ -8,8 +8,9 @@
     draft_step, verify_forward_step, accept_step   the round as three executables: the host computes
                         the tree's grammar masks while the device runs the verify's forward
 
-Each returns (result, state); a result is `round.pack_result`'s [B, W + 2] array (the split round's
-draft step returns the tree), with a key's `logprobs` followed by the W tokens' packed logprobs
+Each returns (result, state); a result is `round.pack_result`'s [B, W + 2 (+ T)] array (T: the key's
+nested tiers; the split round's draft step returns the tree), with a key's `logprobs` followed by the W
+tokens' packed logprobs
 (`jeagle.logprobs`). The keys (frozen, hashable) hold everything static and are the
 executables' keys (`jeagle.runtime.executables`).
 """
@@ -287,8 +288,9 @@ def spec_prefill_step(key: SpecPrefillKey, graphdef, draft_graphdef, params, sta
 def round_step(key: RoundKey, graphdef, draft_graphdef, params, state: SpecState, row_ids):
     """`key.rounds` rounds over the rows `row_ids`: the first always, the rest in a `lax.while_loop`
     that stops once every real row (not the scratch row that pads the batch) has finished. Result:
-    [B, W + 2] for one round, else [B, rounds, W + 2], where a round that did not run reads as one
-    that emitted nothing (tokens and accepted -1, finished 0)."""
+    [B, C] for one round, else [B, rounds, C] (C: `pack_result`'s columns, then any logprobs), where
+    a round that did not run reads as one that emitted nothing (tokens, accepted and nested -1,
+    finished 0)."""
     target, head = nnx.merge(graphdef, params[0]), nnx.merge(draft_graphdef, params[1])
     s = key.static
 
