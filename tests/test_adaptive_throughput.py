@@ -263,3 +263,21 @@ def test_a_new_tier_runs_min_dwell_verifies_before_the_next_switch():
     for i in range(4):  # now (1,4,2) looks far better, but the dwell holds (5,4,8)
         pol.update([0], 2, lambda j: [0.1, 1.0, 1.0, 1.0][j], nested=[[0, 0]])
         assert pol.index == (2 if i < 3 else 0)
+
+
+def test_calibration_without_a_warmup_counts_its_compiles_once():
+    """No warm-up: the first round's bucket is timed for the policy on the spot, compiling the tiers'
+    executables inside the timing. Their compile time is counted once (was twice: a negative serving
+    wall in `--json`), so compile time stays within the call's wall and serving time is positive."""
+    import time
+
+    target = bigram_target(target_config())
+    head = signed_identity_head(target, +1.0)
+    engine = speculative(target, head, EngineConfig(max_batch_size=1, max_context=64, batch_buckets=(1,)),
+                         SpecConfig(3, 4, 5), adaptive=AdaptiveConfig(candidate_tiers=((1, 4, 2), (3, 4, 5)),
+                                                                      policy="throughput"))
+    t0 = time.perf_counter()
+    engine.generate([[5, 6, 7]], [SamplingParams(max_new_tokens=8, ignore_eos=True)])
+    elapsed = time.perf_counter() - t0
+    stats = engine.last_stats
+    assert 0 < stats.compile_s <= elapsed and stats.wall_s > 0

@@ -299,9 +299,9 @@ class SpecDecoder(SlotTables, GrammarMasks):
         round timed alone (dispatch to result), the median kept. (Three rounds back to back after one
         untimed run read 4.9 ms for (1,4,3) where a (5,4,8) round takes 2.5 ms on the H100: first
         runs and clock ramps, bench/HISTORY.md session 12.) Waits for what is in flight first."""
-        start = time.perf_counter()
+        start, compiled = time.perf_counter(), self.executables.compile_seconds
         rows = pad([], b, self.scratch_row, np.int32)
-        exes = [self._round_exe(state, b, kv, greedy) for state in self.tier_states]
+        exes = [self._round_exe(state, b, kv, greedy) for state in self.tier_states]  # compiles count themselves
         for exe in exes:
             for _ in range(warm):
                 jax.block_until_ready((self._run(exe, rows), self.state))
@@ -314,7 +314,8 @@ class SpecDecoder(SlotTables, GrammarMasks):
         for j, ms in enumerate(samples):
             self.controller.times.calibrated(j, (b, kv, greedy), float(np.median(ms)) * 1e3)
         self._last_read = None  # the next sample would include this
-        self.executables.add_startup_seconds(time.perf_counter() - start)  # start-up work, not serving
+        # Start-up work, not serving; the compiles in it are counted already.
+        self.executables.add_startup_seconds(time.perf_counter() - start - (self.executables.compile_seconds - compiled))
 
     def calibrate_keys(self, keys, compile: bool = True) -> None:
         """After a warm-up: time the tiers at every round bucket among `keys` not timed yet (compile
