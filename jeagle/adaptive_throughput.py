@@ -23,7 +23,7 @@ starts there). E_j comes from:
 At a switch the estimates decided on seed every tier's recent mean (SEED_ROUNDS of a window), so the
 new tier's first rounds refine them rather than its rounds from long ago. `min_dwell` (default 0)
 holds a tier that many verifies after a switch: on the H100, at batch 16, (7,4,11)'s rounds in runs
-that switched between it and (5,4,8) every few verifies took 1.8x (5,4,8)'s where its device time is
+that switched between it and (5,4,8) every few verifies took 1.7-1.9x (5,4,8)'s where its device time is
 1.11x (bench/HISTORY.md session 25; the cause is not established).
 Tried and taken out (session 25): a larger tier estimated as the active one's E times the ratio of the
 two over the request-rounds that observed both, kept current by a probe round of the larger tier every
