@@ -56,19 +56,22 @@ def main(argv=None):
     eng.generate(ids, sp)
     dec = eng.decoder
     log = []  # (kind, tier index, batch, kv, time)
+    inflight = collections.deque()  # (tier index, batch, kv) of the dispatched, unread rounds
     step, unpack, calibrate = dec.step, dec.unpack, dec.calibrate
     host = collections.Counter()  # seconds inside the decoder's step / unpack / the controller / calibrate
 
     def step_logged(reqs, b, kv, drain=None):
+        ran = dec.controller.active_index if dec.controller is not None else 0  # the tier this dispatch runs
         t = time.perf_counter()
         out = step(reqs, b, kv, drain)
         host["step"] += time.perf_counter() - t
-        log.append(("dispatch", dec._dispatches[-1][0], b, kv, time.perf_counter()))
+        inflight.append((ran, b, kv))
+        log.append(("dispatch", ran, b, kv, time.perf_counter()))
         return out
 
     def unpack_logged(kind, reqs, host_array):
         if kind == "step":
-            ran, (b, kv, _), *_ = dec._dispatches[0]
+            ran, b, kv = inflight.popleft()
             log.append(("result", ran, b, kv, time.perf_counter()))
         t = time.perf_counter()
         out = unpack(kind, reqs, host_array)
@@ -94,6 +97,7 @@ def main(argv=None):
         dec.controller.on_verify_complete = verify_logged
     for run in range(args.runs):
         log.clear()
+        inflight.clear()
         host.clear()
         eng.flush_cache()
         if dec.controller is not None:

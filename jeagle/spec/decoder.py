@@ -264,8 +264,7 @@ class SpecDecoder(SlotTables, GrammarMasks):
         grammar = wants_grammar(reqs)
         fused = self.fused_round and not grammar
         index = self.controller.active_index if self.controller is not None else 0
-        state = self.tier_states[index]
-        tier = state.tier
+        state, tier = self._state, self.spec
         self._last_bucket = (b, kv, greedy)
         nested = len(self.controller.nests[index]) if fused and self.timed else 0
         self._dispatches.append((index, self._last_bucket, time.perf_counter(), self._prefill_since, nested))

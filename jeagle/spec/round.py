@@ -252,7 +252,7 @@ def spec_round(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, row
     with `logprobs` the emitted tokens' packed logprobs appended); cache, dk, dv, rows, penalties
     (given: applied in the verify, the emitted tokens counted))."""
     tree, dk, dv, nt = draft_tree(target, head, cfg, cache, dk, dv, rows, row_ids, kv_len=kv_len,
-                                       penalties=penalties, nested=nested)
+                                  penalties=penalties, nested=nested)
     return verify_commit(target, head, cfg, cache, dk, dv, rows, row_ids, tree, kv_len=kv_len, greedy=greedy,
                          aux_layers=aux_layers, unroll=unroll, simulate_accept=simulate_accept, logprobs=logprobs,
                          penalties=penalties, nested=nt)

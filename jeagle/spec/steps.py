@@ -9,9 +9,8 @@
                         the tree's grammar masks while the device runs the verify's forward
 
 Each returns (result, state); a result is `round.pack_result`'s [B, W + 2 (+ T)] array (T: the key's
-nested tiers; the split round's draft step returns the tree), with a key's `logprobs` followed by the W
-tokens' packed logprobs
-(`jeagle.logprobs`). The keys (frozen, hashable) hold everything static and are the
+nested tiers; the split round's draft step returns the tree), with a key's `logprobs` followed by the
+W tokens' packed logprobs (`jeagle.logprobs`). The keys (frozen, hashable) hold everything static and are the
 executables' keys (`jeagle.runtime.executables`).
 """
 
@@ -326,7 +325,7 @@ def round_step(key: RoundKey, graphdef, draft_graphdef, params, state: SpecState
 def draft_step(key: DraftKey, graphdef, draft_graphdef, params, state: SpecState, row_ids):
     target, head = nnx.merge(graphdef, params[0]), nnx.merge(draft_graphdef, params[1])
     tree, dk, dv, _ = draft_tree(target, head, key.tier, state.cache, state.draft_k, state.draft_v, state.rows,
-                              row_ids, kv_len=key.kv_len)
+                                 row_ids, kv_len=key.kv_len)
     return tree, SpecState(state.cache, dk, dv, state.rows, state.penalties)
 
 
