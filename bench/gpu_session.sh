@@ -11,7 +11,7 @@
 #   carry .stage3 + .whl: `bash bench/gpu_session.sh run STEPS...` (later calls: carry .whl only).
 # startup (issue 27: first and second start of the README command) needs the staged GGUF like bench;
 # so does ttft (issue 25: a prefix-cache hit's time to first token by host phase, with a trace).
-# masks needs the staged GGUF (its tokenizer); so does linearab (decode A/B of JEAGLE_LINEAR=0|1). Random-weight steps (trainstep, tp, profile, phases, kerneltests, kernelbench, kernelround, specbench, overhead, warmup, cmdbuf, adaptive, autotune) need no staging: `bash bench/gpu_session.sh run kerneltests kernelbench kernelround`.
+# masks needs the staged GGUF (its tokenizer); so does linearab (decode A/B of JEAGLE_LINEAR=0|1). Random-weight steps (trainstep, tp, profile, phases, kerneltests, kernelbench, kernelround, specbench, overhead, warmup, cmdbuf, tierswitch, adaptive, autotune) need no staging: `bash bench/gpu_session.sh run kerneltests kernelbench kernelround`.
 set -uo pipefail
 mode="${1:-run}"
 stage_in() {  # whatever staged parts this call carries -> $HOME/stage; unpack the data archives once
@@ -114,6 +114,13 @@ if [[ "$steps" == *" cmdbuf "* ]]; then  # XLA command buffers: default, off, an
     echo "XLA_FLAGS=$flags" | tee -a "$OUT/cmdbuf.log"
     XLA_FLAGS="$flags" python3 bench/probes/spec_round.py --shape smollm2 --batch-sizes 1,16,48 --tiers 5,4,8 \
       --rounds-as fused 2>&1 | tee -a "$OUT/cmdbuf.log"
+  done
+fi
+if [[ "$steps" == *" tierswitch "* ]]; then  # two tiers' rounds in forced schedules, command buffers on and off
+  for flags in "" "--xla_gpu_enable_command_buffer="; do
+    echo "XLA_FLAGS=$flags" | tee -a "$OUT/tier_switch.log"
+    XLA_FLAGS="$flags" timeout "${TS_TIMEOUT:-280}" python3 bench/probes/tier_switch.py --batch-sizes "${TS_BATCHES:-16,48}" \
+      --tiers "${TS_TIERS:-5,4,8:7,4,11}" --schedules "${TS_SCHEDULES:-A,B,AB,A8B8}" 2>&1 | tee -a "$OUT/tier_switch.log"
   done
 fi
 if [[ "$steps" == *" overhead "* ]]; then
