@@ -38,6 +38,16 @@ def schedule_fn(spec: str):
     return lambda i: cycle[i % len(cycle)]
 
 
+def medians(records, same: bool) -> dict:
+    """{tier letter: median ms} over (tier, previous tier, ms) records after the same tier (or a switch)."""
+    out = {}
+    for t in (0, 1):
+        ms = [m for u, prev, m in records if u == t and (prev == u) == same and prev is not None]
+        if ms:
+            out["AB"[t]] = round(statistics.median(ms), 3)
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="smollm2", choices=sorted(SHAPES))
@@ -75,13 +85,18 @@ def main(argv=None):
         pick = [schedule_fn("A")]
         ran = collections.deque()  # tier (0/1) of each dispatched, unread round
         gaps = []  # (tier, previous tier, ms from the previous result)
+        dispatch = []  # (tier, previous dispatch's tier, ms the host spent in the dispatch)
         last = [None, None]  # time and tier of the last result
 
         def step_forced(reqs, b, kv, drain=None):
             t = pick[0](dec.rounds_dispatched)
             dec._state = dec.tier_states[index[t]]
+            prev = dispatch[-1][0] if dispatch else None
+            t0 = time.perf_counter()
+            out = step(reqs, b, kv, drain)
+            dispatch.append((t, prev, (time.perf_counter() - t0) * 1e3))
             ran.append(t)
-            return step(reqs, b, kv, drain)
+            return out
 
         def unpack_timed(kind, reqs, host):
             if kind == "step":
@@ -103,6 +118,7 @@ def main(argv=None):
             eng.generate(prompts, sp)  # warm for this schedule
             for rep in range(args.repeats):
                 gaps.clear()
+                dispatch.clear()
                 last[0] = None
                 r0 = dec.rounds_dispatched
                 t0 = time.perf_counter()
@@ -113,10 +129,9 @@ def main(argv=None):
                 switched = [g for t, prev, g in gaps if t != prev]
                 row = {"batch": batch, "schedule": name, "repeat": rep, "rounds": rounds,
                        "ms_per_round": round(1e3 * wall / rounds, 3),
-                       "gap_same_ms": {"AB"[t]: round(statistics.median([g for u, prev, g in gaps if u == t == prev]), 3)
-                                       for t in (0, 1) if any(u == t == prev for u, prev, _ in gaps)},
-                       "gap_switched_ms": {"AB"[t]: round(statistics.median([g for u, prev, g in gaps if u == t != prev]), 3)
-                                           for t in (0, 1) if any(u == t != prev for u, prev, _ in gaps)},
+                       "gap_same_ms": medians(gaps, True), "gap_switched_ms": medians(gaps, False),
+                       "dispatch_same_ms": medians(dispatch, True), "dispatch_switched_ms": medians(dispatch, False),
+                       "dispatch_total_ms": round(sum(m for _, _, m in dispatch), 1),
                        "n_same": len(same), "n_switched": len(switched),
                        "compilations_after_warmup": eng.last_stats.compilations_after_warmup}
                 rows.append(row)
