@@ -58,7 +58,22 @@ def main(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--pad-results", type=int, default=0, metavar="W",
+                   help="experiment: pad every round's emitted-token columns to W (-1), so every tier's result "
+                        "has one shape (run with its own JEAGLE_CACHE: the executable store does not see this)")
     args = p.parse_args(argv)
+    if args.pad_results:
+        import jax.numpy as jnp
+
+        import jeagle.spec.round as round_mod
+
+        packed = round_mod.pack_result
+
+        def pack_padded(emitted, accepted, finished, nested=None):
+            fill = jnp.full((emitted.shape[0], args.pad_results - emitted.shape[1]), -1, emitted.dtype)
+            return packed(jnp.concatenate([emitted, fill], 1), accepted, finished, nested)
+
+        round_mod.pack_result = pack_padded
 
     from jeagle.adaptive import AdaptiveConfig
     from jeagle.config import ModelConfig
