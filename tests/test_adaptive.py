@@ -182,6 +182,11 @@ def test_switching_tiers_mid_generation_is_lossless_and_compiles_nothing():
     engine = speculative(target, oracle, cfg, SpecConfig(2, 1, 3), adaptive=adaptive)
     engine.warmup(prefill_lengths=[9], greedy=(True,), progress=False)
     assert sum(k.phase == "round" for k in engine.warmup_plan(prefill_lengths=[9], greedy=(True,))) == 3 * 3
+    # Every tier's rounds return one shape (padded: a switch then leaves the allocator's addresses and
+    # XLA's command buffers as they were); the host reads each tier's own columns.
+    shapes, step = set(), engine.decoder.step
+    engine.decoder.step = lambda *a, **k: (lambda res: (shapes.add((engine.decoder.spec.shape, res.shape)), res)[1])(
+        step(*a, **k))
     assert [o.token_ids for o in engine.generate(prompts, params)] == want
     up = engine.last_stats
     assert up.speculative.tier_history["0"] == [2, 1, 3] and list(up.speculative.tier_history.values())[-1] == [4, 2, 6]
@@ -194,6 +199,7 @@ def test_switching_tiers_mid_generation_is_lossless_and_compiles_nothing():
     assert down.compilations_after_warmup == 0 and down.accept_length == 1.0
     assert up.speculative.tier_switches >= 1 and down.speculative.tier_switches >= 1 and up.speculative.adaptive
     assert engine.decoder.controller.switches == up.speculative.tier_switches + down.speculative.tier_switches
+    assert len({tier for tier, _ in shapes}) == 3 and len({shape[1:] for _, shape in shapes}) == 1, shapes
 
 
 def test_throughput_policy_in_the_engine_is_lossless_times_every_tier_and_follows_the_head():

@@ -41,7 +41,7 @@ from jeagle.runtime.executables import DeviceShapes, Executables
 from jeagle.runtime.slots import SlotLayout, pool_size
 from jeagle.runtime.stats import SpecStats
 from jeagle.runtime.steps import Sampling, input_layout, layer_unroll
-from jeagle.spec.round import MAX_STOP, RoundResult, RowLayout, SpecConfig
+from jeagle.spec.round import MAX_STOP, RoundResult, RowLayout, SpecConfig, packed_width
 from jeagle.spec.steps import DraftKey, RoundKey, SpecPrefillInputs, SpecPrefillKey, SpecState, SpecStatic, init_state
 
 ACCEPT_HISTORY = 100_000  # accept lengths kept between stats windows (a server runs for days)
@@ -151,8 +151,10 @@ class SpecDecoder(SlotTables, GrammarMasks):
 
     def round_key(self, tier: SpecConfig, b: int, kv: int, greedy: bool, logprobs: bool = False,
                   penalties: bool = False) -> RoundKey:
+        width = 0 if len(self.tiers) == 1 else max(packed_width(t.num_steps, logprobs, len(self._nested(t)))
+                                                      for t in self.tiers)
         return RoundKey(self.static, tier, b, kv, greedy, rounds=self.rounds_per_dispatch, logprobs=logprobs,
-                        penalties=penalties, nested=self._nested(tier))
+                        penalties=penalties, nested=self._nested(tier), width=width)
 
     def _nested(self, tier: SpecConfig) -> tuple[tuple[int, int], ...]:
         """(S', N') of the tiers whose would-be accept lengths `tier`'s rounds report (the throughput
@@ -175,7 +177,7 @@ class SpecDecoder(SlotTables, GrammarMasks):
                 keys.append(self.round_key(tier, b, kv, g, lp, pen))
             if True in grammar:
                 accept = dataclasses.replace(self.round_key(tier, b, kv, g, lp, pen), phase="accept", rounds=1,
-                                             grammar=True, nested=())
+                                             grammar=True, nested=(), width=0)
                 keys += [DraftKey(self.static, tier, b, kv), accept.forward_key(), accept]
         return list(dict.fromkeys(keys))  # the draft and forward keys repeat across modes
 
@@ -272,7 +274,8 @@ class SpecDecoder(SlotTables, GrammarMasks):
         if fused:
             return self._run(self._round_exe(state, b, kv, greedy, lp, pen), row_ids)
         tree = self._run_draft(self.executables.get(DraftKey(self.static, tier, b, kv)), row_ids)
-        verify = dataclasses.replace(self.round_key(tier, b, kv, greedy, lp, pen), phase="verify", rounds=1, nested=())
+        verify = dataclasses.replace(self.round_key(tier, b, kv, greedy, lp, pen), phase="verify", rounds=1, nested=(),
+                                     width=0)
         if not grammar:
             return self._run(self.executables.get(verify), (row_ids, tree))
         # Grammar: the device runs the verify's forward while the host computes the tree's masks
@@ -350,8 +353,10 @@ class SpecDecoder(SlotTables, GrammarMasks):
             if self.timed and self._last_read is not None and not after_prefill and self.rounds_per_dispatch == 1:
                 self.controller.times.observed(ran, bucket, (now - max(self._last_read, dispatched)) * 1e3)
             self._last_read = now
-        host = host[: len(reqs)]
         lp = wants_logprobs(reqs)
+        host = host[: len(reqs)]
+        if kind == "step":  # the tier's own columns (an adaptive decoder pads every tier's to one width)
+            host = host[..., : packed_width(self.tiers[ran].num_steps, lp, nested)]
         prompt = [None] * len(reqs)
         if kind == "prefill":  # 2 tokens (the first and an empty one), accepted, finished, their logprobs
             host, prompt = split_prompt_logprobs(host, reqs, 4 + (2 * logprobs.LOGPROB_COLUMNS if lp else 0))

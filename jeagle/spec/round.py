@@ -158,6 +158,23 @@ def pack_result(emitted, accepted, finished, nested=None):
     return jnp.concatenate(parts + ([] if nested is None else [nested.astype(jnp.int32)]), 1)
 
 
+def packed_width(num_steps: int, logprobs: bool = False, nested: int = 0) -> int:
+    """Columns of a round's result for a tier of `num_steps` draft steps: `pack_result`'s, then any
+    logprob blocks (one per emitted token)."""
+    w = num_steps + 1
+    return w + 2 + nested + (w * LOGPROB_COLUMNS if logprobs else 0)
+
+
+def pad_columns(result, width: int):
+    """`result` [..., C] widened to `width` columns with -1 (as is when width <= C): an adaptive
+    decoder's tiers then all return one shape, so a tier switch leaves the device allocator's
+    addresses, and with them XLA's command buffers, as they were (bench/HISTORY.md, session 26: an
+    unpadded switch cost 1.8-3.2 ms of host time in the next dispatch at batch 48, padded ~0.2 ms)."""
+    if width <= result.shape[-1]:
+        return result
+    return jnp.concatenate([result, jnp.full(result.shape[:-1] + (width - result.shape[-1],), -1, result.dtype)], -1)
+
+
 @jax.tree_util.register_dataclass
 @dataclass
 class NestedTrees:

@@ -35,7 +35,7 @@ from jeagle.runtime.executables import DeviceShapes, StepBuild, compiler_options
 from jeagle.runtime.steps import Sampling, input_layout, prefill_attn, prefill_unroll, sampling_shapes
 from jeagle.sampling import sample
 from jeagle.spec.round import (MAX_STOP, RowLayout, SpecConfig, SpecRows, draft_topk, draft_tree, draft_vocab_ids, init_rows,
-                               pack_result, spec_round, verify_commit, verify_forward)
+                               pack_result, pad_columns, spec_round, verify_commit, verify_forward)
 
 
 @jax.tree_util.register_dataclass
@@ -176,6 +176,9 @@ class RoundKey(_SpecKey):
     # Fused rounds: (S', N') of tiers nested in this one (same K, S' <= S) whose would-be accept
     # lengths the result carries (`round.nested_accepts`; the adaptive throughput policy reads them).
     nested: tuple[tuple[int, int], ...] = ()
+    # Fused rounds: the result's columns padded to this many with -1 (0: the tier's own), so every
+    # tier of an adaptive decoder returns one shape (`round.pad_columns`).
+    width: int = 0
 
     def __post_init__(self):
         if self.phase not in ("round", "verify", "verify_forward", "accept"):
@@ -185,6 +188,8 @@ class RoundKey(_SpecKey):
         s, _, n = self.tier.shape
         if any(not (1 <= s_j <= s and 2 <= n_j) for s_j, n_j in self.nested):
             raise ValueError(f"nested tiers {self.nested} must have 1 <= S' <= {s} and N' >= 2")
+        if self.width and self.phase != "round":
+            raise ValueError("padded results come from fused rounds only")
         if self.phase != "round" and self.rounds != 1:
             raise ValueError("a split round runs one round per dispatch")
         if self.grammar != (self.phase == "accept"):
@@ -195,7 +200,7 @@ class RoundKey(_SpecKey):
         s, k, n = self.tier.shape
         r = f"-r{self.rounds}" if self.rounds > 1 else ""
         lp = ("-lp" if self.logprobs else "") + ("-pen" if self.penalties else "") + ("-gram" if self.grammar else "")
-        lp += "".join(f"-in{s_j}n{n_j}" for s_j, n_j in self.nested)
+        lp += "".join(f"-in{s_j}n{n_j}" for s_j, n_j in self.nested) + (f"-w{self.width}" if self.width else "")
         return f"{self.phase}-b{self.batch}-kv{self.kv_len}-{'greedy' if self.greedy else 'sampled'}-s{s}k{k}n{n}{r}{lp}"
 
     def build(self, shapes: DeviceShapes) -> StepBuild:
@@ -298,7 +303,7 @@ def round_step(key: RoundKey, graphdef, draft_graphdef, params, state: SpecState
             target, head, key.tier, st.cache, st.draft_k, st.draft_v, st.rows, row_ids, kv_len=key.kv_len,
             greedy=key.greedy, aux_layers=s.aux_layers, unroll=s.unroll_round, simulate_accept=s.simulate_accept,
             logprobs=key.logprobs, penalties=st.penalties if key.penalties else None, nested=key.nested)
-        return res, SpecState(cache, dk, dv, rows, pen if key.penalties else st.penalties)
+        return pad_columns(res, key.width), SpecState(cache, dk, dv, rows, pen if key.penalties else st.penalties)
 
     res, state = one(state)
     if key.rounds == 1:
