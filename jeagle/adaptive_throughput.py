@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from itertools import chain
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
@@ -91,18 +92,24 @@ class ThroughputPolicy:
     def observe(self, accepted: Sequence[int], reach: int) -> None:
         """One verify's accepted drafts per request (bonus excluded) from rounds of reach `reach`."""
         keep = (1.0 - 1.0 / self.cfg.accept_window) ** len(accepted)
+        # at_least[v]: requests whose accepted depth (capped at reach) is >= v. Depth d was tried by
+        # those that accepted d - 1 (d <= reach) and passed by those that accepted d.
+        at_least = [0] * (reach + 2)
+        for a in accepted:
+            at_least[min(int(a), reach)] += 1
+        for v in range(reach - 1, -1, -1):
+            at_least[v] += at_least[v + 1]
         # Depths past `reach` cannot be seen now: their counts are from earlier rounds of a deeper tier,
         # maybe of another workload, and fade STALE_DECAY times faster (else a deep tier that failed
         # once is judged by that failure long after the acceptance above it has recovered).
-        fade = [keep if d <= reach else keep**STALE_DECAY for d in range(len(self.tried))]
-        self.tried = [x * f for x, f in zip(self.tried, fade)]
-        self.passed = [x * f for x, f in zip(self.passed, fade)]
-        for a in accepted:
-            a = min(int(a), reach)
-            for d in range(1, a + 1):
-                self.passed[d] += 1.0
-            for d in range(1, min(a + 1, reach) + 1):
-                self.tried[d] += 1.0
+        stale = keep**STALE_DECAY
+        for d in range(1, len(self.tried)):
+            if d <= reach:
+                self.tried[d] = self.tried[d] * keep + at_least[d - 1]
+                self.passed[d] = self.passed[d] * keep + at_least[d]
+            else:
+                self.tried[d] *= stale
+                self.passed[d] *= stale
 
     def accept_rates(self) -> list[float]:
         """p_d, d = 1..deepest: P(depth d accepted | depth d - 1 accepted), shrunk towards p_{d-1}."""
@@ -126,19 +133,23 @@ class ThroughputPolicy:
     # ---- observed and nested accept lengths ------------------------------------------------------
     def record(self, accepted: Sequence[int], ran: int, nested: Sequence[Sequence[int]] | None = None) -> None:
         """One verify of tier `ran`: its accepted drafts per request and, per request, what each tier of
-        `nests[ran]` would have accepted (-1: unknown)."""
+        `nests[ran]` would have accepted (-1: unknown). (Plain Python over the few dozen values: numpy's
+        per-call overhead on arrays this small was most of the policy's host time per verify.)"""
         n = len(accepted)
-        vals = np.full((n, len(self.tiers)), np.nan)
-        vals[:, ran] = np.asarray(accepted, float) + 1.0
+        tokens, seen = np.zeros(len(self.tiers)), np.zeros(len(self.tiers))
+        tokens[ran], seen[ran] = sum(int(a) for a in accepted) + n, n
         nest = self.nests[ran] if nested is not None else ()
         if nest:
-            would = np.asarray(nested, float).reshape(n, len(nest))
-            vals[:, list(nest)] = np.where(would >= 0, would + 1.0, np.nan)
-        seen = ~np.isnan(vals)
-        v = np.where(seen, vals, 0.0)
+            rows = list(nested)  # per request its len(nest) values, or all of them flat, row after row
+            flat = list(chain.from_iterable(rows)) if rows and np.ndim(rows[0]) else rows
+            if len(flat) != n * len(nest):
+                raise ValueError(f"nested: {len(flat)} values for {n} requests x {len(nest)} nested tiers")
+            for i, j in enumerate(nest):
+                known = [int(w) for w in flat[i:: len(nest)] if w >= 0]
+                tokens[j], seen[j] = sum(known) + len(known), len(known)
         keep = (1.0 - 1.0 / self.cfg.accept_window) ** n
-        self.tokens = self.tokens * keep + v.sum(0)
-        self.weight = self.weight * keep + seen.sum(0)
+        self.tokens = self.tokens * keep + tokens
+        self.weight = self.weight * keep + seen
 
     def expected_tokens(self) -> list[float]:
         """E_j: tokens per round (bonus included) each tier would emit now. The active tier and those

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jeagle.adaptive import AdaptiveConfig, AdaptiveController, TierState
-from jeagle.adaptive_throughput import RoundTimes, ThroughputPolicy, nested_tiers
+from jeagle.adaptive_throughput import STALE_DECAY, RoundTimes, ThroughputPolicy, nested_tiers
 from jeagle.engine import EngineConfig, speculative, target_only
 from jeagle.sampling import SamplingParams
 from jeagle.spec.round import SpecConfig
@@ -23,6 +23,41 @@ def throughput(initial=1, tiers=TIERS, **kw):
     kw = {"warmup_batches": 0, "update_interval": 1, "accept_window": 10_000, "policy": "throughput", "min_dwell": 0,
           **kw}
     return ThroughputPolicy(AdaptiveConfig(**kw), tiers, initial)
+
+
+def test_counts_equal_a_per_request_reference():
+    """observe / record keep the counts a per-request loop keeps (depth d tried by a request that
+    accepted d - 1, passed by one that accepted d; a tier's tokens = accepted + 1 over the requests it
+    saw), whatever shape `nested` comes in; a wrong count of nested values is an error."""
+    rng = np.random.default_rng(4)
+    tiers = ((1, 4, 3), (3, 4, 5), (5, 4, 8), (7, 4, 11))
+    pol, keep_w = throughput(initial=2, tiers=tiers, accept_window=32), 1.0 - 1.0 / 32
+    tried, passed, tokens, weight = [0.0] * 8, [0.0] * 8, np.zeros(4), np.zeros(4)
+    for _ in range(40):
+        reach = int(rng.integers(1, 8))
+        acc = rng.integers(0, 9, int(rng.integers(1, 17))).tolist()
+        keep = keep_w ** len(acc)
+        tried = [x * (keep if d <= reach else keep**STALE_DECAY) for d, x in enumerate(tried)]
+        passed = [x * (keep if d <= reach else keep**STALE_DECAY) for d, x in enumerate(passed)]
+        for a in acc:
+            a = min(a, reach)
+            for d in range(1, a + 1):
+                passed[d] += 1.0
+            for d in range(1, min(a + 1, reach) + 1):
+                tried[d] += 1.0
+        pol.observe(acc, reach)
+        assert pol.tried[1:] == pytest.approx(tried[1:]) and pol.passed[1:] == pytest.approx(passed[1:])
+
+        would = rng.integers(-1, 5, (len(acc), 2))  # (5,4,8) nests (1,4,3) and (3,4,5)
+        tokens, weight = tokens * keep, weight * keep
+        tokens[2], weight[2] = tokens[2] + sum(acc) + len(acc), weight[2] + len(acc)
+        for col, j in enumerate((0, 1)):
+            known = would[:, col][would[:, col] >= 0]
+            tokens[j], weight[j] = tokens[j] + known.sum() + len(known), weight[j] + len(known)
+        pol.record(acc, 2, would.tolist() if len(acc) % 2 else would.reshape(-1).tolist())
+        assert pol.tokens == pytest.approx(tokens) and pol.weight == pytest.approx(weight)
+    with pytest.raises(ValueError, match="nested"):
+        pol.record([1, 2], 2, [[0, 1]])
 
 
 def geometric_rounds(rng, p, reach, n):
