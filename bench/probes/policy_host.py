@@ -1,0 +1,54 @@
+"""The adaptive throughput policy's host time per verify (issue 22), no device: `ThroughputPolicy.update`
+fed `--verifies` synthetic verifies of `--batch` requests at (5,4,8) with the would-be accept lengths of
+the two tiers it nests, and a `RoundTimes` with every tier calibrated; prints µs per verify, then (with
+`--profile`) the top functions by own time.
+
+    python bench/probes/policy_host.py --batch 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pstats
+import time
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--verifies", type=int, default=2000)
+    p.add_argument("--profile", action="store_true")
+    args = p.parse_args(argv)
+
+    import numpy as np
+
+    from jeagle.adaptive import AdaptiveConfig
+    from jeagle.adaptive_throughput import RoundTimes, ThroughputPolicy
+
+    tiers = [(1, 4, 3), (3, 4, 5), (5, 4, 8), (7, 4, 11)]
+    cfg = AdaptiveConfig.from_dict({"policy": "throughput", "candidate_tiers": [list(t) for t in tiers]})
+    pol, times, bucket = ThroughputPolicy(cfg, tiers, 2), RoundTimes(), (args.batch, 512, True)
+    for j in range(len(tiers)):
+        times.calibrated(j, bucket, 1.4 + 0.1 * j)
+    rng = np.random.default_rng(0)
+    acc = [rng.integers(0, 5, args.batch).tolist() for _ in range(args.verifies)]
+    nest = [rng.integers(0, 4, (args.batch, 2)).tolist() for _ in range(args.verifies)]  # as the decoder passes them
+
+    def run():
+        for a, w in zip(acc, nest):
+            times.observed(2, bucket, 1.5)
+            pol.update(a, 2, lambda j: times.estimate(j, bucket), w)
+
+    t0 = time.perf_counter()
+    run()
+    print(f"batch {args.batch}: {(time.perf_counter() - t0) / args.verifies * 1e6:.1f} µs per verify "
+          f"(active tier {tiers[pol.index]})")
+    if args.profile:
+        prof = cProfile.Profile()
+        prof.runcall(run)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(10)
+
+
+if __name__ == "__main__":
+    main()
