@@ -96,7 +96,8 @@ class ThroughputPolicy:
         # those that accepted d - 1 (d <= reach) and passed by those that accepted d.
         at_least = [0] * (reach + 2)
         for a in accepted:
-            at_least[min(int(a), reach)] += 1
+            if a >= 0:  # (negative: no round for the request; the decoder drops those before here)
+                at_least[min(int(a), reach)] += 1
         for v in range(reach - 1, -1, -1):
             at_least[v] += at_least[v + 1]
         # Depths past `reach` cannot be seen now: their counts are from earlier rounds of a deeper tier,
