@@ -24,7 +24,9 @@ At a switch the estimates decided on seed every tier's recent mean (SEED_ROUNDS 
 new tier's first rounds refine them rather than its rounds from long ago. `min_dwell` (default 0)
 holds a tier that many verifies after a switch: on the H100, at batch 16, (7,4,11)'s rounds in runs
 that switched between it and (5,4,8) every few verifies took 1.7-1.9x (5,4,8)'s where its device time is
-1.11x (bench/HISTORY.md session 25; the cause is not established).
+1.11x (bench/HISTORY.md session 25). The cause (session 26): each tier's result had its own width, so
+after a switch XLA re-recorded the new executable's command buffer in the call (+2-4.5 ms at batch 48);
+every tier's result now has one shape (`RoundKey.width`) and a switch costs ~0.2-0.3 ms.
 Tried and taken out (session 25): a larger tier estimated as the active one's E times the ratio of the
 two over the request-rounds that observed both, kept current by a probe round of the larger tier every
 N verifies. On the phased workload (bench/adaptive.py) the ratio from one phase misjudged the next (the

@@ -59,7 +59,7 @@ def main(argv=None):
                           SpecConfig(*map(int, args.tier.split(","))), simulate_accept=3.2)
         dec = eng.decoder
         kv = max(k.kv_len for k in eng.warmup_plan(batch_sizes=[b], greedy=(True,)) if k.phase == "round")
-        exe = dec._round_exe(dec._state, b, kv, True)
+        exe = dec.executables.get(dec.round_key(dec.spec, b, kv, True))
         rows_np = pad([], b, dec.scratch_row, np.int32)
         rows_dev = jax.device_put(rows_np)
         for mode in MODES + MODES:  # twice, alternating: the spread between the two is the noise

@@ -7,7 +7,9 @@ acceptance forced to `--simulate-accept` so every tier yields the same tokens a 
 that picks the tier of every dispatch: `A` only, `B` only, alternating every round (`AB`), or every `n`
 rounds (`A8B8`, ...). Per schedule: wall ms per round over a warm `generate`, and the median
 result-to-result gap of rounds after a round of the same tier vs after a switch. Run it once per
-XLA_FLAGS setting (e.g. command buffers off: `XLA_FLAGS=--xla_gpu_enable_command_buffer=`).
+XLA_FLAGS setting (e.g. command buffers off: `XLA_FLAGS=--xla_gpu_enable_command_buffer=`). (Since
+`2d955dd` an adaptive decoder pads every tier's result to one shape, which removed most of the cost;
+the session-26 runs of `--pad-results`, an option that did that by hand, are in bench/HISTORY.md.)
 
     python bench/probes/tier_switch.py --batch-sizes 16,48 --tiers 5,4,8:7,4,11 --schedules A,B,AB,A8B8
 """
@@ -58,22 +60,7 @@ def main(argv=None):
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--repeats", type=int, default=2)
-    p.add_argument("--pad-results", type=int, default=0, metavar="W",
-                   help="experiment: pad every round's emitted-token columns to W (-1), so every tier's result "
-                        "has one shape (run with its own JEAGLE_CACHE: the executable store does not see this)")
     args = p.parse_args(argv)
-    if args.pad_results:
-        import jax.numpy as jnp
-
-        import jeagle.spec.round as round_mod
-
-        packed = round_mod.pack_result
-
-        def pack_padded(emitted, accepted, finished, nested=None):
-            fill = jnp.full((emitted.shape[0], args.pad_results - emitted.shape[1]), -1, emitted.dtype)
-            return packed(jnp.concatenate([emitted, fill], 1), accepted, finished, nested)
-
-        round_mod.pack_result = pack_padded
 
     from jeagle.adaptive import AdaptiveConfig
     from jeagle.config import ModelConfig
@@ -105,7 +92,7 @@ def main(argv=None):
 
         def step_forced(reqs, b, kv, drain=None):
             t = pick[0](dec.rounds_dispatched)
-            dec._state = dec.tier_states[index[t]]
+            dec.controller.policy.index = index[t]  # what the next dispatch runs
             prev = dispatch[-1][0] if dispatch else None
             t0 = time.perf_counter()
             out = step(reqs, b, kv, drain)

@@ -283,8 +283,9 @@ class SpecDecoder(SlotTables, GrammarMasks):
         self.rounds_dispatched += 1
         grammar = wants_grammar(reqs)
         fused = self.fused_round and not grammar
-        state, tier = self._state, self.spec
-        index = next(i for i, t in enumerate(self.tier_states) if t is state)  # the tier this dispatch runs
+        index = self.controller.active_index if self.controller is not None else 0
+        state = self.tier_states[index]
+        tier = state.tier
         self._last_bucket = (b, kv, greedy)
         nested = len(self.controller.nests[index]) if fused and self.timed else 0
         self._dispatches.append((index, self._last_bucket, time.perf_counter(), self._prefill_since, nested))
