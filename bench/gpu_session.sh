@@ -11,7 +11,7 @@
 #   carry .stage3 + .whl: `bash bench/gpu_session.sh run STEPS...` (later calls: carry .whl only).
 # startup (issue 27: first and second start of the README command) needs the staged GGUF like bench;
 # so does ttft (issue 25: a prefix-cache hit's time to first token by host phase, with a trace).
-# masks needs the staged GGUF (its tokenizer); so does linearab (decode A/B of JEAGLE_LINEAR=0|1). Random-weight steps (trainstep, tp, profile, phases, kerneltests, kernelbench, kernelround, specbench, overhead, warmup, cmdbuf, tierswitch, adaptive, autotune) need no staging: `bash bench/gpu_session.sh run kerneltests kernelbench kernelround`.
+# masks needs the staged GGUF (its tokenizer); so does linearab (decode A/B of JEAGLE_LINEAR=0|1). Random-weight steps (trainstep, tp, profile, phases, kerneltests, kernelbench, kernelround, specbench, overhead, warmup, cmdbuf, tierswitch, hostcall, adaptive, autotune) need no staging: `bash bench/gpu_session.sh run kerneltests kernelbench kernelround`.
 set -uo pipefail
 mode="${1:-run}"
 stage_in() {  # whatever staged parts this call carries -> $HOME/stage; unpack the data archives once
@@ -122,6 +122,31 @@ if [[ "$steps" == *" tierswitch "* ]]; then  # two tiers' rounds in forced sched
     XLA_FLAGS="$flags" timeout "${TS_TIMEOUT:-280}" python3 bench/probes/tier_switch.py --batch-sizes "${TS_BATCHES:-16,48}" \
       --tiers "${TS_TIERS:-5,4,8:7,4,11}" --schedules "${TS_SCHEDULES:-A,B,AB,A8B8}" 2>&1 | tee -a "$OUT/tier_switch.log"
   done
+fi
+if [[ "$steps" == *" hostcall "* ]]; then  # issue 22: the host's time inside a round executable's call
+  # 1. host ms of the call and wall ms per call, layer loop 3 per iteration (auto) vs unrolled (exec_call.py);
+  # 2. XLA's command-buffer log for 20 calls at batch 16: how many command buffers a call launches, how many it re-records;
+  # 3. py-spy --native over 3,000 calls at batch 16 (collapsed stacks); 4. generate()'s ms per round, auto vs unrolled.
+  python3 bench/probes/exec_call.py --batch-sizes "${HC_BATCHES:-1,16,48}" --unroll "${HC_UNROLL:-auto,all}" \
+    --modes device --calls "${HC_CALLS:-300}" 2>&1 | tee "$OUT/exec_call_unroll.log"
+  TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,while_thunk=3 timeout 200 python3 bench/probes/exec_call.py \
+    --batch-sizes 16 --calls 20 --modes device > "$OUT/cmdbuf_vlog.log" 2>&1
+  for pat in "Execute command buffer" "Update command buffer" "Updated command buffer in" "Initialize command buffer" "while"; do
+    echo "$pat: $(grep -c "$pat" "$OUT/cmdbuf_vlog.log")" | tee -a "$OUT/cmdbuf_vlog_summary.log"
+  done
+  grep "Updated command buffer in\|updated_allocs" "$OUT/cmdbuf_vlog.log" | tail -40 >> "$OUT/cmdbuf_vlog_summary.log"
+  xz -9 "$OUT/cmdbuf_vlog.log"
+  spy="$HOME/site/bin/py-spy"
+  [ -x "$spy" ] && timeout 300 "$spy" record --native --nonblocking -r 500 --format raw -o "$OUT/pyspy_exec_call_b16.txt" -- \
+    python3 bench/probes/exec_call.py --batch-sizes 16 --calls 3000 --modes device 2>&1 | tail -3
+  for cfg in '{}' '{"unroll_layers": true}'; do
+    for b in ${HC_GEN_BATCHES:-1 16 48}; do
+      echo "== $cfg batch $b" | tee -a "$OUT/host_profile_unroll.log"
+      timeout 240 python3 bench/probes/host_profile.py --batch "$b" --top 12 --engine-config "$cfg" 2>&1 \
+        | tee -a "$OUT/host_profile_unroll.log" | grep '^{"bench"' >> "$OUT/host_profile_unroll.jsonl"
+    done
+  done
+  command -v nsys && echo "nsys present" | tee -a "$OUT/cmdbuf_vlog_summary.log"
 fi
 if [[ "$steps" == *" overhead "* ]]; then
   python3 bench/probes/overhead.py --batch-sizes "${OVERHEAD_BATCHES:-1,16,48}" 2>&1 | tee "$OUT/overhead.log"

@@ -11,7 +11,10 @@ and the wall ms per call:
     device      the same device array of row ids every call, results read one call late
     device-sync the same device array, each result read before the next call (no result in flight)
 
-    python bench/probes/exec_call.py --batch-sizes 1,16
+    python bench/probes/exec_call.py --batch-sizes 1,16 [--unroll 3,all] [--modes device]
+
+`--unroll` compares the round executable's layer loop (EngineConfig.unroll_layers: `auto` the engine's
+default, `all` every layer inline, k layers per iteration), each in its own engine.
 """
 
 from __future__ import annotations
@@ -38,7 +41,14 @@ def main(argv=None):
     p.add_argument("--tier", default="5,4,8")
     p.add_argument("--calls", type=int, default=200)
     p.add_argument("--context", type=int, default=512)
+    p.add_argument("--unroll", default="auto", help="comma list of auto | all | loop | k (layers per iteration)")
+    p.add_argument("--modes", default=",".join(MODES))
     args = p.parse_args(argv)
+    modes = tuple(m for m in args.modes.split(",") if m)
+    unknown = set(modes) - set(MODES)
+    if unknown:
+        p.error(f"unknown modes {sorted(unknown)}; choose from {MODES}")
+    unrolls = {"auto": None, "all": True, "loop": False}
 
     import jax
     import numpy as np
@@ -53,16 +63,19 @@ def main(argv=None):
     cfg = ModelConfig(**SHAPES[args.shape])
     model, head = random_model(cfg), random_eagle3_head(cfg, draft_vocab=DRAFT_VOCAB.get(args.shape))
     rows_out = []
-    for b in [int(x) for x in args.batch_sizes.split(",")]:
+    for b, unroll in [(int(x), u) for x in args.batch_sizes.split(",") for u in args.unroll.split(",")]:
+        t_build = time.perf_counter()
         eng = speculative(model, head, EngineConfig(max_batch_size=b, max_context=args.context,
+                                                    unroll_layers=unrolls[unroll] if unroll in unrolls else int(unroll),
                                                     kernels=KernelSettings.from_env()),
                           SpecConfig(*map(int, args.tier.split(","))), simulate_accept=3.2)
         dec = eng.decoder
         kv = max(k.kv_len for k in eng.warmup_plan(batch_sizes=[b], greedy=(True,)) if k.phase == "round")
         exe = dec.executables.get(dec.round_key(dec.spec, b, kv, True))
+        build_s = round(time.perf_counter() - t_build, 1)  # the engine and its round executable's compile
         rows_np = pad([], b, dec.scratch_row, np.int32)
         rows_dev = jax.device_put(rows_np)
-        for mode in MODES + MODES:  # twice, alternating: the spread between the two is the noise
+        for mode in modes + modes:  # twice, alternating: the spread between the two is the noise
             inflight = collections.deque()
             call_ms = []
             jax.block_until_ready(dec.state)
@@ -79,7 +92,7 @@ def main(argv=None):
             while inflight:
                 np.asarray(inflight.popleft())
             wall = (time.perf_counter() - t_start) * 1e3 / args.calls
-            row = {"batch": b, "kv": kv, "mode": mode, "call_ms_p50": round(statistics.median(call_ms), 3),
+            row = {"batch": b, "unroll": unroll, "kv": kv, "mode": mode, "build_s": build_s, "call_ms_p50": round(statistics.median(call_ms), 3),
                    "call_ms_p90": round(float(np.percentile(call_ms, 90)), 3), "wall_ms_per_call": round(wall, 3)}
             rows_out.append(row)
             print(json.dumps(row), flush=True)
