@@ -128,18 +128,24 @@ if [[ "$steps" == *" hostcall "* ]]; then  # issue 22: the host's time inside a 
   # 2. XLA's command-buffer log for 20 calls at batch 16: how many command buffers a call launches, how many it re-records;
   # 3. py-spy --native over 3,000 calls at batch 16 (collapsed stacks); 4. generate()'s ms per round, auto vs unrolled.
   python3 bench/probes/exec_call.py --batch-sizes "${HC_BATCHES:-1,16,48}" --unroll "${HC_UNROLL:-auto,all}" \
-    --modes device --calls "${HC_CALLS:-300}" 2>&1 | tee "$OUT/exec_call_unroll.log"
-  TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,while_thunk=3 timeout 200 python3 bench/probes/exec_call.py \
-    --batch-sizes 16 --calls 20 --modes device > "$OUT/cmdbuf_vlog.log" 2>&1
-  for pat in "Execute command buffer" "Update command buffer" "Updated command buffer in" "Initialize command buffer" "while"; do
-    echo "$pat: $(grep -c "$pat" "$OUT/cmdbuf_vlog.log")" | tee -a "$OUT/cmdbuf_vlog_summary.log"
+    --modes device --calls "${HC_CALLS:-300}" --hlo-out "$OUT/hlo" 2>&1 | tee "$OUT/exec_call_unroll.log"
+  for u in ${HC_VLOG_UNROLL:-auto}; do
+    for b in ${HC_VLOG_BATCHES:-16}; do
+      log="$OUT/cmdbuf_vlog_${u}_b$b.log"
+      TF_CPP_MIN_LOG_LEVEL=0 TF_CPP_VMODULE=command_buffer_thunk=3,while_thunk=3 timeout 200 python3 bench/probes/exec_call.py \
+        --batch-sizes "$b" --unroll "$u" --calls 20 --modes "${HC_VLOG_MODES:-device}" > "$log" 2>&1
+      echo "== unroll $u batch $b" | tee -a "$OUT/cmdbuf_vlog_summary.log"
+      for pat in "Execute command buffer" "Update command buffer" "Updated command buffer in" "Initialize command buffer" "while"; do
+        echo "$pat: $(grep -c "$pat" "$log")" | tee -a "$OUT/cmdbuf_vlog_summary.log"
+      done
+      grep -o "num_commands=[0-9]*; updated_allocs=[0-9]*" "$log" | sort | uniq -c | sort -rn | head | tee -a "$OUT/cmdbuf_vlog_summary.log"
+      xz -9 "$log"
+    done
   done
-  grep "Updated command buffer in\|updated_allocs" "$OUT/cmdbuf_vlog.log" | tail -40 >> "$OUT/cmdbuf_vlog_summary.log"
-  xz -9 "$OUT/cmdbuf_vlog.log"
   spy="$HOME/site/bin/py-spy"
-  [ -x "$spy" ] && timeout 300 "$spy" record --native --nonblocking -r 500 --format raw -o "$OUT/pyspy_exec_call_b16.txt" -- \
-    python3 bench/probes/exec_call.py --batch-sizes 16 --calls 3000 --modes device 2>&1 | tail -3
-  for cfg in '{}' '{"unroll_layers": true}'; do
+  [ -x "$spy" ] && [ -n "${HC_SPY:-1}" ] && timeout 300 "$spy" record --native -r 200 --format raw -o "$OUT/pyspy_exec_call.txt" -- \
+    python3 bench/probes/exec_call.py --batch-sizes "${HC_SPY_BATCH:-16}" --unroll "${HC_SPY_UNROLL:-auto}" --calls 3000 --modes device 2>&1 | tail -3
+  for cfg in ${HC_GEN_CONFIGS:-'{}' '{"unroll_layers":true}'}; do
     for b in ${HC_GEN_BATCHES:-1 16 48}; do
       echo "== $cfg batch $b" | tee -a "$OUT/host_profile_unroll.log"
       timeout 240 python3 bench/probes/host_profile.py --batch "$b" --top 12 --engine-config "$cfg" 2>&1 \

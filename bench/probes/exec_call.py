@@ -43,6 +43,9 @@ def main(argv=None):
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--unroll", default="auto", help="comma list of auto | all | loop | k (layers per iteration)")
     p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--hlo-out", default=None, metavar="DIR",
+                   help="write each round executable's optimized HLO there and print what its entry runs outside "
+                        "XLA's command buffers (the thunks the host launches one by one)")
     args = p.parse_args(argv)
     modes = tuple(m for m in args.modes.split(",") if m)
     unknown = set(modes) - set(MODES)
@@ -73,6 +76,9 @@ def main(argv=None):
         kv = max(k.kv_len for k in eng.warmup_plan(batch_sizes=[b], greedy=(True,)) if k.phase == "round")
         exe = dec.executables.get(dec.round_key(dec.spec, b, kv, True))
         build_s = round(time.perf_counter() - t_build, 1)  # the engine and its round executable's compile
+        if args.hlo_out:
+            print(json.dumps({"batch": b, "unroll": unroll, "entry": hlo_summary(exe.as_text(), Path(args.hlo_out)
+                                                                                 / f"round_b{b}_{unroll}.hlo")}))
         rows_np = pad([], b, dec.scratch_row, np.int32)
         rows_dev = jax.device_put(rows_np)
         for mode in modes + modes:  # twice, alternating: the spread between the two is the noise
@@ -98,6 +104,29 @@ def main(argv=None):
             print(json.dumps(row), flush=True)
     print(json.dumps({"bench": "exec_call", "shape": args.shape, "tier": args.tier, "device": device_kind(),
                       "commit": git_commit(), "rows": rows_out}))
+
+
+def hlo_summary(text: str, path: Path) -> dict:
+    """Counts of the entry computation's instructions by kind: calls of command buffers vs everything else."""
+    import re
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    entry = text[text.index("ENTRY "):]
+    entry = entry[:entry.index("\n}")]
+    counts = collections.Counter()
+    for line in entry.splitlines()[1:]:
+        m = re.search(r"= \S+(?:\{[^}]*\})? ([a-z-]+)\(", line) or re.search(r" ([a-z-]+)\(", line)
+        if not m:
+            continue
+        op = m.group(1)
+        if op == "custom-call":
+            t = re.search(r'custom_call_target="([^"]+)"', line)
+            op += ":" + (t.group(1) if t else "?")
+        elif op == "call":
+            op += ":command_buffer" if "command_buffer" in line else ":other"
+        counts[op] += 1
+    return dict(counts.most_common())
 
 
 if __name__ == "__main__":
