@@ -11,7 +11,7 @@
 #   carry .stage3 + .whl: `bash bench/gpu_session.sh run STEPS...` (later calls: carry .whl only).
 # startup (issue 27: first and second start of the README command) needs the staged GGUF like bench;
 # so does ttft (issue 25: a prefix-cache hit's time to first token by host phase, with a trace).
-# masks needs the staged GGUF (its tokenizer); so does linearab (decode A/B of JEAGLE_LINEAR=0|1). Random-weight steps (trainstep, tp, profile, phases, kerneltests, kernelbench, kernelround, specbench, overhead, warmup, cmdbuf, tierswitch, hostcall, adaptive, autotune) need no staging: `bash bench/gpu_session.sh run kerneltests kernelbench kernelround`.
+# masks needs the staged GGUF (its tokenizer); so does linearab (decode A/B of JEAGLE_LINEAR=0|1). Random-weight steps (trainstep, tp, profile, phases, kerneltests, kernelbench, kernelround, specbench, overhead, warmup, cmdbuf, tierswitch, hostcall, graphlaunch, adaptive, autotune) need no staging: `bash bench/gpu_session.sh run kerneltests kernelbench kernelround`.
 set -uo pipefail
 mode="${1:-run}"
 stage_in() {  # whatever staged parts this call carries -> $HOME/stage; unpack the data archives once
@@ -145,6 +145,7 @@ if [[ "$steps" == *" hostcall "* ]]; then  # issue 22: the host's time inside a 
   spy="$HOME/site/bin/py-spy"
   [ -x "$spy" ] && [ -n "${HC_SPY:-1}" ] && timeout 300 "$spy" record --native -r 200 --format raw -o "$OUT/pyspy_exec_call.txt" -- \
     python3 bench/probes/exec_call.py --batch-sizes "${HC_SPY_BATCH:-16}" --unroll "${HC_SPY_UNROLL:-auto}" --calls 3000 --modes device 2>&1 | tail -3
+  [ -f "$OUT/pyspy_exec_call.txt" ] && xz -9 "$OUT/pyspy_exec_call.txt"
   for cfg in ${HC_GEN_CONFIGS:-'{}' '{"unroll_layers":true}'}; do
     for b in ${HC_GEN_BATCHES:-1 16 48}; do
       echo "== $cfg batch $b" | tee -a "$OUT/host_profile_unroll.log"
@@ -153,6 +154,13 @@ if [[ "$steps" == *" hostcall "* ]]; then  # issue 22: the host's time inside a 
     done
   done
   command -v nsys && echo "nsys present" | tee -a "$OUT/cmdbuf_vlog_summary.log"
+fi
+if [[ "$steps" == *" graphlaunch "* ]]; then  # issue 22: a call's host time by the kernels in its command buffer
+  for flags in "" "--xla_gpu_enable_command_buffer="; do
+    echo "XLA_FLAGS=$flags" | tee -a "$OUT/graph_launch.log"
+    XLA_FLAGS="$flags" timeout 200 python3 bench/probes/graph_launch.py --kernels "${GL_KERNELS:-10,100,300,600,1000}" 2>&1 \
+      | tee -a "$OUT/graph_launch.log"
+  done
 fi
 if [[ "$steps" == *" overhead "* ]]; then
   python3 bench/probes/overhead.py --batch-sizes "${OVERHEAD_BATCHES:-1,16,48}" 2>&1 | tee "$OUT/overhead.log"
