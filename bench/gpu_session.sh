@@ -11,7 +11,7 @@
 #   carry .stage3 + .whl: `bash bench/gpu_session.sh run STEPS...` (later calls: carry .whl only).
 # startup (issue 27: first and second start of the README command) needs the staged GGUF like bench;
 # so does ttft (issue 25: a prefix-cache hit's time to first token by host phase, with a trace).
-# masks needs the staged GGUF (its tokenizer); so does linearab (decode A/B of JEAGLE_LINEAR=0|1). Random-weight steps (trainstep, tp, profile, phases, kerneltests, kernelbench, kernelround, specbench, overhead, warmup, cmdbuf, tierswitch, hostcall, graphlaunch, adaptive, autotune) need no staging: `bash bench/gpu_session.sh run kerneltests kernelbench kernelround`.
+# masks needs the staged GGUF (its tokenizer); so does linearab (decode A/B of JEAGLE_LINEAR=0|1). Random-weight steps (trainstep, tp, profile, phases, kerneltests, kernelbench, kernelround, specbench, overhead, warmup, cmdbuf, tierswitch, hostcall, graphlaunch, hostopts, adaptive, autotune) need no staging: `bash bench/gpu_session.sh run kerneltests kernelbench kernelround`.
 set -uo pipefail
 mode="${1:-run}"
 stage_in() {  # whatever staged parts this call carries -> $HOME/stage; unpack the data archives once
@@ -161,6 +161,25 @@ if [[ "$steps" == *" graphlaunch "* ]]; then  # issue 22: a call's host time by 
     XLA_FLAGS="$flags" timeout 200 python3 bench/probes/graph_launch.py --kernels "${GL_KERNELS:-10,100,300,600,1000}" 2>&1 \
       | tee -a "$OUT/graph_launch.log"
   done
+fi
+if [[ "$steps" == *" hostopts "* ]]; then  # issue 22: a round call's host time and generate()'s ms per round under XLA option sets
+  # HO_SETS: JSON objects for JEAGLE_XLA_OPTIONS ("{}" = none), one word each; HO_UNROLL: exec_call's --unroll; HO_GEN: engine configs.
+  i=0
+  for o in ${HO_SETS:-'{}' '{"xla_gpu_enable_dynamic_slice_fusion":false}'}; do
+    i=$((i + 1))
+    echo "== JEAGLE_XLA_OPTIONS=$o" | tee -a "$OUT/hostopts.log"
+    JEAGLE_XLA_OPTIONS="$o" timeout 250 python3 bench/probes/exec_call.py --batch-sizes "${HO_BATCHES:-1,16,48}" \
+      --unroll "${HO_UNROLL:-auto,all}" --modes device --calls "${HO_CALLS:-200}" --hlo-out "$OUT/hlo_$i" 2>&1 \
+      | grep -v '"bench"' | tee -a "$OUT/hostopts.log"
+    for cfg in ${HO_GEN:-'{}' '{"unroll_layers":true}'}; do
+      for b in ${HO_GEN_BATCHES:-16 48}; do
+        echo "== $o $cfg batch $b" | tee -a "$OUT/hostopts.log"
+        JEAGLE_XLA_OPTIONS="$o" timeout 120 python3 bench/probes/host_profile.py --batch "$b" --top 0 --engine-config "$cfg" 2>&1 \
+          | grep "ms per round" | tee -a "$OUT/hostopts.log"
+      done
+    done
+  done
+  for d in "$OUT"/hlo_*; do xz -9 "$d"/*.hlo; done
 fi
 if [[ "$steps" == *" overhead "* ]]; then
   python3 bench/probes/overhead.py --batch-sizes "${OVERHEAD_BATCHES:-1,16,48}" 2>&1 | tee "$OUT/overhead.log"
