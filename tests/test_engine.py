@@ -110,3 +110,24 @@ def test_context_limits(model):
     assert len(out.token_ids) == 2 and out.finish_reason == "length"
     with pytest.raises(ValueError, match="outside the vocabulary"):
         engine.generate([[500]], SamplingParams(max_new_tokens=1))
+
+
+def test_executables_take_the_params_as_leaves_and_follow_replaced_params(model, prompts):
+    """Executables take the params as one flat tuple built once (`FlatParams.param_leaves`); a decoder
+    whose params are replaced (bench/adaptive.py swaps heads this way) runs on the new ones."""
+    import jax
+    from flax import nnx
+
+    sp = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    eng = target_only(model, EngineConfig(max_batch_size=2, max_context=64))
+    dec = eng.decoder
+    leaves = dec.param_leaves
+    assert leaves is dec.param_leaves and len(leaves) == len(jax.tree.leaves(dec.params))
+    before = [o.token_ids for o in eng.generate(prompts[:2], sp)]
+    other = random_model(CFG, seed=3)
+    dec.params = nnx.split(other)[1]
+    assert dec.param_leaves is not leaves
+    swapped = [o.token_ids for o in eng.generate(prompts[:2], sp)]
+    fresh = [o.token_ids for o in target_only(other, EngineConfig(max_batch_size=2, max_context=64))
+             .generate(prompts[:2], sp)]
+    assert swapped == fresh and swapped != before

@@ -58,7 +58,7 @@ def main(argv=None):
         exe = eng.executables.get(dec.round_key(dec.spec, b, eng.buckets.kv[0], True))
 
         def call():
-            res, dec.state = exe(dec.params, dec.state, row_ids)
+            res, dec.state = exe(dec.param_leaves, dec.state, row_ids)
             return res
 
         jax.block_until_ready(call())

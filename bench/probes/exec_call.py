@@ -89,7 +89,7 @@ def main(argv=None):
             for _ in range(args.calls):
                 inputs = np.array(rows_np) if mode == "numpy" else rows_dev
                 t0 = time.perf_counter()
-                res, dec.state = exe(dec.params, dec.state, inputs)
+                res, dec.state = exe(dec.param_leaves, dec.state, inputs)
                 call_ms.append((time.perf_counter() - t0) * 1e3)
                 res.copy_to_host_async()
                 inflight.append(res)

@@ -49,7 +49,7 @@ def device_round_ms(engine, b, kv, reps):
         t0 = time.perf_counter()
         res = None
         for _ in range(n):
-            res, dec.state = exe(dec.params, dec.state, row_ids)
+            res, dec.state = exe(dec.param_leaves, dec.state, row_ids)
         jax.block_until_ready(res)
         return time.perf_counter() - t0
 

@@ -65,7 +65,7 @@ def main(argv=None) -> None:
         for _ in range(args.repeats):
             jax.block_until_ready(dec.state)
             t0 = time.perf_counter()
-            out, dec.state = exe(dec.params, dec.state, inputs)
+            out, dec.state = exe(dec.param_leaves, dec.state, inputs)
             t1 = time.perf_counter()
             jax.block_until_ready((out, dec.state))
             t2 = time.perf_counter()
@@ -75,7 +75,7 @@ def main(argv=None) -> None:
             on_device = jax.device_put(inputs)
             t1 = time.perf_counter()
             jax.block_until_ready(on_device)
-            out, dec.state = exe(dec.params, dec.state, on_device)
+            out, dec.state = exe(dec.param_leaves, dec.state, on_device)
             t2 = time.perf_counter()
             jax.block_until_ready((out, dec.state))
             rows["device_put_ms"].append((t1 - t0) * 1e3)

@@ -10,6 +10,7 @@ unrolling, kernel settings) and the bucket. Keys come from the decoders (`jeagle
     label                 a short file-name-safe name ("prefill-b4-t64")
     kernels               the KernelSettings its trace runs under
     build(shapes)         -> StepBuild(fn, abstract args, donated argnums, out shardings)
+                             (`param_step`: the params as one flat tuple of arrays, the state donated)
     compiler_options()    XLA options for its compile
     static.shapes()       the device shapes of its decoder, rebuilt from configs alone (worker processes)
 
@@ -44,6 +45,34 @@ class StepBuild:
     args: tuple  # abstract (jax.ShapeDtypeStruct) arguments
     donate: tuple[int, ...]
     out_shardings: Any = None  # under a mesh: where the outputs live (the state stays where it was)
+
+
+def param_step(fn: Callable, shapes: "DeviceShapes", inputs) -> StepBuild:
+    """The StepBuild of a step `fn(params, state, inputs)` whose executable takes the params as one flat
+    tuple of arrays (`FlatParams.param_leaves`) and donates the state. JAX flattens every argument on
+    every call, and flattening the nnx parameter state runs Python per variable (~80 us a call on a
+    2-core CPU for SmolLM2 + head, against ~4 us for a tuple of the same leaves; bench/HISTORY.md,
+    session 27): the step rebuilds the state from the leaves at trace time instead."""
+    treedef = jax.tree.structure(shapes.params)
+
+    def flat(leaves, state, inputs):
+        return fn(jax.tree.unflatten(treedef, leaves), state, inputs)
+
+    args = (tuple(jax.tree.leaves(shapes.params)), shapes.state, inputs)
+    return StepBuild(flat, args, (1,), shapes.out_shardings(flat, args))
+
+
+class FlatParams:
+    """For a decoder with `params`: `param_leaves`, the flat tuple its executables take (`param_step`),
+    built once per params object (a decoder whose params are replaced gets the new ones' leaves)."""
+    params: Any
+
+    @property
+    def param_leaves(self) -> tuple:
+        cached = getattr(self, "_param_leaves", None)
+        if cached is None or cached[0] is not self.params:
+            cached = self._param_leaves = (self.params, tuple(jax.tree.leaves(self.params)))
+        return cached[1]
 
 
 @dataclass

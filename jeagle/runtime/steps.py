@@ -33,7 +33,7 @@ from jeagle.logprobs import LOGPROB_COLUMNS, pack, prompt_logprobs, token_logpro
 from jeagle.penalties import (PenaltyInputs, PenaltyRows, add_tokens, apply as apply_penalties,
                               gather as gather_penalties, init_penalty_rows, penalty_shapes, prefill_rows)
 from jeagle.models.common import AttnInputs
-from jeagle.runtime.executables import DeviceShapes, StepBuild, compiler_options
+from jeagle.runtime.executables import DeviceShapes, StepBuild, compiler_options, param_step
 from jeagle.runtime.packing import Layout
 from jeagle.sampling import sample
 
@@ -224,8 +224,7 @@ class PrefillKey(_TargetKey):
     def build(self, shapes: DeviceShapes) -> StepBuild:
         layout = input_layout(self)
         fn = layout.wrap(functools.partial(prefill_step, self, shapes.graphdefs[0]))
-        args = (shapes.params, shapes.state, layout.abstract)
-        return StepBuild(fn, args, (1,), shapes.out_shardings(fn, args))
+        return param_step(fn, shapes, layout.abstract)
 
 
 @dataclass(frozen=True)
@@ -255,8 +254,7 @@ class DecodeKey(_TargetKey):
         inputs = DecodeInputs(_abstract((b,), jnp.int32), _abstract((b,), jnp.int32))
         if self.grammar:
             inputs = (inputs, _abstract((b, mask_words(self.static.model.vocab_size)), jnp.int32))
-        args = (shapes.params, shapes.state, inputs)
-        return StepBuild(fn, args, (1,), shapes.out_shardings(fn, args))
+        return param_step(fn, shapes, inputs)
 
 
 def prefill_unroll(static, b: int, t: int) -> bool | int:

@@ -19,13 +19,13 @@ from jeagle.penalties import penalty_inputs, wants_penalties
 from jeagle.runtime.decoder import (Delivery, GrammarMasks, SlotTables, context_size, place_cache, prefill_batch,
                                     sampling_inputs, split_prompt_logprobs, wants_grammar, wants_logprobs,
                                     wants_prompt_logprobs, weight_bytes)
-from jeagle.runtime.executables import DeviceShapes, Executables
+from jeagle.runtime.executables import DeviceShapes, Executables, FlatParams
 from jeagle.runtime.slots import SlotLayout, pool_size
 from jeagle.runtime.steps import (DecodeInputs, DecodeKey, PrefillInputs, PrefillKey, Sampling, TargetState,
                                   TargetStatic, init_state, input_layout, layer_unroll)
 
 
-class TargetDecoder(SlotTables, GrammarMasks):
+class TargetDecoder(SlotTables, GrammarMasks, FlatParams):
     speculative = False
     swaps_slots = False  # the host's slot tables are the device's (nothing swaps positions' slots)
 
@@ -88,7 +88,7 @@ class TargetDecoder(SlotTables, GrammarMasks):
 
     # ---- dispatch --------------------------------------------------------------------------------
     def _run(self, exe, inputs):
-        out, self.state = exe(self.params, self.state, inputs)
+        out, self.state = exe(self.param_leaves, self.state, inputs)
         out.copy_to_host_async()  # the host reads it a step later; this copy is then done
         return out
 

@@ -37,7 +37,7 @@ from jeagle.penalties import penalty_inputs, wants_penalties
 from jeagle.runtime.decoder import (Delivery, GrammarMasks, SlotTables, context_size, place_cache, prefill_batch,
                                     sampling_inputs, split_prompt_logprobs, wants_grammar, wants_logprobs,
                                     wants_prompt_logprobs, weight_bytes)
-from jeagle.runtime.executables import DeviceShapes, Executables
+from jeagle.runtime.executables import DeviceShapes, Executables, FlatParams
 from jeagle.runtime.slots import SlotLayout, pool_size
 from jeagle.runtime.stats import SpecStats
 from jeagle.runtime.steps import Sampling, input_layout, layer_unroll
@@ -47,7 +47,7 @@ from jeagle.spec.steps import DraftKey, RoundKey, SpecPrefillInputs, SpecPrefill
 ACCEPT_HISTORY = 100_000  # accept lengths kept between stats windows (a server runs for days)
 
 
-class SpecDecoder(SlotTables, GrammarMasks):
+class SpecDecoder(SlotTables, GrammarMasks, FlatParams):
     speculative = True
     swaps_slots = True  # a round's commit swaps tree slots into positions: read the tables back to know them
 
@@ -207,7 +207,7 @@ class SpecDecoder(SlotTables, GrammarMasks):
         return rows
 
     def _run(self, exe, inputs):
-        res, self.state = exe(self.params, self.state, inputs)
+        res, self.state = exe(self.param_leaves, self.state, inputs)
         res.copy_to_host_async()
         return res
 
@@ -302,7 +302,7 @@ class SpecDecoder(SlotTables, GrammarMasks):
         accept = dataclasses.replace(verify, phase="accept", grammar=True)
         tree.tokens.copy_to_host_async()
         tree.parent.copy_to_host_async()
-        fwd, self.state = self.executables.get(accept.forward_key())(self.params, self.state, (row_ids, tree))
+        fwd, self.state = self.executables.get(accept.forward_key())(self.param_leaves, self.state, (row_ids, tree))
         fwd.top_ids.copy_to_host_async()
         fwd.top_vals.copy_to_host_async()
         if drain is not None:  # the last round's tokens, read while this one's draft and forward run
@@ -355,7 +355,7 @@ class SpecDecoder(SlotTables, GrammarMasks):
         self._last_read = None
 
     def _run_draft(self, exe, row_ids):
-        tree, self.state = exe(self.params, self.state, row_ids)
+        tree, self.state = exe(self.param_leaves, self.state, row_ids)
         return tree
 
     def verify_handle(self, result):

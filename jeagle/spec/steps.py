@@ -31,7 +31,7 @@ from jeagle.logprobs import pack, prompt_logprobs, token_logprobs, top_k_blocked
 from jeagle.models.llama import ForwardOut
 from jeagle.penalties import (PenaltyInputs, PenaltyRows, add_tokens, apply as apply_penalties,
                               gather as gather_penalties, init_penalty_rows, penalty_shapes, prefill_rows)
-from jeagle.runtime.executables import DeviceShapes, StepBuild, compiler_options
+from jeagle.runtime.executables import DeviceShapes, StepBuild, compiler_options, param_step
 from jeagle.runtime.steps import Sampling, input_layout, prefill_attn, prefill_unroll, sampling_shapes
 from jeagle.sampling import sample
 from jeagle.spec.round import (MAX_STOP, RowLayout, SpecConfig, SpecRows, draft_topk, draft_tree, draft_vocab_ids, init_rows,
@@ -124,8 +124,7 @@ class _SpecKey:
 
     def _build(self, step, shapes: DeviceShapes, inputs) -> StepBuild:
         fn = functools.partial(step, self, *shapes.graphdefs)
-        args = (shapes.params, shapes.state, inputs)
-        return StepBuild(fn, args, (1,), shapes.out_shardings(fn, args))
+        return param_step(fn, shapes, inputs)
 
 
 @dataclass(frozen=True)
@@ -154,8 +153,7 @@ class SpecPrefillKey(_SpecKey):
     def build(self, shapes: DeviceShapes) -> StepBuild:
         layout = input_layout(self)
         fn = layout.wrap(functools.partial(spec_prefill_step, self, *shapes.graphdefs))
-        args = (shapes.params, shapes.state, layout.abstract)
-        return StepBuild(fn, args, (1,), shapes.out_shardings(fn, args))
+        return param_step(fn, shapes, layout.abstract)
 
 
 @dataclass(frozen=True)
