@@ -21,6 +21,7 @@ rebuilds them from the key, so workers compile from configs, never from an engin
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import pickle
@@ -58,6 +59,11 @@ def param_step(fn: Callable, shapes: "DeviceShapes", inputs) -> StepBuild:
     def flat(leaves, state, inputs):
         return fn(jax.tree.unflatten(treedef, leaves), state, inputs)
 
+    # The step's own name, which JAX gives the HLO module ("jit_round_step"): traces join on it.
+    inner = fn
+    while getattr(inner, "__name__", None) is None and isinstance(inner, functools.partial):
+        inner = inner.func
+    flat.__name__ = flat.__qualname__ = getattr(inner, "__name__", "step")
     args = (tuple(jax.tree.leaves(shapes.params)), shapes.state, inputs)
     return StepBuild(flat, args, (1,), shapes.out_shardings(flat, args))
 
