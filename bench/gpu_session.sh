@@ -126,7 +126,7 @@ fi
 if [[ "$steps" == *" hostcall "* ]]; then  # issue 22: the host's time inside a round executable's call
   # 1. host ms of the call and wall ms per call, layer loop 3 per iteration (auto) vs unrolled (exec_call.py);
   # 2. XLA's command-buffer log for 20 calls at batch 16: how many command buffers a call launches, how many it re-records;
-  # 3. py-spy --native over 3,000 calls at batch 16 (collapsed stacks); 4. generate()'s ms per round, auto vs unrolled.
+  # 3. py-spy --native over 3,000 calls at batch 16 (collapsed stacks). generate()'s ms per round: step hostopts.
   python3 bench/probes/exec_call.py --batch-sizes "${HC_BATCHES:-1,16,48}" --unroll "${HC_UNROLL:-auto,all}" \
     --modes device --calls "${HC_CALLS:-300}" --hlo-out "$OUT/hlo" 2>&1 | tee "$OUT/exec_call_unroll.log"
   for u in ${HC_VLOG_UNROLL:-auto}; do
@@ -146,13 +146,6 @@ if [[ "$steps" == *" hostcall "* ]]; then  # issue 22: the host's time inside a 
   [ -x "$spy" ] && [ -n "${HC_SPY:-1}" ] && timeout 300 "$spy" record --native -r 200 --format raw -o "$OUT/pyspy_exec_call.txt" -- \
     python3 bench/probes/exec_call.py --batch-sizes "${HC_SPY_BATCH:-16}" --unroll "${HC_SPY_UNROLL:-auto}" --calls 3000 --modes device 2>&1 | tail -3
   [ -f "$OUT/pyspy_exec_call.txt" ] && xz -9 "$OUT/pyspy_exec_call.txt"
-  for cfg in ${HC_GEN_CONFIGS:-'{}' '{"unroll_layers":true}'}; do
-    for b in ${HC_GEN_BATCHES:-1 16 48}; do
-      echo "== $cfg batch $b" | tee -a "$OUT/host_profile_unroll.log"
-      timeout 240 python3 bench/probes/host_profile.py --batch "$b" --top 12 --engine-config "$cfg" 2>&1 \
-        | tee -a "$OUT/host_profile_unroll.log" | grep '^{"bench"' >> "$OUT/host_profile_unroll.jsonl"
-    done
-  done
   command -v nsys && echo "nsys present" | tee -a "$OUT/cmdbuf_vlog_summary.log"
 fi
 if [[ "$steps" == *" graphlaunch "* ]]; then  # issue 22: a call's host time by the kernels in its command buffer
