@@ -51,9 +51,9 @@ class StepBuild:
 def param_step(fn: Callable, shapes: "DeviceShapes", inputs) -> StepBuild:
     """The StepBuild of a step `fn(params, state, inputs)` whose executable takes the params as one flat
     tuple of arrays (`FlatParams.param_leaves`) and donates the state. JAX flattens every argument on
-    every call, and flattening the nnx parameter state runs Python per variable (~80 us a call on a
-    2-core CPU for SmolLM2 + head, against ~4 us for a tuple of the same leaves; bench/HISTORY.md,
-    session 27): the step rebuilds the state from the leaves at trace time instead."""
+    every call, and flattening the nnx parameter state runs Python per variable (24-31 us a call on
+    a 2-core CPU for SmolLM2 + head, against ~2 us for a tuple of the same leaves;
+    bench/probes/param_flatten.py): the step rebuilds the state from the leaves at trace time instead."""
     treedef = jax.tree.structure(shapes.params)
 
     def flat(leaves, state, inputs):
