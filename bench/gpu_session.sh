@@ -11,7 +11,7 @@
 #   carry .stage3 + .whl: `bash bench/gpu_session.sh run STEPS...` (later calls: carry .whl only).
 # startup (issue 27: first and second start of the README command) needs the staged GGUF like bench;
 # so does ttft (issue 25: a prefix-cache hit's time to first token by host phase, with a trace).
-# masks needs the staged GGUF (its tokenizer); so does linearab (decode A/B of JEAGLE_LINEAR=0|1). Random-weight steps (trainstep, tp, profile, phases, kerneltests, kernelbench, kernelround, specbench, overhead, warmup, cmdbuf, tierswitch, hostcall, graphlaunch, hostopts, adaptive, autotune) need no staging: `bash bench/gpu_session.sh run kerneltests kernelbench kernelround`.
+# masks needs the staged GGUF (its tokenizer); so does linearab (decode A/B of JEAGLE_LINEAR=0|1). Random-weight steps (trainstep, tp, profile, phases, kerneltests, kernelbench, kernelround, specbench, overhead, warmup, cmdbuf, tierswitch, adaptoverhead, hostcall, graphlaunch, hostopts, adaptive, autotune) need no staging: `bash bench/gpu_session.sh run kerneltests kernelbench kernelround`.
 set -uo pipefail
 mode="${1:-run}"
 stage_in() {  # whatever staged parts this call carries -> $HOME/stage; unpack the data archives once
@@ -115,6 +115,10 @@ if [[ "$steps" == *" cmdbuf "* ]]; then  # XLA command buffers: default, off, an
     XLA_FLAGS="$flags" python3 bench/probes/spec_round.py --shape smollm2 --batch-sizes 1,16,48 --tiers 5,4,8 \
       --rounds-as fused 2>&1 | tee -a "$OUT/cmdbuf.log"
   done
+fi
+if [[ "$steps" == *" adaptoverhead "* ]]; then  # issue 22: what an adaptive engine adds to the static tier's rounds
+  timeout "${AO_TIMEOUT:-540}" python3 bench/probes/adaptive_overhead.py --batch-sizes "${AO_BATCHES:-16,48}" \
+    --repeats "${AO_REPEATS:-3}" ${AO_ARGS:-} 2>&1 | tee "$OUT/adaptive_overhead.log" | grep -v '^{"bench"'
 fi
 if [[ "$steps" == *" tierswitch "* ]]; then  # two tiers' rounds in forced schedules, command buffers on and off
   for flags in "" "--xla_gpu_enable_command_buffer="; do
