@@ -1,6 +1,6 @@
 """Adaptive speculative decoding: policies that switch between pre-compiled step tiers.
 
-Host-only (no JAX here). SGLang's design (docs "Adaptive Speculative Decoding", `../shared/DESIGN.md`
+Host-only (no JAX here; numpy). SGLang's design (docs "Adaptive Speculative Decoding", `../shared/DESIGN.md`
 "Adaptive steps"), with two extensions: a tier is a full (S, K, N) triple, so tree tiers adapt too,
 and a second policy weighs each tier's accept length against its measured cost. The default is
 SGLang's EMA policy: on the H100 it measured ahead of the cost-aware one on the phased workload
@@ -33,6 +33,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
+import numpy as np
+
 from jeagle.adaptive_throughput import RoundTimes, ThroughputPolicy
 
 POLICIES = ("throughput", "ema")
@@ -64,7 +66,7 @@ class AdaptiveConfig:
     candidate_tiers: tuple[tuple[int, int, int], ...] | None = None
     ema_alpha: float = 0.2
     warmup_batches: int | None = None  # None: 10 for "ema" (SGLang's), 8 for "throughput"
-    update_interval: int | None = None  # None: 5 for "ema" (SGLang's), 1 for "throughput"
+    update_interval: int | None = None  # None: 5 for "ema" (SGLang's), 4 for "throughput"
     down_hysteresis: float = -0.25
     up_hysteresis: float = 0.0
     policy: str = "ema"  # SGLang's; or "throughput" (expected tokens per second)
@@ -100,7 +102,7 @@ class AdaptiveConfig:
         if self.warmup_batches is None:
             object.__setattr__(self, "warmup_batches", 10 if ema else 8)
         if self.update_interval is None:
-            object.__setattr__(self, "update_interval", 5 if ema else 1)
+            object.__setattr__(self, "update_interval", 5 if ema else 4)
         _int("warmup_batches", self.warmup_batches, 0)
         _int("update_interval", self.update_interval, 1)
         object.__setattr__(self, "down_hysteresis", _float("down_hysteresis", self.down_hysteresis))
@@ -176,10 +178,11 @@ class AdaptivePolicy:
 
     def update(self, accepted: Sequence[float]) -> bool:
         """Feed one verify's accepted draft tokens per request (bonus excluded). True if the tier changed."""
-        if len(accepted) == 0:
+        n = len(accepted)
+        if n == 0:
             return False
         a = self.cfg.ema_alpha
-        self.ema = (1 - a) * self.ema + a * (sum(accepted) / len(accepted))
+        self.ema = (1 - a) * self.ema + a * (float(np.sum(accepted)) / n)
         self.batches += 1
         past = self.batches - self.cfg.warmup_batches
         if past <= 0 or past % self.cfg.update_interval:

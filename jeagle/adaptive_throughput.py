@@ -6,8 +6,9 @@ times it weighs them by. Host-only (no JAX here).
     ThroughputPolicy  the policy
     RoundTimes        one round's wall time per (tier, bucket): timed at warm-up, refined online
 
-The throughput policy. Every `update_interval` verifies after `warmup_batches` (defaults 1 and 8: a
-decision costs microseconds; the first rounds' times are noisy) it picks argmax E_j / T_j, E_j the
+The throughput policy. Every `update_interval` verifies after `warmup_batches` (defaults 4 and 8: a
+decision and the counts it folds in cost ~0.1 ms of host time, which at batch 16 is on a round's
+critical path; the first rounds' times are noisy) it picks argmax E_j / T_j, E_j the
 tokens per round (bonus included) tier j would emit now and T_j its measured round time at the
 current batch bucket (`RoundTimes`), and leaves the active tier only for one at least
 `switch_margin` faster. Under this policy the base tier (S, K, N) is always one of the tiers (it
@@ -47,7 +48,6 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from itertools import chain
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
@@ -59,6 +59,7 @@ PRIOR_WEIGHT = 2.0  # pseudo-rounds shrinking a depth's acceptance towards the d
 PRIOR_ACCEPT = 0.5  # depth 1's prior acceptance
 STALE_DECAY = 4  # counts of depths past the running tier's reach fade this many times faster
 SEED_ROUNDS = 0.25  # at a switch, the estimates decided on count as this share of an accept window
+MAX_PENDING = 8  # verifies buffered before they are folded into the counts without a decision
 
 
 def nested_tiers(tiers: Sequence[tuple[int, int, int]]) -> list[tuple[int, ...]]:
@@ -77,8 +78,9 @@ class ThroughputPolicy:
         self.tiers = [tuple(t) for t in tiers]
         self.reach = [min(s, n - 1) for s, _, n in tiers]
         deepest = max(self.reach)
-        self.tried = [0.0] * (deepest + 1)  # [d]: decayed rounds that tried depth d (index 0 unused)
-        self.passed = [0.0] * (deepest + 1)  # [d]: ... that accepted it
+        self._tried = np.zeros(deepest + 1)  # [d]: decayed rounds that tried depth d (index 0 unused)
+        self._passed = np.zeros(deepest + 1)  # [d]: ... that accepted it
+        self._pending: list = []  # verifies not yet in the counts: (tier ran, accepted, nested)
         self.nests = nested_tiers(self.tiers)
         n = len(tiers)
         # Tokens per request-round (bonus included) each tier emitted or would have emitted, decayed over
@@ -91,34 +93,37 @@ class ThroughputPolicy:
         self.last_rates: list[float | None] = [None] * len(tiers)  # expected tokens/ms at the last decision
 
     # ---- the depth model (tiers no round has observed) -------------------------------------------
-    def observe(self, accepted: Sequence[int], reach: int) -> None:
-        """One verify's accepted drafts per request (bonus excluded) from rounds of reach `reach`."""
-        keep = (1.0 - 1.0 / self.cfg.accept_window) ** len(accepted)
-        # at_least[v]: requests whose accepted depth (capped at reach) is >= v. Depth d was tried by
-        # those that accepted d - 1 (d <= reach) and passed by those that accepted d.
-        at_least = [0] * (reach + 2)
-        for a in accepted:
-            if a >= 0:  # (negative: no round for the request; the decoder drops those before here)
-                at_least[min(int(a), reach)] += 1
-        for v in range(reach - 1, -1, -1):
-            at_least[v] += at_least[v + 1]
+    @property
+    def tried(self) -> list[float]:
+        return self._tried.tolist()
+
+    @property
+    def passed(self) -> list[float]:
+        return self._passed.tolist()
+
+    def observe(self, accepted, reach: int) -> None:
+        """Accepted drafts per request (bonus excluded; a sequence or an int array) of one verify, or of
+        a group of verifies taken as one, from rounds of reach `reach`."""
+        a = np.asarray(accepted, dtype=np.int64).reshape(-1)
+        keep = (1.0 - 1.0 / self.cfg.accept_window) ** a.size
+        # at_least[v]: requests whose accepted depth (capped at reach) is >= v, v = 0..reach. Depth d was
+        # tried by those that accepted d - 1 (d <= reach) and passed by those that accepted d.
+        # (Negative: no round for the request; the decoder drops those before here.)
+        at_least = np.bincount(np.minimum(a[a >= 0], reach), minlength=reach + 1)[::-1].cumsum()[::-1]
         # Depths past `reach` cannot be seen now: their counts are from earlier rounds of a deeper tier,
         # maybe of another workload, and fade STALE_DECAY times faster (else a deep tier that failed
         # once is judged by that failure long after the acceptance above it has recovered).
-        stale = keep**STALE_DECAY
-        for d in range(1, len(self.tried)):
-            if d <= reach:
-                self.tried[d] = self.tried[d] * keep + at_least[d - 1]
-                self.passed[d] = self.passed[d] * keep + at_least[d]
-            else:
-                self.tried[d] *= stale
-                self.passed[d] *= stale
+        r = min(reach, len(self._tried) - 1)
+        self._tried[1:r + 1] = self._tried[1:r + 1] * keep + at_least[:r]
+        self._passed[1:r + 1] = self._passed[1:r + 1] * keep + at_least[1:r + 1]
+        self._tried[r + 1:] *= keep**STALE_DECAY
+        self._passed[r + 1:] *= keep**STALE_DECAY
 
     def accept_rates(self) -> list[float]:
         """p_d, d = 1..deepest: P(depth d accepted | depth d - 1 accepted), shrunk towards p_{d-1}."""
         out, prior = [], PRIOR_ACCEPT
-        for d in range(1, len(self.tried)):
-            prior = (self.passed[d] + PRIOR_WEIGHT * prior) / (self.tried[d] + PRIOR_WEIGHT)
+        for passed, tried in zip(self._passed.tolist()[1:], self._tried.tolist()[1:]):
+            prior = (passed + PRIOR_WEIGHT * prior) / (tried + PRIOR_WEIGHT)
             out.append(prior)
         return out
 
@@ -134,30 +139,50 @@ class ThroughputPolicy:
         return out
 
     # ---- observed and nested accept lengths ------------------------------------------------------
-    def record(self, accepted: Sequence[int], ran: int, nested: Sequence[Sequence[int]] | None = None) -> None:
-        """One verify of tier `ran`: its accepted drafts per request and, per request, what each tier of
-        `nests[ran]` would have accepted (-1: unknown). (Plain Python over the few dozen values: numpy's
-        per-call overhead on arrays this small was most of the policy's host time per verify.)"""
-        n = len(accepted)
+    def record(self, accepted, ran: int, nested=None) -> None:
+        """Rounds of tier `ran` (one verify, or a group taken as one): their accepted drafts per request
+        and, per request, what each tier of `nests[ran]` would have accepted (-1: unknown), as rows
+        [requests, nested tiers] or flat, row after row (sequences or int arrays)."""
+        a = np.asarray(accepted, dtype=np.int64).reshape(-1)
+        n = a.size
         tokens, seen = np.zeros(len(self.tiers)), np.zeros(len(self.tiers))
-        tokens[ran], seen[ran] = sum(int(a) for a in accepted) + n, n
-        nest = self.nests[ran] if nested is not None else ()
+        tokens[ran], seen[ran] = a.sum() + n, n
+        nest = list(self.nests[ran]) if nested is not None else []
         if nest:
-            rows = list(nested)  # per request its len(nest) values, or all of them flat, row after row
-            flat = list(chain.from_iterable(rows)) if rows and np.ndim(rows[0]) else rows
-            if len(flat) != n * len(nest):
-                raise ValueError(f"nested: {len(flat)} values for {n} requests x {len(nest)} nested tiers")
-            for i, j in enumerate(nest):
-                known = [int(w) for w in flat[i:: len(nest)] if w >= 0]
-                tokens[j], seen[j] = sum(known) + len(known), len(known)
+            w = np.asarray(nested, dtype=np.int64).reshape(-1)
+            if w.size != n * len(nest):
+                raise ValueError(f"nested: {w.size} values for {n} requests x {len(nest)} nested tiers")
+            w = w.reshape(n, len(nest))
+            known = w >= 0
+            tokens[nest], seen[nest] = np.where(known, w + 1, 0).sum(0), known.sum(0)
         keep = (1.0 - 1.0 / self.cfg.accept_window) ** n
         self.tokens = self.tokens * keep + tokens
         self.weight = self.weight * keep + seen
+
+    def fold(self) -> None:
+        """Take the buffered verifies into the counts: each run of verifies of one tier (with or without
+        nested values) as one group, its counts decayed as if its verifies came at once."""
+        pending, self._pending = self._pending, []
+        start = 0
+        for end in range(1, len(pending) + 1):
+            if end < len(pending) and (pending[end][0], pending[end][2] is None) == (
+                    pending[start][0], pending[start][2] is None):
+                continue
+            group = pending[start:end]
+            ran = group[0][0]
+            acc = np.concatenate([np.asarray(a, dtype=np.int64).reshape(-1) for _, a, _ in group])
+            nested = (None if group[0][2] is None else
+                      np.concatenate([np.asarray(w, dtype=np.int64).reshape(-1) for _, _, w in group]))
+            self.observe(acc, self.reach[ran])
+            self.record(acc, ran, nested)
+            start = end
 
     def expected_tokens(self) -> list[float]:
         """E_j: tokens per round (bonus included) each tier would emit now. The active tier and those
         nested in it: their recent rounds (observed or would-be, exact for greedy rows); the others:
         the depth model, scaled to agree with the active tier's observed accept length."""
+        if self._pending:
+            self.fold()
         r = self.index
         model = self.model_tokens()
         if self.weight[r] <= 0:
@@ -166,18 +191,23 @@ class ThroughputPolicy:
         return [float(self.tokens[j] / self.weight[j]) if (j == r or j in self.nests[r]) and self.weight[j] > 0
                 else model[j] * e_r / model[r] for j in range(len(self.tiers))]
 
-    def update(self, accepted: Sequence[int], ran: int, round_ms: Callable[[int], float | None],
-               nested: Sequence[Sequence[int]] | None = None) -> bool:
-        """Feed one verify of tier index `ran`; round_ms(j): tier j's round time at the current bucket
-        (None: unknown). True if the active tier changed."""
-        if len(accepted) == 0:
+    def update(self, accepted, ran: int, round_ms: Callable[[int], float | None], nested=None) -> bool:
+        """Feed one verify of tier index `ran` (accepted: per request, a sequence or an int array; nested:
+        as `record` takes it); round_ms(j): tier j's round time at the current bucket (None: unknown).
+        True if the active tier changed. The verify is buffered; the buffer is folded into the counts
+        when a decision is due or it holds MAX_PENDING verifies: one numpy pass per group of verifies,
+        where a pass per verify in Python over its requests cost ~60 us a verify at batch 16 on the
+        H100's host (bench/HISTORY.md session 28)."""
+        if np.size(accepted) == 0:
             return False
-        self.observe(accepted, self.reach[ran])
-        self.record(accepted, ran, nested)
+        self._pending.append((ran, accepted, nested))
         self.batches += 1
         self.since_switch += 1
         past = self.batches - self.cfg.warmup_batches
-        if past <= 0 or past % self.cfg.update_interval or self.since_switch < self.cfg.min_dwell:
+        due = past > 0 and past % self.cfg.update_interval == 0 and self.since_switch >= self.cfg.min_dwell
+        if not due:
+            if len(self._pending) >= MAX_PENDING:
+                self.fold()
             return False
         return self._decide(round_ms)
 

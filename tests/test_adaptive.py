@@ -107,7 +107,7 @@ def test_config_defaults_and_json(tmp_path):
             cfg.down_hysteresis, cfg.up_hysteresis) == ("ema", (1, 3, 7), 0.2, 10, 5, -0.25, 0.0)
     tp = AdaptiveConfig(policy="throughput")
     assert (tp.warmup_batches, tp.update_interval, tp.accept_window, tp.switch_margin, tp.min_dwell) == (
-        8, 1, 32, 0.03, 0)
+        8, 4, 32, 0.03, 0)
     f = tmp_path / "a.json"
     f.write_text(json.dumps({"candidate_steps": [7, 2], "ema_alpha": 0.5, "policy": "ema"}))
     cfg = AdaptiveConfig.from_json(f)

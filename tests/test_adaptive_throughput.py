@@ -60,6 +60,33 @@ def test_counts_equal_a_per_request_reference():
         pol.record([1, 2], 2, [[0, 1]])
 
 
+def test_buffered_verifies_fold_into_the_counts_of_their_groups():
+    """update() buffers verifies and folds them when a decision is due (every update_interval) or
+    MAX_PENDING are waiting: the counts then equal observe/record over each run of verifies of one
+    tier taken as one group, arrays or lists alike; a report folds what is waiting."""
+    rng = np.random.default_rng(7)
+    tiers = ((1, 4, 3), (3, 4, 5), (5, 4, 8), (7, 4, 11))
+    times = lambda j: None  # noqa: E731  (no round times: no decision moves the tier)
+    buffered = throughput(initial=2, tiers=tiers, accept_window=32, update_interval=4)
+    ref = throughput(initial=2, tiers=tiers, accept_window=32)
+    verifies = [(2, rng.integers(0, 6, 16), rng.integers(-1, 4, (16, 2))) for _ in range(3)]
+    verifies.append((1, rng.integers(0, 4, 16), None))  # a round of the tier before a switch, read after it
+    for ran, acc, would in verifies:
+        assert not buffered.update(acc if ran == 2 else acc.tolist(), ran, times, would)
+    assert buffered._pending == []  # the fourth verify: a decision was due, everything folded
+    for ran, acc, would in ([(2, np.concatenate([v[1] for v in verifies[:3]]),
+                              np.concatenate([v[2] for v in verifies[:3]]))] + verifies[3:]):
+        ref.observe(acc, ref.reach[ran])
+        ref.record(acc, ran, would)
+    assert buffered.tried == pytest.approx(ref.tried) and buffered.passed == pytest.approx(ref.passed)
+    assert buffered.tokens == pytest.approx(ref.tokens) and buffered.weight == pytest.approx(ref.weight)
+    buffered.update(rng.integers(0, 6, 16), 2, times, rng.integers(-1, 4, (16, 2)))
+    assert len(buffered._pending) == 1
+    before = buffered.weight[2]
+    buffered.expected_tokens()  # what /server_info reports includes the verify waiting
+    assert buffered._pending == [] and buffered.weight[2] > before
+
+
 def geometric_rounds(rng, p, reach, n):
     """n accepted-draft counts of rounds whose every depth passes with probability p, capped at reach."""
     out = []

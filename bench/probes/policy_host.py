@@ -19,6 +19,8 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--verifies", type=int, default=2000)
     p.add_argument("--profile", action="store_true")
+    p.add_argument("--lists", action="store_true", help="Python lists, as the decoder passed them before session 28")
+    p.add_argument("--update-interval", type=int, default=None, help="default: the policy's")
     args = p.parse_args(argv)
 
     import numpy as np
@@ -27,13 +29,17 @@ def main(argv=None):
     from jeagle.adaptive_throughput import RoundTimes, ThroughputPolicy
 
     tiers = [(1, 4, 3), (3, 4, 5), (5, 4, 8), (7, 4, 11)]
-    cfg = AdaptiveConfig.from_dict({"policy": "throughput", "candidate_tiers": [list(t) for t in tiers]})
+    cfg = AdaptiveConfig.from_dict({"policy": "throughput", "candidate_tiers": [list(t) for t in tiers]}
+                                   | ({} if args.update_interval is None else {"update_interval": args.update_interval}))
     pol, times, bucket = ThroughputPolicy(cfg, tiers, 2), RoundTimes(), (args.batch, 512, True)
     for j in range(len(tiers)):
         times.calibrated(j, bucket, 1.4 + 0.1 * j)
     rng = np.random.default_rng(0)
-    acc = [rng.integers(0, 5, args.batch).tolist() for _ in range(args.verifies)]
-    nest = [rng.integers(0, 4, (args.batch, 2)).tolist() for _ in range(args.verifies)]  # as the decoder passes them
+    # As the decoder passes them: int arrays (lists before session 28: `--lists`).
+    acc = [rng.integers(0, 5, args.batch) for _ in range(args.verifies)]
+    nest = [rng.integers(0, 4, (args.batch, 2)) for _ in range(args.verifies)]
+    if args.lists:
+        acc, nest = [a.tolist() for a in acc], [w.tolist() for w in nest]
 
     def run():
         for a, w in zip(acc, nest):
@@ -42,8 +48,8 @@ def main(argv=None):
 
     t0 = time.perf_counter()
     run()
-    print(f"batch {args.batch}: {(time.perf_counter() - t0) / args.verifies * 1e6:.1f} µs per verify "
-          f"(active tier {tiers[pol.index]})")
+    print(f"batch {args.batch}, update_interval {cfg.update_interval}{', lists' if args.lists else ''}: "
+          f"{(time.perf_counter() - t0) / args.verifies * 1e6:.1f} µs per verify (active tier {tiers[pol.index]})")
     if args.profile:
         prof = cProfile.Profile()
         prof.runcall(run)

@@ -397,25 +397,29 @@ class SpecDecoder(SlotTables, GrammarMasks, FlatParams):
         flat = toks[valid]
         flat_lp = blocks[valid] if lp else None
         ends = np.cumsum(valid.sum(1)).tolist()
-        finished, acc = finished.tolist(), acc.tolist()
-        nest = None if nest is None else nest.tolist()
-        accepted, would, out, start = [], [], [], 0
+        finished_l = finished.tolist()
+        out, start, live = [], 0, []
         for i, r in enumerate(reqs):
             r.processed += 1
             end = ends[i]
-            out.append(Delivery(flat[start:end], finished[i],
+            out.append(Delivery(flat[start:end], finished_l[i],
                                 flat_lp[start:end] if r.params.logprobs is not None else None, prompt[i]))
             start = end
-            if not r.done and kind == "step":
-                accepted.extend(a for a in acc[i] if a >= 0)
-                if nest is not None:
-                    would.extend(w for a, w in zip(acc[i], nest[i]) if a >= 0)
-        if accepted:
-            self.accept_lengths.extend(a + 1 for a in accepted)
+            live.append(not r.done)
+        if kind != "step":
+            return out
+        # The rounds of the requests not done before this result, as arrays (request after request,
+        # round after round; -1: no round): no Python per request for the stats and the controller.
+        acc = acc[np.asarray(live, dtype=bool)]
+        ran_round = acc >= 0
+        accepted = acc[ran_round]
+        if accepted.size:
+            self.accept_lengths.extend((accepted + 1).tolist())
             if len(self.accept_lengths) > ACCEPT_HISTORY:
                 del self.accept_lengths[: -ACCEPT_HISTORY // 2]
             if self.controller is not None:
-                self.controller.on_verify_complete(accepted, ran, bucket, would if nest is not None else None)
+                would = None if nest is None else nest[np.asarray(live, dtype=bool)][ran_round]
+                self.controller.on_verify_complete(accepted, ran, bucket, would)
                 self._state = self.controller.active  # a reference swap: the next dispatch runs this tier
         return out
 
