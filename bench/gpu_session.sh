@@ -370,9 +370,10 @@ fi
 if [[ "$steps" == *" adaptivecmp "* ]]; then  # issue 22: the adaptive policies against static tiers, MT-bench
   # Processes per batch group: target-only + static (5,4,8) + the throughput policy; then each of ACMP_SYSTEMS:
   # "ema" (SGLang's policy), "pinned" (the throughput policy held on (5,4,8): what its nested
-  # accept lengths cost), or a static tier S,K,N.
+  # accept lengths cost), "tp8" (the throughput policy with an 8-request-round accept window), or a static tier S,K,N.
   echo '{"policy": "throughput"}' > "$OUT/throughput.json"
   echo '{"policy": "throughput", "warmup_batches": 1000000000}' > "$OUT/pinned.json"
+  echo '{"policy": "throughput", "accept_window": 8}' > "$OUT/tp8.json"
   for b in ${ACMP_BATCHES:-1 16,48}; do
     waves=1; [ "$b" = 1 ] && waves=${ACMP_WAVES1:-5}
     decode_variant adaptivecmp "batch $b, waves $waves: target-only, (5,4,8), throughput policy" --batch-sizes "$b" \
@@ -381,6 +382,7 @@ if [[ "$steps" == *" adaptivecmp "* ]]; then  # issue 22: the adaptive policies 
       case "$sys" in
         ema) args=(--systems jeagle-adaptive) ;;
         pinned) args=(--systems jeagle-adaptive --adaptive-config "$OUT/pinned.json") ;;
+        tp8) args=(--systems jeagle-adaptive --adaptive-config "$OUT/tp8.json") ;;
         *) args=(--systems jeagle-eagle --tier "$sys") ;;
       esac
       decode_variant adaptivecmp "batch $b, waves $waves: $sys" --batch-sizes "$b" --waves "$waves" "${args[@]}" ${ACMP_ARGS:-}
