@@ -374,6 +374,10 @@ if [[ "$steps" == *" adaptivecmp "* ]]; then  # issue 22: the adaptive policies 
   echo '{"policy": "throughput"}' > "$OUT/throughput.json"
   echo '{"policy": "throughput", "warmup_batches": 1000000000}' > "$OUT/pinned.json"
   echo '{"policy": "throughput", "accept_window": 8}' > "$OUT/tp8.json"
+  # The engines compile through an executable store (8 worker processes; later processes load what earlier
+  # ones compiled): without it the first process (three systems, 4 adaptive tiers) ran past 290 s compiling
+  # at batch 16,48 (session 28).
+  ACMP_ARGS="${ACMP_ARGS-"--engine-config {\"executable_cache_dir\":\"$JEAGLE_CACHE/exec\"}"}"
   for b in ${ACMP_BATCHES:-1 16,48}; do
     waves=1; [ "$b" = 1 ] && waves=${ACMP_WAVES1:-5}
     decode_variant adaptivecmp "batch $b, waves $waves: target-only, (5,4,8), throughput policy" --batch-sizes "$b" \
