@@ -370,10 +370,12 @@ fi
 if [[ "$steps" == *" adaptivecmp "* ]]; then  # issue 22: the adaptive policies against static tiers, MT-bench
   # Processes per batch group: target-only + static (5,4,8) + the throughput policy; then each of ACMP_SYSTEMS:
   # "ema" (SGLang's policy), "pinned" (the throughput policy held on (5,4,8): what its nested
-  # accept lengths cost), "tp8" (the throughput policy with an 8-request-round accept window), or a static tier S,K,N.
+  # accept lengths cost), "tp8" (the throughput policy with an 8-request-round accept window), "tpm10" (with a 10 % switch
+  # margin), or a static tier S,K,N.
   echo '{"policy": "throughput"}' > "$OUT/throughput.json"
   echo '{"policy": "throughput", "warmup_batches": 1000000000}' > "$OUT/pinned.json"
   echo '{"policy": "throughput", "accept_window": 8}' > "$OUT/tp8.json"
+  echo '{"policy": "throughput", "switch_margin": 0.1}' > "$OUT/tpm10.json"
   # The engines compile through an executable store (8 worker processes; later processes load what earlier
   # ones compiled): without it the first process (three systems, 4 adaptive tiers) ran past 290 s compiling
   # at batch 16,48 (session 28).
@@ -386,7 +388,7 @@ if [[ "$steps" == *" adaptivecmp "* ]]; then  # issue 22: the adaptive policies 
       case "$sys" in
         ema) args=(--systems jeagle-adaptive) ;;
         pinned) args=(--systems jeagle-adaptive --adaptive-config "$OUT/pinned.json") ;;
-        tp8) args=(--systems jeagle-adaptive --adaptive-config "$OUT/tp8.json") ;;
+        tp8|tpm10) args=(--systems jeagle-adaptive --adaptive-config "$OUT/$sys.json") ;;
         *) args=(--systems jeagle-eagle --tier "$sys") ;;
       esac
       decode_variant adaptivecmp "batch $b, waves $waves: $sys" --batch-sizes "$b" --waves "$waves" "${args[@]}" ${ACMP_ARGS:-}
