@@ -100,14 +100,19 @@ def prompt_logits(model, ids: list[int], last_only: bool = True):
 
 # ---- timing ---------------------------------------------------------------------------------------------
 def median_run(fn, repeats: int) -> tuple[float, dict]:
-    """fn() -> (new tokens, info); returns (tokens/s, info) of the median run."""
+    """fn() -> (new tokens, info); returns (tokens/s, info) of the median run. A dict info gains
+    `run_tokens_per_s`: every run's, in order (a slow run among fast ones shows there)."""
     runs = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         n, info = fn()
         runs.append((n / (time.perf_counter() - t0), info))
+    rates = [round(r, 1) for r, _ in runs]
     runs.sort(key=lambda r: r[0])
-    return runs[len(runs) // 2]
+    tps, info = runs[len(runs) // 2]
+    if isinstance(info, dict):
+        info = {**info, "run_tokens_per_s": rates}
+    return tps, info
 
 
 # ---- random models of a named shape ---------------------------------------------------------------------
