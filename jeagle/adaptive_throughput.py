@@ -101,15 +101,19 @@ class ThroughputPolicy:
     def passed(self) -> list[float]:
         return self._passed.tolist()
 
-    def observe(self, accepted, reach: int) -> None:
-        """Accepted drafts per request (bonus excluded; a sequence or an int array) of one verify, or of
-        a group of verifies taken as one, from rounds of reach `reach`."""
+    def observe(self, accepted, reach: int, weights=None) -> None:
+        """Accepted drafts per request (bonus excluded; a sequence or an int array) of one verify from
+        rounds of reach `reach`; or of several verifies of one reach in a row, with `weights` per
+        request: how much its counts have decayed by the end of them (`fold`), which gives the counts
+        verify-by-verify updates would."""
         a = np.asarray(accepted, dtype=np.int64).reshape(-1)
         keep = (1.0 - 1.0 / self.cfg.accept_window) ** a.size
         # at_least[v]: requests whose accepted depth (capped at reach) is >= v, v = 0..reach. Depth d was
         # tried by those that accepted d - 1 (d <= reach) and passed by those that accepted d.
         # (Negative: no round for the request; the decoder drops those before here.)
-        at_least = np.bincount(np.minimum(a[a >= 0], reach), minlength=reach + 1)[::-1].cumsum()[::-1]
+        ran = a >= 0
+        at_least = np.bincount(np.minimum(a[ran], reach), minlength=reach + 1,
+                               weights=None if weights is None else weights[ran])[::-1].cumsum()[::-1]
         # Depths past `reach` cannot be seen now: their counts are from earlier rounds of a deeper tier,
         # maybe of another workload, and fade STALE_DECAY times faster (else a deep tier that failed
         # once is judged by that failure long after the acceptance above it has recovered).
@@ -139,30 +143,38 @@ class ThroughputPolicy:
         return out
 
     # ---- observed and nested accept lengths ------------------------------------------------------
-    def record(self, accepted, ran: int, nested=None) -> None:
-        """Rounds of tier `ran` (one verify, or a group taken as one): their accepted drafts per request
-        and, per request, what each tier of `nests[ran]` would have accepted (-1: unknown), as rows
-        [requests, nested tiers] or flat, row after row (sequences or int arrays)."""
+    def record(self, accepted, ran: int, nested=None, weights=None) -> None:
+        """Rounds of tier `ran`: their accepted drafts per request and, per request, what each tier of
+        `nests[ran]` would have accepted (-1: unknown), as rows [requests, nested tiers] or flat, row
+        after row (sequences or int arrays); `weights` as `observe` takes them."""
         a = np.asarray(accepted, dtype=np.int64).reshape(-1)
         n = a.size
+        wt = np.ones(n) if weights is None else weights
         tokens, seen = np.zeros(len(self.tiers)), np.zeros(len(self.tiers))
-        tokens[ran], seen[ran] = a.sum() + n, n
+        tokens[ran], seen[ran] = wt @ (a + 1), wt.sum()
         nest = list(self.nests[ran]) if nested is not None else []
         if nest:
-            w = np.asarray(nested, dtype=np.int64).reshape(-1)
-            if w.size != n * len(nest):
-                raise ValueError(f"nested: {w.size} values for {n} requests x {len(nest)} nested tiers")
-            w = w.reshape(n, len(nest))
+            w = self._nested_values(nested, n, ran)
             known = w >= 0
-            tokens[nest], seen[nest] = np.where(known, w + 1, 0).sum(0), known.sum(0)
+            tokens[nest], seen[nest] = wt @ np.where(known, w + 1, 0), wt @ known
         keep = (1.0 - 1.0 / self.cfg.accept_window) ** n
         self.tokens = self.tokens * keep + tokens
         self.weight = self.weight * keep + seen
 
+    def _nested_values(self, nested, n: int, ran: int) -> np.ndarray:
+        """`nested` as an int array [n, len(nests[ran])]; a wrong count of values is an error."""
+        k = len(self.nests[ran])
+        w = np.array(nested, dtype=np.int64).reshape(-1)  # a copy: the caller may reuse its buffer
+        if w.size != n * k:
+            raise ValueError(f"nested: {w.size} values for {n} requests x {k} nested tiers")
+        return w.reshape(n, k)
+
     def fold(self) -> None:
-        """Take the buffered verifies into the counts: each run of verifies of one tier (with or without
-        nested values) as one group, its counts decayed as if its verifies came at once."""
+        """Take the buffered verifies into the counts, each run of verifies of one tier (with or without
+        nested values) in one pass: every request weighted by the decay of the requests after it in the
+        run, so the counts equal verify-by-verify updates (whenever the fold happens)."""
         pending, self._pending = self._pending, []
+        k = 1.0 - 1.0 / self.cfg.accept_window
         start = 0
         for end in range(1, len(pending) + 1):
             if end < len(pending) and (pending[end][0], pending[end][2] is None) == (
@@ -170,11 +182,13 @@ class ThroughputPolicy:
                 continue
             group = pending[start:end]
             ran = group[0][0]
-            acc = np.concatenate([np.asarray(a, dtype=np.int64).reshape(-1) for _, a, _ in group])
-            nested = (None if group[0][2] is None else
-                      np.concatenate([np.asarray(w, dtype=np.int64).reshape(-1) for _, _, w in group]))
-            self.observe(acc, self.reach[ran])
-            self.record(acc, ran, nested)
+            acc = np.concatenate([a for _, a, _ in group])
+            sizes = np.array([a.size for _, a, _ in group])
+            after = sizes[::-1].cumsum()[::-1] - sizes  # requests in the run after each verify's
+            weights = np.repeat(k ** after, sizes)
+            nested = None if group[0][2] is None else np.concatenate([w for _, _, w in group])
+            self.observe(acc, self.reach[ran], weights)
+            self.record(acc, ran, nested, weights)
             start = end
 
     def expected_tokens(self) -> list[float]:
@@ -194,13 +208,16 @@ class ThroughputPolicy:
     def update(self, accepted, ran: int, round_ms: Callable[[int], float | None], nested=None) -> bool:
         """Feed one verify of tier index `ran` (accepted: per request, a sequence or an int array; nested:
         as `record` takes it); round_ms(j): tier j's round time at the current bucket (None: unknown).
-        True if the active tier changed. The verify is buffered; the buffer is folded into the counts
-        when a decision is due or it holds MAX_PENDING verifies: one numpy pass per group of verifies,
-        where a pass per verify in Python over its requests cost ~60 us a verify at batch 16 on the
-        H100's host (bench/HISTORY.md session 28)."""
-        if np.size(accepted) == 0:
+        True if the active tier changed. The verify is checked and buffered; the buffer is folded into
+        the counts (`fold`: the counts verify-by-verify updates give) when a decision is due or it
+        holds MAX_PENDING verifies: one numpy pass per run of verifies, where a pass per verify in
+        Python over its requests cost ~60 us a verify at batch 16 on the H100's host
+        (bench/HISTORY.md session 28)."""
+        a = np.array(accepted, dtype=np.int64).reshape(-1)  # a copy: the caller may reuse its buffer
+        if a.size == 0:
             return False
-        self._pending.append((ran, accepted, nested))
+        nest = self._nested_values(nested, a.size, ran) if nested is not None and self.nests[ran] else None
+        self._pending.append((ran, a, nest))
         self.batches += 1
         self.since_switch += 1
         past = self.batches - self.cfg.warmup_batches

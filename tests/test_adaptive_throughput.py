@@ -60,31 +60,42 @@ def test_counts_equal_a_per_request_reference():
         pol.record([1, 2], 2, [[0, 1]])
 
 
-def test_buffered_verifies_fold_into_the_counts_of_their_groups():
-    """update() buffers verifies and folds them when a decision is due (every update_interval) or
-    MAX_PENDING are waiting: the counts then equal observe/record over each run of verifies of one
-    tier taken as one group, arrays or lists alike; a report folds what is waiting."""
+def test_buffered_verifies_give_the_counts_of_verify_by_verify_updates():
+    """update() buffers verifies and folds them when a decision is due (every update_interval), when
+    MAX_PENDING wait, or when the estimates are read: the counts equal observe/record one verify at a
+    time, whichever way the buffer was cut (a report in between changes nothing), with verifies of
+    two tiers, with and without nested values, arrays or lists; a wrong count of nested values is an
+    error at once, and the decoder's arrays are copied, not kept."""
     rng = np.random.default_rng(7)
     tiers = ((1, 4, 3), (3, 4, 5), (5, 4, 8), (7, 4, 11))
     times = lambda j: None  # noqa: E731  (no round times: no decision moves the tier)
-    buffered = throughput(initial=2, tiers=tiers, accept_window=32, update_interval=4)
-    ref = throughput(initial=2, tiers=tiers, accept_window=32)
-    verifies = [(2, rng.integers(0, 6, 16), rng.integers(-1, 4, (16, 2))) for _ in range(3)]
-    verifies.append((1, rng.integers(0, 4, 16), None))  # a round of the tier before a switch, read after it
+    verifies = []
+    for v in range(23):
+        ran = 1 if v in (5, 6, 17) else 2  # (3,4,5) nests (1,4,3); (5,4,8) nests both
+        n = int(rng.integers(1, 17))
+        would = None if v == 11 else rng.integers(-1, 4, (n, 1 if ran == 1 else 2))
+        verifies.append((ran, rng.integers(-1, 7, n), would))
+    runs = []
+    for interval, polls in ((4, ()), (3, (2, 9, 10)), (50, ())):  # 50: folded by MAX_PENDING only
+        pol = throughput(initial=2, tiers=tiers, accept_window=24, update_interval=interval)
+        for v, (ran, acc, would) in enumerate(verifies):
+            buf = acc.copy()
+            assert not pol.update(buf if v % 2 else buf.tolist(), ran, times, would)
+            buf[:] = 99  # the decoder's buffer reused: what waits must not change
+            if v in polls:
+                pol.expected_tokens()  # /server_info reads the estimates: it folds what waits
+        pol.expected_tokens()
+        runs.append(pol)
+    ref = throughput(initial=2, tiers=tiers, accept_window=24)
     for ran, acc, would in verifies:
-        assert not buffered.update(acc if ran == 2 else acc.tolist(), ran, times, would)
-    assert buffered._pending == []  # the fourth verify: a decision was due, everything folded
-    for ran, acc, would in ([(2, np.concatenate([v[1] for v in verifies[:3]]),
-                              np.concatenate([v[2] for v in verifies[:3]]))] + verifies[3:]):
         ref.observe(acc, ref.reach[ran])
         ref.record(acc, ran, would)
-    assert buffered.tried == pytest.approx(ref.tried) and buffered.passed == pytest.approx(ref.passed)
-    assert buffered.tokens == pytest.approx(ref.tokens) and buffered.weight == pytest.approx(ref.weight)
-    buffered.update(rng.integers(0, 6, 16), 2, times, rng.integers(-1, 4, (16, 2)))
-    assert len(buffered._pending) == 1
-    before = buffered.weight[2]
-    buffered.expected_tokens()  # what /server_info reports includes the verify waiting
-    assert buffered._pending == [] and buffered.weight[2] > before
+    for pol in runs:
+        assert pol._pending == []
+        assert pol.tried == pytest.approx(ref.tried) and pol.passed == pytest.approx(ref.passed)
+        assert pol.tokens == pytest.approx(ref.tokens) and pol.weight == pytest.approx(ref.weight)
+    with pytest.raises(ValueError, match="nested"):
+        runs[0].update([1, 2], 2, times, [[0, 1]])
 
 
 def geometric_rounds(rng, p, reach, n):

@@ -15,8 +15,12 @@ alternating run by run:
                  tiers' would-be accept lengths on the device
     throughput   the throughput policy free to switch (with forced acceptance it may)
 
-Per run: wall ms per round, the host's µs per round in the dispatch (the executable's call apart),
-in the unpack (the controller apart) and in the controller, and the median result-to-result gap.
+Per run: wall ms per round (the batch's prefills included: compare systems, not batch sizes), the
+host's µs per round in the dispatch (the round executable's call apart), in the unpack (the controller
+apart) and in the controller, and the median result-to-result gap. The pinned systems never decide
+(their buffered verifies fold every MAX_PENDING), so `throughput` against `tp-pinned` adds the
+decisions. (Before `f3748b2`+ the "call" timer also counted prefill calls: session 28's logs show
+negative "dispatch_less_call" at batch 48 for that reason.)
 
     python bench/probes/adaptive_overhead.py --batch-sizes 16,48 --repeats 3
 """
@@ -58,15 +62,22 @@ def instrument(dec, acc: collections.Counter, results: list):
     """Time the decoder's dispatch, the executable call inside it, the unpack, the controller, and any
     calibration (the throughput policy times the tiers at a bucket the warm-up did not; its calls
     are not counted as the round's)."""
-    calibrating = [False]
+    calibrating, stepping = [False], [False]
 
     def timed(obj, attr, key, after=None):
         f = getattr(obj, attr)
 
         def g(*a, **k):
+            if key == "step":
+                stepping[0] = True
             t = time.perf_counter()
-            out = f(*a, **k)
-            if not (calibrating[0] and key == "call"):
+            try:
+                out = f(*a, **k)
+            finally:
+                if key == "step":
+                    stepping[0] = False
+            # "call": a round's executable call only (prefills and calibration runs call `_run` too)
+            if key != "call" or (stepping[0] and not calibrating[0]):
                 acc[key] += time.perf_counter() - t
             if after is not None:
                 after(a)
