@@ -167,7 +167,8 @@ def jeagle_rows(target_dir, head_dir, prompts_ids, batches, max_new, repeats, ti
             # Where the median run's time went: decode steps / rounds dispatched, the engine's wall, the
             # host's blocked time per step, prompt tokens taken from the prefix cache.
             hb = stats["host_blocked_ms"] or {}
-            row |= {"run_tokens_per_s": stats["run_tokens_per_s"], "steps": stats["steps"], "wall_s": round(stats["wall_s"], 3),
+            row |= {"run_tokens_per_s": stats["run_tokens_per_s"], "steps": stats["steps"],
+                    "wall_s": round(stats["wall_s"], 3),
                     "host_blocked_ms_p50": round(hb.get("p50", 0.0), 3),
                     "cached_tokens": stats["cached_tokens"]}
             if "grammar" in report:  # where a grammar batch's time goes

@@ -161,10 +161,11 @@ class ThroughputPolicy:
         self.tokens = self.tokens * keep + tokens
         self.weight = self.weight * keep + seen
 
-    def _nested_values(self, nested, n: int, ran: int) -> np.ndarray:
-        """`nested` as an int array [n, len(nests[ran])]; a wrong count of values is an error."""
+    def _nested_values(self, nested, n: int, ran: int, copy: bool = False) -> np.ndarray:
+        """`nested` as an int array [n, len(nests[ran])] (copy: what `update` buffers, since the caller
+        may reuse its own); a wrong count of values is an error."""
         k = len(self.nests[ran])
-        w = np.array(nested, dtype=np.int64).reshape(-1)  # a copy: the caller may reuse its buffer
+        w = (np.array if copy else np.asarray)(nested, dtype=np.int64).reshape(-1)
         if w.size != n * k:
             raise ValueError(f"nested: {w.size} values for {n} requests x {k} nested tiers")
         return w.reshape(n, k)
@@ -216,7 +217,7 @@ class ThroughputPolicy:
         a = np.array(accepted, dtype=np.int64).reshape(-1)  # a copy: the caller may reuse its buffer
         if a.size == 0:
             return False
-        nest = self._nested_values(nested, a.size, ran) if nested is not None and self.nests[ran] else None
+        nest = self._nested_values(nested, a.size, ran, copy=True) if nested is not None and self.nests[ran] else None
         self._pending.append((ran, a, nest))
         self.batches += 1
         self.since_switch += 1

@@ -108,7 +108,8 @@ def main(argv=None):
     p.add_argument("--shape", default="smollm2", choices=sorted(SHAPES))
     p.add_argument("--batch-sizes", default="16,48")
     p.add_argument("--systems", default="static,ema-pinned,tp-nonest,tp-pinned,throughput")
-    p.add_argument("--tiers", default="3,4,5:5,4,8:7,4,11", help="the adaptive systems' tiers (5,4,8 among them; every reach + 1 >= --simulate-accept)")
+    p.add_argument("--tiers", default="3,4,5:5,4,8:7,4,11",
+                   help="the adaptive systems' tiers (5,4,8 among them; every reach + 1 >= --simulate-accept)")
     p.add_argument("--simulate-accept", type=float, default=3.2)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--context", type=int, default=256)
@@ -169,7 +170,8 @@ def main(argv=None):
                 row = {"batch": batch, "system": name, "repeat": rep, "rounds": n,
                        "ms_per_round": round(wall / n * 1e3, 3),
                        "gap_median_ms": round(statistics.median(gaps), 3) if gaps else None,
-                       "host_us_per_round": {"dispatch_less_call": round(us["step"] - us["call"] - us.get("calibrate", 0), 1),
+                       "host_us_per_round": {"dispatch_less_call":
+                                             round(us["step"] - us["call"] - us.get("calibrate", 0), 1),
                                              "call": round(us["call"], 1),
                                              "unpack_less_controller": round(us["unpack"] - us.get("controller", 0), 1),
                                              "controller": round(us.get("controller", 0), 1),

@@ -410,7 +410,8 @@ class SpecDecoder(SlotTables, GrammarMasks, FlatParams):
             return out
         # The rounds of the requests not done before this result, as arrays (request after request,
         # round after round; -1: no round): no Python per request for the stats and the controller.
-        acc = acc[np.asarray(live, dtype=bool)]
+        live = np.asarray(live, dtype=bool)
+        acc = acc[live]
         ran_round = acc >= 0
         accepted = acc[ran_round]
         if accepted.size:
@@ -418,7 +419,7 @@ class SpecDecoder(SlotTables, GrammarMasks, FlatParams):
             if len(self.accept_lengths) > ACCEPT_HISTORY:
                 del self.accept_lengths[: -ACCEPT_HISTORY // 2]
             if self.controller is not None:
-                would = None if nest is None else nest[np.asarray(live, dtype=bool)][ran_round]
+                would = None if nest is None else nest[live][ran_round]
                 self.controller.on_verify_complete(accepted, ran, bucket, would)
                 self._state = self.controller.active  # a reference swap: the next dispatch runs this tier
         return out
