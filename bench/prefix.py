@@ -22,7 +22,7 @@ import dataclasses
 import json
 import statistics
 
-from common import chat_ids, device_kind, emit, git_commit, read_prompts
+from common import DRAFT_VOCAB, SHAPES, chat_ids, device_kind, emit, git_commit, random_eagle3_head, read_prompts
 
 
 def system_prompt(tok, texts, tokens: int) -> str:
@@ -90,15 +90,32 @@ def make_engine(kind, model, head, ec, tier):
     return target_only(model, ec) if kind == "target-only" else speculative(model, head, ec, SpecConfig(*tier))
 
 
-def ttft_rows(model, head, tok, texts, args, tier) -> list[dict]:
+def ttft_prompts(tok, texts, args) -> tuple[list[list[int]], int]:
+    """(prompt ids, shared prefix length): chat prompts of one system prompt and one question each."""
+    system = system_prompt(tok, texts, args.system_tokens)
+    asks = texts[: args.requests]
+    ids = [tok.encode_chat([{"role": "system", "content": system}, {"role": "user", "content": q}]) for q in asks]
+    return ids, len(tok.encode_chat([{"role": "system", "content": system}]))
+
+
+def synthetic_prompts(args, vocab: int) -> tuple[list[list[int]], int]:
+    """(prompt ids, shared prefix length) for a random-weight target: `--system-tokens` shared ids and a
+    27-101-token question each (MT-bench's first turns' range under SmolLM2's chat template), drawn
+    at random (time to first token depends on the lengths, not on which tokens)."""
+    import random
+
+    rng = random.Random(0)
+    hi = min(vocab, 32000)
+    shared = [rng.randrange(100, hi) for _ in range(args.system_tokens)]
+    return [shared + [rng.randrange(100, hi) for _ in range(rng.randint(27, 101))]
+            for _ in range(args.requests)], len(shared)
+
+
+def ttft_rows(model, head, ids, shared, args, tier) -> list[dict]:
     from jeagle.engine import EngineConfig
     from jeagle.kernels.settings import KernelSettings
     from jeagle.sampling import SamplingParams
 
-    system = system_prompt(tok, texts, args.system_tokens)
-    asks = texts[: args.requests]
-    ids = [tok.encode_chat([{"role": "system", "content": system}, {"role": "user", "content": q}]) for q in asks]
-    shared = len(tok.encode_chat([{"role": "system", "content": system}]))
     sp = SamplingParams(max_new_tokens=args.ttft_new_tokens)
     rows = []
     for kind in args.systems.split(","):
@@ -120,7 +137,7 @@ def ttft_rows(model, head, tok, texts, args, tier) -> list[dict]:
                 if eng.last_stats.compilations:
                     raise RuntimeError(f"{kind}: a timed request compiled")
             later = ttft[1:]
-            row = {"scenario": "ttft", "system": kind, "prefix_cache": cache, "requests": len(ids),
+            row = {"scenario": "ttft", "shape": args.shape, "system": kind, "prefix_cache": cache, "requests": len(ids),
                    "prompt_tokens": [min(map(len, ids)), max(map(len, ids))], "shared_tokens": shared,
                    "ttft_first_ms": round(ttft[0], 2), "ttft_later_p50_ms": round(statistics.median(later), 2),
                    "ttft_later_mean_ms": round(statistics.fmean(later), 2),
@@ -249,26 +266,47 @@ def main(argv=None) -> dict:
                    help="steady: the policies to run (reserve, on-demand, on-demand-eager, on-demand:C for "
                         "schedule_conservativeness C)")
     p.add_argument("--tier", default="5,4,8")
+    p.add_argument("--shape", default="smollm2",
+                   help="smollm2: the real model and its shipped head; another bench/common.py shape (llama8b, "
+                        "tiny): random weights, a random EAGLE-3 head and made-up token ids, ttft only (what a "
+                        "prefill costs on a larger model; accept lengths mean nothing there)")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
-
-    from jeagle.checkpoint import load_draft, load_model
-    from jeagle.fetch import resolve_draft, resolve_target
-    from jeagle.heads import default_head_dir
-    from jeagle.tokenizer import Tokenizer
-
-    target_dir = resolve_target(None, quiet=True)
-    head_dir = resolve_draft(str(default_head_dir()), target_dir, quiet=True)
-    tok = Tokenizer.from_dir(target_dir)
-    model = load_model(target_dir)
-    head = load_draft(head_dir, target=model.cfg)
-    texts = read_prompts(args.prompts, "Write a short story about a robot who learns to paint.")
-    tier = tuple(int(x) for x in args.tier.split(","))
-    doc = {"bench": "prefix", "model": target_dir.name, "device": device_kind(), "commit": git_commit(),
-           "tier": list(tier), "args": vars(args), "rows": []}
     scenarios = args.scenarios.split(",")
+    if args.shape not in SHAPES:
+        p.error(f"--shape: one of {', '.join(SHAPES)}, got {args.shape!r}")
+    if args.shape != "smollm2" and scenarios != ["ttft"]:
+        p.error("--shape other than smollm2 runs the ttft scenario only (capacity and steady need real answers' "
+                "lengths)")
+    tier = tuple(int(x) for x in args.tier.split(","))
+
+    if args.shape == "smollm2":
+        from jeagle.checkpoint import load_draft, load_model
+        from jeagle.fetch import resolve_draft, resolve_target
+        from jeagle.heads import default_head_dir
+        from jeagle.tokenizer import Tokenizer
+
+        target_dir = resolve_target(None, quiet=True)
+        head_dir = resolve_draft(str(default_head_dir()), target_dir, quiet=True)
+        tok = Tokenizer.from_dir(target_dir)
+        model = load_model(target_dir)
+        head = load_draft(head_dir, target=model.cfg)
+        texts = read_prompts(args.prompts, "Write a short story about a robot who learns to paint.")
+        name = target_dir.name
+    else:
+        from jeagle.config import ModelConfig
+        from jeagle.models.llama import random_model
+
+        cfg = ModelConfig(**{**SHAPES[args.shape], "tie_word_embeddings": False})
+        model = random_model(cfg)
+        head = random_eagle3_head(cfg, draft_vocab=DRAFT_VOCAB.get(args.shape))
+        tok = texts = None
+        name = f"random {args.shape}"
+    doc = {"bench": "prefix", "model": name, "device": device_kind(), "commit": git_commit(),
+           "tier": list(tier), "args": vars(args), "rows": []}
     if "ttft" in scenarios:
-        doc["rows"] += ttft_rows(model, head, tok, texts, args, tier)
+        ids, shared = ttft_prompts(tok, texts, args) if tok else synthetic_prompts(args, model.cfg.vocab_size)
+        doc["rows"] += ttft_rows(model, head, ids, shared, args, tier)
     if "capacity" in scenarios:
         doc["rows"] += capacity_rows(model, head, tok, texts, args, tier)
     if "steady" in scenarios:
