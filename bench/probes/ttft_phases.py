@@ -27,8 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from common import device_kind, emit, git_commit, read_prompts  # noqa: E402
-from prefix import make_engine, system_prompt  # noqa: E402
+from common import DRAFT_VOCAB, SHAPES, device_kind, emit, git_commit, random_eagle3_head, read_prompts  # noqa: E402
+from prefix import make_engine, synthetic_prompts, system_prompt  # noqa: E402
 
 PHASES = ("tables", "admit", "prefill", "step", "wait")
 
@@ -147,26 +147,40 @@ def main(argv=None) -> dict:
     p.add_argument("--tier", default="5,4,8")
     p.add_argument("--dtype", default=None, help="default: the target's (bf16; pass float32 on a CPU)")
     p.add_argument("--trace", default=None, help="a jax.profiler trace of each configuration's last request")
+    p.add_argument("--shape", default="smollm2", choices=sorted(SHAPES),
+                   help="smollm2: the real model and head; another shape: random weights, made-up ids "
+                        "(bench/prefix.py --shape)")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
 
-    from jeagle.checkpoint import load_draft, load_model
-    from jeagle.fetch import resolve_draft, resolve_target
-    from jeagle.heads import default_head_dir
-    from jeagle.tokenizer import Tokenizer
+    if args.shape == "smollm2":
+        from jeagle.checkpoint import load_draft, load_model
+        from jeagle.fetch import resolve_draft, resolve_target
+        from jeagle.heads import default_head_dir
+        from jeagle.tokenizer import Tokenizer
 
-    target_dir = resolve_target(None, quiet=True, **({"dtype": args.dtype} if args.dtype else {}))
-    head_dir = resolve_draft(str(default_head_dir()), target_dir, quiet=True)
-    tok = Tokenizer.from_dir(target_dir)
-    model = load_model(target_dir, dtype=args.dtype)
-    head = load_draft(head_dir, target=model.cfg, dtype=args.dtype)
-    texts = read_prompts(args.prompts, "Write a short story about a robot who learns to paint.")
-    system = system_prompt(tok, texts, args.system_tokens)
-    ids = [tok.encode_chat([{"role": "system", "content": system}, {"role": "user", "content": q}])
-           for q in texts[: args.requests]]
-    shared = len(tok.encode_chat([{"role": "system", "content": system}]))
+        target_dir = resolve_target(None, quiet=True, **({"dtype": args.dtype} if args.dtype else {}))
+        head_dir = resolve_draft(str(default_head_dir()), target_dir, quiet=True)
+        tok = Tokenizer.from_dir(target_dir)
+        model = load_model(target_dir, dtype=args.dtype)
+        head = load_draft(head_dir, target=model.cfg, dtype=args.dtype)
+        texts = read_prompts(args.prompts, "Write a short story about a robot who learns to paint.")
+        system = system_prompt(tok, texts, args.system_tokens)
+        ids = [tok.encode_chat([{"role": "system", "content": system}, {"role": "user", "content": q}])
+               for q in texts[: args.requests]]
+        shared = len(tok.encode_chat([{"role": "system", "content": system}]))
+        name = target_dir.name
+    else:
+        from jeagle.config import ModelConfig
+        from jeagle.models.llama import random_model
+
+        cfg = ModelConfig(**{**SHAPES[args.shape], "tie_word_embeddings": False})
+        model = random_model(cfg)
+        head = random_eagle3_head(cfg, draft_vocab=DRAFT_VOCAB.get(args.shape))
+        ids, shared = synthetic_prompts(args, cfg.vocab_size)
+        name = f"random {args.shape}"
     tier = tuple(int(x) for x in args.tier.split(","))
-    doc = {"bench": "ttft_phases", "model": target_dir.name, "device": device_kind(), "commit": git_commit(),
+    doc = {"bench": "ttft_phases", "model": name, "device": device_kind(), "commit": git_commit(),
            "args": vars(args), "summary": [], "rows": []}
     for kind in args.systems.split(","):
         for c in args.cache.split(","):
