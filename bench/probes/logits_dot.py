@@ -8,7 +8,7 @@ to fp32 (`wrapped_convert`, 1.05 ms for Llama-3.1-8B's 128,256 x 4,096 head) and
 
   gather_norm   the norm over every position, then the rows gathered, then the dot (the model's form)
   norm_gather   the rows gathered from the pre-norm states, normalised, then the dot
-  rows8         as norm_gather, the rows padded to 8 (a GEMM, not a gemv), the first B kept
+  rows2, rows8  as norm_gather, the rows padded to 2 / 8 (a GEMM, not a gemv), the first B kept
   f32_acc_bf16  the dot's output in bf16 (not an option for the model: the floor of one bf16 read)
 
     python bench/probes/logits_dot.py --shapes llama8b,smollm2 --batch-sizes 1,4
@@ -17,6 +17,7 @@ to fp32 (`wrapped_convert`, 1.05 ms for Llama-3.1-8B's 128,256 x 4,096 head) and
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import re
 import statistics
@@ -43,17 +44,20 @@ def variants():
         x = rms_norm(h[jnp.arange(h.shape[0]), idx], w, 1e-5)
         return jnp.einsum("...h,vh->...v", x, head, preferred_element_type=jnp.float32)
 
-    def rows8(h, w, head, idx):
-        x = rms_norm(h[jnp.arange(h.shape[0]), idx], w, 1e-5)
-        b = x.shape[0]
-        xp = jnp.zeros((max(8, b), x.shape[1]), x.dtype).at[:b].set(x)
-        return jnp.einsum("...h,vh->...v", xp, head, preferred_element_type=jnp.float32)[:b]
+    def padded(rows):
+        def fn(h, w, head, idx):
+            x = rms_norm(h[jnp.arange(h.shape[0]), idx], w, 1e-5)
+            b = x.shape[0]
+            xp = jnp.zeros((max(rows, b), x.shape[1]), x.dtype).at[:b].set(x)
+            return jnp.einsum("...h,vh->...v", xp, head, preferred_element_type=jnp.float32)[:b]
+        return fn
 
     def f32_acc_bf16(h, w, head, idx):
         x = rms_norm(h[jnp.arange(h.shape[0]), idx], w, 1e-5)
         return jnp.einsum("...h,vh->...v", x, head).astype(jnp.float32)
 
-    return {"gather_norm": gather_norm, "norm_gather": norm_gather, "rows8": rows8, "f32_acc_bf16": f32_acc_bf16}
+    return {"gather_norm": gather_norm, "norm_gather": norm_gather, "rows2": padded(2), "rows8": padded(8),
+            "f32_acc_bf16": f32_acc_bf16}
 
 
 def kernels_of(compiled) -> list[str]:
@@ -76,6 +80,9 @@ def main(argv=None) -> dict:
     p.add_argument("--batch-sizes", default="1,4")
     p.add_argument("--tokens", type=int, default=64, help="positions per row (the prefill's padded length)")
     p.add_argument("--repeats", type=int, default=50)
+    p.add_argument("--options", default="default,cublas",
+                   help="XLA options per compile: default, cublas (Triton GEMM fusions off: what the engine's "
+                        "prefill and round executables compile with)")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
 
@@ -94,9 +101,10 @@ def main(argv=None) -> dict:
             h = jax.random.normal(jax.random.PRNGKey(b), (b, args.tokens, hs), jnp.bfloat16)
             idx = jnp.full((b,), args.tokens - 1, jnp.int32)
             ref = None
-            for name, fn in variants().items():
+            for opt, (name, fn) in itertools.product(args.options.split(","), variants().items()):
                 f = jax.jit(fn)
-                compiled = f.lower(h, w, head, idx).compile()
+                xla = {"xla_gpu_enable_triton_gemm": False} if opt == "cublas" and jax.default_backend() == "gpu" else {}
+                compiled = f.lower(h, w, head, idx).compile(compiler_options=xla or None)
                 out = compiled(h, w, head, idx)
                 out.block_until_ready()
                 times = []
@@ -106,7 +114,7 @@ def main(argv=None) -> dict:
                     times.append(time.perf_counter() - t0)
                 got = np.asarray(out, np.float32)
                 ref = got if ref is None else ref
-                row = {"shape": shape, "batch": b, "variant": name, "ms": round(statistics.median(times) * 1e3, 4),
+                row = {"shape": shape, "batch": b, "options": opt, "variant": name, "ms": round(statistics.median(times) * 1e3, 4),
                        "head_read_floor_ms_at_3p35TBps": round(head.nbytes / 3.35e12 * 1e3, 4),
                        "max_abs_diff_vs_first": float(np.max(np.abs(got - ref))), "kernels": kernels_of(compiled)}
                 doc["rows"].append(row)
