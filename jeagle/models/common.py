@@ -65,7 +65,22 @@ def head_logits(x: jax.Array, head: jax.Array) -> jax.Array:
     m, h, v = math.prod(x.shape[:-1]), x.shape[-1], head.shape[0]
     if _linear_takes(m, h, v):
         return linear(x.reshape(m, h), head, transposed=True, out_dtype=jnp.float32).reshape(*x.shape[:-1], v)
-    return jnp.einsum("...h,vh->...v", x, head.astype(x.dtype), preferred_element_type=jnp.float32)
+    return fp32_logits(x, head.astype(x.dtype))
+
+
+def fp32_logits(x: jax.Array, head: jax.Array) -> jax.Array:
+    """x [..., H] @ head [V, H].T with fp32 output, through XLA's dot. On a GPU one row is padded to
+    two: with XLA's Triton GEMM fusions off (the prefill and round executables, `compiler_options`), a
+    one-row product of bf16 operands with fp32 output lowers to a conversion of the whole head to fp32
+    and cuBLAS's fp32 gemv (2.03 ms for Llama-3-8B's 128,256 x 4,096 head on the H100, 0.33 ms for
+    SmolLM2's) where two rows take a bf16 GEMM (0.63 / 0.19 ms; bench/probes/logits_dot.py,
+    bench/HISTORY.md session 29). Each row's logits are the same either way."""
+    lead, v = x.shape[:-1], head.shape[0]
+    if math.prod(lead) != 1 or jax.default_backend() != "gpu":
+        return jnp.einsum("...h,vh->...v", x, head, preferred_element_type=jnp.float32)
+    row = x.reshape(1, x.shape[-1])
+    two = jnp.concatenate([row, jnp.zeros_like(row)])
+    return jnp.einsum("th,vh->tv", two, head, preferred_element_type=jnp.float32)[:1].reshape(*lead, v)
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:

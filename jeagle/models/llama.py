@@ -29,8 +29,8 @@ from flax import nnx
 from jeagle.config import ModelConfig
 from jeagle.kernels.settings import current
 from jeagle.models import deterministic
-from jeagle.models.common import (AttnInputs, LayerWeights, abstract_module, attention_sublayer, mlp_sublayer,
-                                   random_module, rms_norm, rope_cos_sin, run_layers_with_aux)
+from jeagle.models.common import (AttnInputs, LayerWeights, abstract_module, attention_sublayer, fp32_logits,
+                                   mlp_sublayer, random_module, rms_norm, rope_cos_sin, run_layers_with_aux)
 from jeagle.sharding import embed_rows
 
 # The per-layer weights, in the order a layer uses them.
@@ -120,7 +120,7 @@ class Llama(nnx.Module):
         hidden = rms_norm(h, self.final_norm[...], cfg.rms_norm_eps)
         head = embed if self.lm_head is None else self.lm_head[...]
         x = hidden if logits_index is None else hidden[jnp.arange(hidden.shape[0]), logits_index]
-        logits = jnp.einsum("...h,vh->...v", x, head, preferred_element_type=jnp.float32)
+        logits = fp32_logits(x, head)
         return ForwardOut(logits=logits, hidden=hidden, aux_hidden=aux_hidden, k=k_pool, v=v_pool)
 
 

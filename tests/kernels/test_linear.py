@@ -106,6 +106,41 @@ def test_draft_head_logits_route_through_the_kernel_and_its_switch(monkeypatch):
     np.testing.assert_allclose(out[True], out[False], rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("lead", [(1,), (1, 1), (3,), (2, 4)])
+def test_one_row_logits_padded_on_a_gpu_equal_the_dot(monkeypatch, lead):
+    """`fp32_logits` pads one row to two where the backend is a GPU (a bf16 gemv with fp32 output
+    converts the whole head to fp32 there); the row's logits are the dot's, any leading shape."""
+    import jeagle.models.common as common
+
+    rng = np.random.default_rng(len(lead))
+    x = jnp.asarray(rng.normal(size=(*lead, 64)), jnp.float32)
+    head = jnp.asarray(rng.normal(size=(300, 64)) / 8, jnp.float32)
+    want = np.einsum("...h,vh->...v", np.asarray(x), np.asarray(head))
+    seen = []
+    real = jnp.einsum
+    monkeypatch.setattr(common.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(common.jnp, "einsum", lambda spec, a, *r, **kw: seen.append(a.shape) or real(spec, a, *r, **kw))
+    got = np.asarray(common.fp32_logits(x, head))
+    assert got.shape == (*lead, 300) and got.dtype == np.float32
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    assert seen == ([(2, 64)] if np.prod(lead) == 1 else [x.shape])
+
+
+@pytest.mark.gpu
+def test_one_row_bf16_logits_read_the_head_once_without_triton_gemm():
+    """Compiled as the prefill and round executables are (XLA's Triton GEMM fusions off), one row's
+    bf16 logits with fp32 output convert no head-sized array to fp32 and equal an fp32 reference."""
+    from jeagle.models.common import fp32_logits
+
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(1, 1024)), jnp.bfloat16)
+    head = jnp.asarray(rng.normal(size=(32768, 1024)) / 32, jnp.bfloat16)
+    compiled = jax.jit(fp32_logits).lower(x, head).compile(compiler_options={"xla_gpu_enable_triton_gemm": False})
+    assert "f32[32768,1024]" not in compiled.as_text()
+    want = np.asarray(x, np.float32) @ np.asarray(head, np.float32).T
+    np.testing.assert_allclose(np.asarray(compiled(x, head)), want, rtol=2e-2, atol=2e-2)
+
+
 def test_refuses_mismatched_operands():
     x, w = operands(2, 32, 16, 0)
     with pytest.raises(ValueError, match="same K"):
