@@ -1,0 +1,18 @@
+"""Run a bench script with the one-row logits product as before session 29 (no padding to two rows):
+the A/B of `fp32_logits` in one call. `python bench/probes/unpadded_logits.py SCRIPT ARGS...`"""
+import runpy
+import sys
+
+import jax.numpy as jnp
+
+import jeagle.models.common as C
+import jeagle.models.llama as L
+
+
+def einsum_logits(x, head):
+    return jnp.einsum("...h,vh->...v", x, head, preferred_element_type=jnp.float32)
+
+
+L.fp32_logits = C.fp32_logits = einsum_logits
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
