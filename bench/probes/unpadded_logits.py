@@ -2,6 +2,7 @@
 the A/B of `fp32_logits` in one call. `python bench/probes/unpadded_logits.py SCRIPT ARGS...`"""
 import runpy
 import sys
+from pathlib import Path
 
 import jax.numpy as jnp
 
@@ -15,4 +16,5 @@ def einsum_logits(x, head):
 
 L.fp32_logits = C.fp32_logits = einsum_logits
 sys.argv = sys.argv[1:]
+sys.path.insert(0, str(Path(sys.argv[0]).resolve().parent))  # as `python SCRIPT` would have it
 runpy.run_path(sys.argv[0], run_name="__main__")
