@@ -10,7 +10,10 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import json
+import os
+import resource
 import statistics
 import sys
 import time
@@ -95,16 +98,29 @@ def main(argv=None):
             return out
 
         dec.controller.on_verify_complete = verify_logged
+    gcs = collections.Counter()  # garbage collections by generation, while a run is timed
+    gc.callbacks.append(lambda phase, info: phase == "start" and gcs.update([info["generation"]]))
     for run in range(args.runs):
         log.clear()
         inflight.clear()
         host.clear()
+        gcs.clear()
         eng.flush_cache()
         if dec.controller is not None:
             dec.reset_tier()
+        ru0, cpu0, th0 = resource.getrusage(resource.RUSAGE_SELF), time.process_time(), time.thread_time()
         t0 = time.perf_counter()
         outs = eng.generate(ids, sp)
         wall = time.perf_counter() - t0
+        ru1, cpu1, th1 = resource.getrusage(resource.RUSAGE_SELF), time.process_time(), time.thread_time()
+        blocked = eng.last_stats.host_blocked_ms or {}
+        # A slow run that is host work shows as CPU seconds; one that waits (device, other processes)
+        # as wall without them; switches and collections say what interrupted the thread.
+        print(f"run {run} process: cpu {cpu1 - cpu0:.3f} s (main thread {th1 - th0:.3f}), wall {wall:.3f} s, "
+              f"context switches {ru1.ru_nvcsw - ru0.ru_nvcsw} voluntary / {ru1.ru_nivcsw - ru0.ru_nivcsw} "
+              f"involuntary, gc {dict(gcs)}, host blocked per step mean {blocked.get('mean', 0):.3f} ms "
+              f"p99 {blocked.get('p99', 0):.3f}, load average {os.getloadavg()[0]:.2f}, "
+              f"{len(os.listdir('/proc/self/task'))} OS threads", flush=True)
         n = sum(len(o.token_ids) for o in outs)
         res = [e for e in log if e[0] == "result"]
         gaps = collections.defaultdict(list)
