@@ -75,6 +75,7 @@ class AdaptiveConfig:
     up_hysteresis: float = 0.0
     policy: str = "ema"  # SGLang's; or "throughput" (expected tokens per second)
     accept_window: int = 32  # throughput: request-rounds over which the per-depth acceptance counts decay (1/e)
+    window_verifies: int = 0  # throughput: ... or at least this many verifies of the running batch size
     switch_margin: float = 0.03  # throughput: leave the active tier only for one this much faster
     min_dwell: int = 0  # throughput: verifies a tier runs after a switch before the policy may leave it
 
@@ -112,6 +113,7 @@ class AdaptiveConfig:
         object.__setattr__(self, "down_hysteresis", _float("down_hysteresis", self.down_hysteresis))
         object.__setattr__(self, "up_hysteresis", _float("up_hysteresis", self.up_hysteresis))
         _int("accept_window", self.accept_window, 1)
+        _int("window_verifies", self.window_verifies, 0)
         object.__setattr__(self, "switch_margin", _float("switch_margin", self.switch_margin, 0.0))
         _int("min_dwell", self.min_dwell, 0)
 

@@ -18,7 +18,8 @@ starts there). E_j comes from:
      (`jeagle.spec.round.nested_accepts`: exact for greedy rows but in a rare case, where it is a
      lower bound), so the tiers below the active one are measured every round, tree width included;
      decayed over the last `accept_window` request-rounds (a batch of 16 forgets 16 times faster per
-     verify than a batch of 1).
+     verify than a batch of 1), or over `window_verifies` verifies if that is longer (the requests of
+     one batch are at the same stage of their answers: 16 of them are not 16 independent samples).
   2. a tier the active one does not nest: the depth model below, scaled to agree with the active
      tier's observed E.
 At a switch the estimates decided on seed every tier's recent mean (SEED_ROUNDS of a window), so the
@@ -101,13 +102,19 @@ class ThroughputPolicy:
     def passed(self) -> list[float]:
         return self._passed.tolist()
 
-    def observe(self, accepted, reach: int, weights=None) -> None:
+    def keep(self, n: int) -> float:
+        """What the decayed counts keep over one verify of n requests: (1 - 1/W)^n, W the window in
+        request-rounds: `accept_window`, or `window_verifies` verifies of this size if that is longer."""
+        w = max(self.cfg.accept_window, self.cfg.window_verifies * n)
+        return (1.0 - 1.0 / w) ** n
+
+    def observe(self, accepted, reach: int, weights=None, keep: float | None = None) -> None:
         """Accepted drafts per request (bonus excluded; a sequence or an int array) of one verify from
         rounds of reach `reach`; or of several verifies of one reach in a row, with `weights` per
-        request: how much its counts have decayed by the end of them (`fold`), which gives the counts
-        verify-by-verify updates would."""
+        request: how much its counts have decayed by the end of them, and `keep` what the counts before
+        them keep (`fold`), which gives the counts verify-by-verify updates would."""
         a = np.asarray(accepted, dtype=np.int64).reshape(-1)
-        keep = (1.0 - 1.0 / self.cfg.accept_window) ** a.size
+        keep = self.keep(a.size) if keep is None else keep
         # at_least[v]: requests whose accepted depth (capped at reach) is >= v, v = 0..reach. Depth d was
         # tried by those that accepted d - 1 (d <= reach) and passed by those that accepted d.
         # (Negative: no round for the request; the decoder drops those before here.)
@@ -143,10 +150,10 @@ class ThroughputPolicy:
         return out
 
     # ---- observed and nested accept lengths ------------------------------------------------------
-    def record(self, accepted, ran: int, nested=None, weights=None) -> None:
+    def record(self, accepted, ran: int, nested=None, weights=None, keep: float | None = None) -> None:
         """Rounds of tier `ran`: their accepted drafts per request and, per request, what each tier of
         `nests[ran]` would have accepted (-1: unknown), as rows [requests, nested tiers] or flat, row
-        after row (sequences or int arrays); `weights` as `observe` takes them."""
+        after row (sequences or int arrays); `weights` and `keep` as `observe` takes them."""
         a = np.asarray(accepted, dtype=np.int64).reshape(-1)
         n = a.size
         wt = np.ones(n) if weights is None else weights
@@ -157,7 +164,7 @@ class ThroughputPolicy:
             w = self._nested_values(nested, n, ran)
             known = w >= 0
             tokens[nest], seen[nest] = wt @ np.where(known, w + 1, 0), wt @ known
-        keep = (1.0 - 1.0 / self.cfg.accept_window) ** n
+        keep = self.keep(n) if keep is None else keep
         self.tokens = self.tokens * keep + tokens
         self.weight = self.weight * keep + seen
 
@@ -172,10 +179,9 @@ class ThroughputPolicy:
 
     def fold(self) -> None:
         """Take the buffered verifies into the counts, each run of verifies of one tier (with or without
-        nested values) in one pass: every request weighted by the decay of the requests after it in the
-        run, so the counts equal verify-by-verify updates (whenever the fold happens)."""
+        nested values) in one pass: every request weighted by the decay of the verifies after its own in
+        the run, so the counts equal verify-by-verify updates (whenever the fold happens)."""
         pending, self._pending = self._pending, []
-        k = 1.0 - 1.0 / self.cfg.accept_window
         start = 0
         for end in range(1, len(pending) + 1):
             if end < len(pending) and (pending[end][0], pending[end][2] is None) == (
@@ -184,12 +190,14 @@ class ThroughputPolicy:
             group = pending[start:end]
             ran = group[0][0]
             acc = np.concatenate([a for _, a, _ in group])
-            sizes = np.array([a.size for _, a, _ in group])
-            after = sizes[::-1].cumsum()[::-1] - sizes  # requests in the run after each verify's
-            weights = np.repeat(k ** after, sizes)
+            sizes = [a.size for _, a, _ in group]
+            keeps = np.array([self.keep(n) for n in sizes])
+            after = np.append(np.cumprod(keeps[::-1])[::-1][1:], 1.0)  # the decay of the verifies after each
+            weights = np.repeat(after, sizes)
             nested = None if group[0][2] is None else np.concatenate([w for _, _, w in group])
-            self.observe(acc, self.reach[ran], weights)
-            self.record(acc, ran, nested, weights)
+            total = float(np.prod(keeps))
+            self.observe(acc, self.reach[ran], weights, total)
+            self.record(acc, ran, nested, weights, total)
             start = end
 
     def expected_tokens(self) -> list[float]:

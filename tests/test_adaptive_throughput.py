@@ -98,6 +98,30 @@ def test_buffered_verifies_give_the_counts_of_verify_by_verify_updates():
         runs[0].update([1, 2], 2, times, [[0, 1]])
 
 
+def test_window_verifies_spans_that_many_verifies_and_folds_like_single_updates():
+    """window_verifies m: a verify of n requests keeps (1 - 1/max(W, m n))^n of the counts (W =
+    accept_window), so a batch of 16 remembers ~m verifies where W = 32 alone is two; a batch of one
+    is unchanged. Buffered verifies of varying sizes fold to the counts of single updates."""
+    pol = throughput(accept_window=32, window_verifies=8)
+    assert pol.keep(16) == pytest.approx((1 - 1 / 128) ** 16) and pol.keep(1) == pytest.approx(1 - 1 / 32)
+    assert throughput(accept_window=32).keep(16) == pytest.approx((1 - 1 / 32) ** 16)
+    pol.observe([3] * 16, reach=3)
+    pol.observe([0] * 16, reach=3)  # one verify of 16 later
+    assert pol.passed[3] == pytest.approx(16 * (1 - 1 / 128) ** 16)
+    rng = np.random.default_rng(3)
+    tiers = ((1, 4, 3), (3, 4, 5), (5, 4, 8))
+    verifies = [(2 if v % 7 else 1, rng.integers(-1, 6, int(rng.integers(1, 17))), None) for v in range(19)]
+    buffered = throughput(initial=2, tiers=tiers, accept_window=24, window_verifies=6, update_interval=5)
+    ref = throughput(initial=2, tiers=tiers, accept_window=24, window_verifies=6)
+    for ran, acc, would in verifies:
+        buffered.update(acc, ran, lambda j: None, would)
+        ref.observe(acc, ref.reach[ran])
+        ref.record(acc, ran, would)
+    buffered.expected_tokens()
+    assert buffered.tried == pytest.approx(ref.tried) and buffered.passed == pytest.approx(ref.passed)
+    assert buffered.tokens == pytest.approx(ref.tokens) and buffered.weight == pytest.approx(ref.weight)
+
+
 def geometric_rounds(rng, p, reach, n):
     """n accepted-draft counts of rounds whose every depth passes with probability p, capped at reach."""
     out = []
