@@ -22,7 +22,8 @@ starts there). E_j comes from:
      one batch are at the same stage of their answers: 16 of them are not 16 independent samples).
   2. a tier the active one does not nest: the depth model below, scaled to agree with the active
      tier's observed E.
-At a switch the estimates decided on seed every tier's recent mean (SEED_ROUNDS of a window), so the
+At a switch the estimates decided on seed every tier's recent mean (SEED_ROUNDS of a window, at the
+last verify's size), so the
 new tier's first rounds refine them rather than its rounds from long ago. `min_dwell` (default 0)
 holds a tier that many verifies after a switch: on the H100, at batch 16, (7,4,11)'s rounds in runs
 that switched between it and (5,4,8) every few verifies took 1.7-1.9x (5,4,8)'s where its device time is
@@ -91,6 +92,7 @@ class ThroughputPolicy:
         self.index = initial_index
         self.batches = 0
         self.since_switch = config.min_dwell  # the start is no switch (warmup_batches covers it)
+        self._last_size = 1  # requests in the last verify (the window in request-rounds scales with it)
         self.last_rates: list[float | None] = [None] * len(tiers)  # expected tokens/ms at the last decision
 
     # ---- the depth model (tiers no round has observed) -------------------------------------------
@@ -227,6 +229,7 @@ class ThroughputPolicy:
             return False
         nest = self._nested_values(nested, a.size, ran, copy=True) if nested is not None and self.nests[ran] else None
         self._pending.append((ran, a, nest))
+        self._last_size = a.size
         self.batches += 1
         self.since_switch += 1
         past = self.batches - self.cfg.warmup_batches
@@ -249,7 +252,7 @@ class ThroughputPolicy:
         # What the decision saw becomes every tier's recent mean, at the weight of SEED_ROUNDS of the
         # window's request-rounds: the new tier's own rounds take over from there (its old rounds, from
         # before it was left, would otherwise speak first and could send the policy straight back).
-        seed = self.cfg.accept_window * SEED_ROUNDS
+        seed = max(self.cfg.accept_window, self.cfg.window_verifies * self._last_size) * SEED_ROUNDS
         self.tokens = np.asarray(self.expected_tokens()) * seed
         self.weight = np.full(len(self.tiers), seed)
         self.index = best

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from jeagle.adaptive import AdaptiveConfig, AdaptiveController, TierState
-from jeagle.adaptive_throughput import STALE_DECAY, RoundTimes, ThroughputPolicy, nested_tiers
+from jeagle.adaptive_throughput import SEED_ROUNDS, STALE_DECAY, RoundTimes, ThroughputPolicy, nested_tiers
 from jeagle.engine import EngineConfig, speculative, target_only
 from jeagle.sampling import SamplingParams
 from jeagle.spec.round import SpecConfig
@@ -120,6 +120,10 @@ def test_window_verifies_spans_that_many_verifies_and_folds_like_single_updates(
     buffered.expected_tokens()
     assert buffered.tried == pytest.approx(ref.tried) and buffered.passed == pytest.approx(ref.passed)
     assert buffered.tokens == pytest.approx(ref.tokens) and buffered.weight == pytest.approx(ref.weight)
+    # At a switch the seed is SEED_ROUNDS of the window at the last verify's size: 0.25 x 8 x 16.
+    pol = throughput(initial=0, accept_window=32, window_verifies=8, update_interval=1)
+    assert pol.update([1] * 16, 0, lambda j: (1.0, 1.2, 6.0)[j]) and pol.index == 1
+    assert pol.weight == pytest.approx([SEED_ROUNDS * 8 * 16] * 3)
 
 
 def geometric_rounds(rng, p, reach, n):

@@ -22,6 +22,25 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 
+def sched_wait_s() -> float:
+    """Seconds the main thread has waited on a run queue (runnable, not running): /proc/self/schedstat."""
+    try:
+        with open("/proc/self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
+def steal_s() -> float:
+    """Seconds of the machine's CPUs' time taken by its hypervisor (/proc/stat steal, all CPUs summed)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return 0.0
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompts", required=True)
@@ -109,18 +128,21 @@ def main(argv=None):
         if dec.controller is not None:
             dec.reset_tier()
         ru0, cpu0, th0 = resource.getrusage(resource.RUSAGE_SELF), time.process_time(), time.thread_time()
+        sched0, steal0 = sched_wait_s(), steal_s()
         t0 = time.perf_counter()
         outs = eng.generate(ids, sp)
         wall = time.perf_counter() - t0
         ru1, cpu1, th1 = resource.getrusage(resource.RUSAGE_SELF), time.process_time(), time.thread_time()
+        sched1, steal1 = sched_wait_s(), steal_s()
         blocked = eng.last_stats.host_blocked_ms or {}
         # A slow run that is host work shows as CPU seconds; one that waits (device, other processes)
         # as wall without them; switches and collections say what interrupted the thread.
         print(f"run {run} process: cpu {cpu1 - cpu0:.3f} s (main thread {th1 - th0:.3f}), wall {wall:.3f} s, "
               f"context switches {ru1.ru_nvcsw - ru0.ru_nvcsw} voluntary / {ru1.ru_nivcsw - ru0.ru_nivcsw} "
               f"involuntary, gc {dict(gcs)}, host blocked per step mean {blocked.get('mean', 0):.3f} ms "
-              f"p99 {blocked.get('p99', 0):.3f}, load average {os.getloadavg()[0]:.2f}, "
-              f"{len(os.listdir('/proc/self/task'))} OS threads", flush=True)
+              f"p99 {blocked.get('p99', 0):.3f}, main thread runnable but not running {(sched1 - sched0) * 1e3:.1f} ms, "
+              f"machine steal {(steal1 - steal0) * 1e3:.0f} ms, {len(os.listdir('/proc/self/task'))} OS threads",
+              flush=True)
         n = sum(len(o.token_ids) for o in outs)
         res = [e for e in log if e[0] == "result"]
         gaps = collections.defaultdict(list)

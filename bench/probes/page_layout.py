@@ -11,7 +11,9 @@ lengths with three layouts of the same pool:
 Forms: `decode` (one query a request, the prefix plus one extra key: a decode step), `verify`
 (9 queries, 9 extra keys: a (5,4,8) tree's verify), `prefill` (the causal form, 64 new positions after
 the prefix: a prefill after a prefix-cache hit). Time per call: one executable runs the kernel over
-every layer of the pool (as a forward does), its median wall over `--samples` runs ÷ layers.
+every layer of the pool, the layers unrolled, its median wall over `--samples` runs ÷ layers.
+(Session 29's numbers ran the layers in a `fori_loop`, whose per-trip overhead on a GPU dominates the
+small cases: there only rows of ≥ ~30 µs a call say something about the layout.)
 
     python bench/probes/page_layout.py --shapes smollm2,llama8b --batch-sizes 1,16,48 --prefix 1024
 """
@@ -86,10 +88,11 @@ def main(argv=None) -> dict:
                                  "extra_mask": jnp.asarray(np.tril(np.ones((t, t), bool))[None].repeat(b, 0))}
 
                     def run(q, pool, table, kv_len, extra=extra):
-                        def body(i, acc):
+                        acc = jnp.float32(0)
+                        for i in range(layers):  # unrolled: a GPU while loop reads its predicate back each trip
                             out = paged_attention(q, pool, pool, i, table, kv_len, **extra)
-                            return acc + out[:, :1, :1, :1].astype(jnp.float32).sum()
-                        return jax.lax.fori_loop(0, layers, body, jnp.float32(0))
+                            acc = acc + out[:, :1, :1, :1].astype(jnp.float32).sum()
+                        return acc
 
                     f = jax.jit(run).lower(q, pool, table, kv_len).compile()
                     f(q, pool, table, kv_len).block_until_ready()

@@ -135,7 +135,10 @@ def test_one_row_bf16_logits_read_the_head_once_without_triton_gemm():
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(1, 1024)), jnp.bfloat16)
     head = jnp.asarray(rng.normal(size=(32768, 1024)) / 32, jnp.bfloat16)
-    compiled = jax.jit(fp32_logits).lower(x, head).compile(compiler_options={"xla_gpu_enable_triton_gemm": False})
+    options = {"xla_gpu_enable_triton_gemm": False}
+    plain = jax.jit(lambda x, h: jnp.einsum("th,vh->tv", x, h, preferred_element_type=jnp.float32))
+    assert "f32[32768,1024]" in plain.lower(x, head).compile(compiler_options=options).as_text()  # the premise
+    compiled = jax.jit(fp32_logits).lower(x, head).compile(compiler_options=options)
     assert "f32[32768,1024]" not in compiled.as_text()
     want = np.asarray(x, np.float32) @ np.asarray(head, np.float32).T
     np.testing.assert_allclose(np.asarray(compiled(x, head)), want, rtol=2e-2, atol=2e-2)
