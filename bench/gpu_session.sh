@@ -11,7 +11,7 @@
 #   carry .stage3 + .whl: `bash bench/gpu_session.sh run STEPS...` (later calls: carry .whl only).
 # startup (issue 27: first and second start of the README command) needs the staged GGUF like bench;
 # so does ttft (issue 25: a prefix-cache hit's time to first token by host phase, with a trace).
-# masks needs the staged GGUF (its tokenizer); so does linearab (decode A/B of JEAGLE_LINEAR=0|1). Random-weight steps (trainstep, tp, profile, phases, kerneltests, kernelbench, kernelround, specbench, overhead, warmup, cmdbuf, tierswitch, adaptoverhead, hostcall, graphlaunch, hostopts, adaptive, autotune) need no staging: `bash bench/gpu_session.sh run kerneltests kernelbench kernelround`.
+# masks needs the staged GGUF (its tokenizer); so do linearab (decode A/B of JEAGLE_LINEAR=0|1) and adaptrounds. Random-weight steps (trainstep, tp, profile, phases, kerneltests, kernelbench, kernelround, specbench, overhead, warmup, cmdbuf, tierswitch, adaptoverhead, hostcall, graphlaunch, hostopts, adaptive, autotune) need no staging: `bash bench/gpu_session.sh run kerneltests kernelbench kernelround`.
 set -uo pipefail
 mode="${1:-run}"
 stage_in() {  # whatever staged parts this call carries -> $HOME/stage; unpack the data archives once
@@ -394,6 +394,43 @@ if [[ "$steps" == *" adaptivecmp "* ]]; then  # issue 22: the adaptive policies 
       decode_variant adaptivecmp "batch $b, waves $waves: $sys" --batch-sizes "$b" --waves "$waves" "${args[@]}" ${ACMP_ARGS:-}
     done
   done
+fi
+if [[ "$steps" == *" adaptrounds "* ]]; then  # issue 22: static vs adaptive policies, per-run host diagnostics
+  # bench/probes/adaptive_rounds.py, MT-bench, one batch (ARD_BATCH, 16), ARD_RUNS runs (8) per process, each
+  # system its own process in turn, ARD_ROUNDS times (1): "static" ((5,4,8)), "tp" (the throughput policy),
+  # "tpw8" (with window_verifies 8), "ema", or "json" (the AdaptiveConfig in ARD_JSON).
+  # An executable store: the first adaptive process compiles 4 tiers x the buckets (~150 s), later ones load.
+  store="{\"executable_cache_dir\": \"$JEAGLE_CACHE/exec\"}"
+  for i in $(seq 1 "${ARD_ROUNDS:-1}"); do
+    for sys in ${ARD_SYSTEMS:-static tp tpw8}; do
+      case "$sys" in
+        static) cfg="" ;;
+        tp) cfg='{"policy": "throughput"}' ;;
+        tpw8) cfg='{"policy": "throughput", "window_verifies": 8}' ;;
+        ema) cfg='{"policy": "ema"}' ;;
+        json) cfg="$ARD_JSON" ;;
+      esac
+      echo "== $sys (round $i)" | tee -a "$OUT/adaptrounds.log"
+      timeout "${ARD_TIMEOUT:-280}" python3 bench/probes/adaptive_rounds.py --prompts .data/mtbench.jsonl \
+        --batch "${ARD_BATCH:-16}" --runs "${ARD_RUNS:-8}" --engine-config "$store" ${cfg:+--adaptive "$cfg"} 2>&1 \
+        | grep -v "Delay kernel\|Converting\|Loading" >> "$OUT/adaptrounds.log"
+    done
+  done
+  python3 - "$OUT/adaptrounds.log" <<'PY' | tee "$OUT/adaptrounds_summary.log"
+import re, statistics, sys
+sys_name, runs = None, {}
+for line in open(sys.argv[1]):
+    if line.startswith("== "):
+        sys_name = line.split()[1]
+    m = re.match(r"run \d+: .* = ([\d.]+) tok/s", line)
+    if m and sys_name:
+        runs.setdefault(sys_name, []).append(float(m.group(1)))
+base = statistics.median(runs["static"]) if runs.get("static") else None
+for name, r in runs.items():
+    med = statistics.median(r)
+    print(f"{name}: {len(r)} runs, median {med:.1f} tok/s" + (f" ({med / base:.3f} of static)" if base else "")
+          + f"; runs {[round(x) for x in r]}")
+PY
 fi
 if [[ "$steps" == *" commitab "* ]]; then  # one commit against another in one call: bench/decode.py, jeagle systems
   # An older tree travels as old.tar.gz (`git archive --prefix=old/ COMMIT -- . ':!jeagle/heads' ':!bench/results'

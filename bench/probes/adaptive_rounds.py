@@ -49,6 +49,9 @@ def main(argv=None):
     p.add_argument("--tier", default="5,4,8")
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--engine-config", default=None, metavar="JSON",
+                   help="EngineConfig fields on top of the probe's (e.g. executable_cache_dir: later processes load "
+                        "what earlier ones compiled)")
     args = p.parse_args(argv)
 
     from jeagle.adaptive import AdaptiveConfig
@@ -68,8 +71,8 @@ def main(argv=None):
     ids = chat_ids(Tokenizer.from_dir(target_dir), read_prompts(args.prompts, ""))[: args.batch]
     model = load_model(target_dir)
     head = load_draft(head_dir, target=model.cfg)
-    ec = EngineConfig(max_batch_size=args.batch, max_context=max(map(len, ids)) + args.max_new_tokens + 16,
-                      kernels=KernelSettings.from_env())
+    ec = EngineConfig(**{"max_batch_size": args.batch, "max_context": max(map(len, ids)) + args.max_new_tokens + 16,
+                         "kernels": KernelSettings.from_env(), **json.loads(args.engine_config or "{}")})
     adaptive = AdaptiveConfig.from_dict(json.loads(args.adaptive)) if args.adaptive else None
     eng = speculative(model, head, ec, SpecConfig(*map(int, args.tier.split(","))), adaptive=adaptive)
     sp = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
