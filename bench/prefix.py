@@ -128,19 +128,27 @@ def ttft_rows(model, head, ids, shared, args, tier) -> list[dict]:
             for p in ids[:2]:  # a first run of every executable on the device
                 eng.generate([p], sp)
             eng.flush_cache()
-            ttft, acc, outs = [], [], []
+            ttft, acc, outs, rows_of = [], [], [], []
             for p in ids:
                 out = eng.generate([p], sp)[0]
                 ttft.append(out.time_to_first_token_s * 1e3)
                 acc.append(eng.last_stats.accept_length)
                 outs.append(out.token_ids)
+                # the rows its prefill ran (its length bucket): the suffix after a cache hit, else the prompt
+                rows_of.append(eng.buckets.prefill(1, len(p) - eng.last_stats.cached_tokens)[1])
                 if eng.last_stats.compilations:
                     raise RuntimeError(f"{kind}: a timed request compiled")
             later = ttft[1:]
+            by_bucket = {}
+            for t, rows_t in zip(later, rows_of[1:]):
+                by_bucket.setdefault(rows_t, []).append(t)
             row = {"scenario": "ttft", "shape": args.shape, "system": kind, "prefix_cache": cache, "requests": len(ids),
                    "prompt_tokens": [min(map(len, ids)), max(map(len, ids))], "shared_tokens": shared,
                    "ttft_first_ms": round(ttft[0], 2), "ttft_later_p50_ms": round(statistics.median(later), 2),
                    "ttft_later_mean_ms": round(statistics.fmean(later), 2),
+                   # p50 and count per prefill length bucket: a p50 over two buckets is one of them
+                   "ttft_later_p50_ms_by_prefill_rows": {str(k): [round(statistics.median(v), 2), len(v)]
+                                                          for k, v in sorted(by_bucket.items())},
                    "accept_length": round(statistics.fmean(acc), 3) if kind == "eagle" else None, "tokens": outs}
             rows.append(row)
             print(json.dumps({k: v for k, v in row.items() if k != "tokens"}), flush=True)
