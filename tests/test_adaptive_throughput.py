@@ -110,7 +110,11 @@ def test_window_verifies_spans_that_many_verifies_and_folds_like_single_updates(
     assert pol.passed[3] == pytest.approx(16 * (1 - 1 / 128) ** 16)
     rng = np.random.default_rng(3)
     tiers = ((1, 4, 3), (3, 4, 5), (5, 4, 8))
-    verifies = [(2 if v % 7 else 1, rng.integers(-1, 6, int(rng.integers(1, 17))), None) for v in range(19)]
+    verifies = []
+    for v in range(19):  # (3,4,5) nests (1,4,3); (5,4,8) nests both; every fifth verify without nested values
+        ran, n = (2 if v % 7 else 1), int(rng.integers(1, 17))
+        would = None if v % 5 == 4 else rng.integers(-1, 4, (n, ran))
+        verifies.append((ran, rng.integers(0, 6, n), would))
     buffered = throughput(initial=2, tiers=tiers, accept_window=24, window_verifies=6, update_interval=5)
     ref = throughput(initial=2, tiers=tiers, accept_window=24, window_verifies=6)
     for ran, acc, would in verifies:
