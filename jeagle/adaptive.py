@@ -6,10 +6,10 @@ and a second policy weighs each tier's accept length against its measured cost. 
 SGLang's EMA policy: on the H100 it measured ahead of the cost-aware one on the phased workload
 (1.12-1.20x vs 1.04-1.06x the best static tier) and the cost-aware one fell 16% behind the static
 (5,4,8) at batch 48 on MT-bench (bench/HISTORY.md session 12); "throughput" is there to be chosen.
-(Session 28: with its host time per verify cut ~0.1 -> ~0.04 ms it ran 0.96-1.01 of static (5,4,8) on
-MT-bench at batch 16 in most runs, 0.59-0.94 in some runs and processes (not yet explained), where the
-EMA policy's (3,4,5) ran 0.82-0.90; on the phased workload EMA still leads, 1.18 / 1.23 vs 1.01 / 1.10
-the best static tier.)
+(Sessions 28-29: with its host time per verify cut ~0.1 -> ~0.04 ms it ran 0.91 of static (5,4,8) on
+MT-bench at batch 16, medians of 8 runs each (the occasional run at ~0.6 hit static too: the host's,
+not the policy's), where the EMA policy's (3,4,5) ran 0.82-0.90; on the phased workload EMA still
+leads, 1.18 / 1.23 vs 1.01 / 1.10 the best static tier.)
 
     AdaptiveConfig       the knobs, from JSON (omitted keys take defaults; unknown keys, bad values: errors)
     ThroughputPolicy     "throughput": the tier with the most expected tokens per second (adaptive_throughput.py)

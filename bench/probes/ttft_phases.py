@@ -174,7 +174,8 @@ def main(argv=None) -> dict:
         from jeagle.config import ModelConfig
         from jeagle.models.llama import random_model
 
-        cfg = ModelConfig(**{**SHAPES[args.shape], "tie_word_embeddings": False})
+        cfg = ModelConfig(**{**SHAPES[args.shape], "tie_word_embeddings": False,
+                             **({"dtype": args.dtype} if args.dtype else {})})
         model = random_model(cfg)
         head = random_eagle3_head(cfg, draft_vocab=DRAFT_VOCAB.get(args.shape))
         ids, shared = synthetic_prompts(args, cfg.vocab_size)

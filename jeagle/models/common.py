@@ -75,12 +75,11 @@ def fp32_logits(x: jax.Array, head: jax.Array) -> jax.Array:
     and cuBLAS's fp32 gemv (2.03 ms for Llama-3-8B's 128,256 x 4,096 head on the H100, 0.33 ms for
     SmolLM2's) where two rows take a bf16 GEMM (0.63 / 0.19 ms; bench/probes/logits_dot.py,
     bench/HISTORY.md session 29). Each row's logits are the same up to fp32 rounding (the two products
-may accumulate in another order)."""
+    may accumulate in another order)."""
     lead, v = x.shape[:-1], head.shape[0]
     if math.prod(lead) != 1 or jax.default_backend() != "gpu":
         return jnp.einsum("...h,vh->...v", x, head, preferred_element_type=jnp.float32)
-    row = x.reshape(1, x.shape[-1])
-    two = jnp.concatenate([row, jnp.zeros_like(row)])
+    two = jnp.pad(x.reshape(1, x.shape[-1]), ((0, 1), (0, 0)))  # the row and a zero row
     return jnp.einsum("th,vh->tv", two, head, preferred_element_type=jnp.float32)[:1].reshape(*lead, v)
 
 
