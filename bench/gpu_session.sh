@@ -512,7 +512,7 @@ if [[ "$steps" == *" features "* ]]; then  # issue 24: logprobs, penalties, gram
       echo "serve ${SERVE_SET:-plain logprobs grammar} engine $engine clients ${SERVE_CLIENTS:-own}" \
         "switch ${SERVE_SWITCH:-default}" | tee -a "$OUT/serve_features.log"
       python3 bench/serve.py --model smollm2 --prompts .data/mtbench.jsonl --concurrency "${FEATURE_CONC:-1,16}" \
-        --max-tokens "${SERVE_TOKENS:-256}" --requests-per-client "${SERVE_PER_CLIENT:-4}" "${serve_args[@]}" \
+        --max-tokens "${SERVE_TOKENS:-256}" --requests-per-client "${SERVE_PER_CLIENT:-4}" --repeats "${SERVE_REPEATS:-1}" "${serve_args[@]}" \
         --engine "$engine" --clients "${SERVE_CLIENTS:-own}" ${SERVE_SWITCH:+--switch-intervals "$SERVE_SWITCH"} 2>&1 \
         | grep -v "Converting\|Loading\|Delay kernel" | tee -a "$OUT/serve_features.log"
     done

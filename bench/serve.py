@@ -185,6 +185,32 @@ def bench_engine(model, shape, name, prompts_path, prompt_len, top, max_tokens, 
     return engine, tok, {"warmup_s": round(time.perf_counter() - t0, 1), "target_dir": target_dir and str(target_dir)}
 
 
+def summarise(rows):
+    """Per (config, concurrency, extra, clients, switch interval): the runs' output tok/s and their median,
+    the median ÷ the same config's first extra (e.g. logprobs ÷ plain), and ÷ the first config's same row
+    (e.g. EAGLE ÷ target-only)."""
+    import statistics
+
+    keyed: dict = {}
+    for r in rows:
+        key = (r["config"], r["concurrency"], json.dumps(r["extra"], sort_keys=True), r["clients"], r["switch_interval"])
+        keyed.setdefault(key, []).append(r["output_tokens_per_s"])
+    medians = {k: statistics.median(v) for k, v in keyed.items()}
+    first_extra = {}
+    for k in keyed:  # insertion order: a config's first extra comes first
+        first_extra.setdefault(k[:2], k[2])
+    config0 = next(iter(keyed))[0] if keyed else None
+    out = []
+    for k, v in keyed.items():
+        name, c, extra, where, interval = k
+        base = medians[(name, c, first_extra[(name, c)], where, interval)]
+        other = medians.get((config0, c, extra, where, interval))
+        out.append({"config": name, "concurrency": c, "extra": json.loads(extra), "label": ",".join(json.loads(extra))[:24] or "-",
+                    "clients": where, "switch_interval": interval, "tok_s": v, "tok_s_median": medians[k],
+                    "vs_extra0": medians[k] / base, "vs_config0": None if name == config0 or not other else medians[k] / other})
+    return out
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="phased", choices=["phased", "smollm2"],
@@ -207,6 +233,8 @@ def main(argv=None):
     p.add_argument("--client-processes", type=int, default=4, help="processes the clients are spread over (own)")
     p.add_argument("--switch-intervals", default=None, metavar="S,...",
                    help="sys.setswitchinterval values for the server's process, a row each (default: Python's 0.005)")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="timed passes per row, the rows of a concurrency interleaved; the summary gives medians")
     p.add_argument("--extra", default=None, action="append", metavar="JSON",
                    help='more request fields, e.g. {"logprobs": 5} or {"frequency_penalty": 0.5}; repeat it for '
                    'rows of each (one warm-up covers them all)')
@@ -255,11 +283,15 @@ def main(argv=None):
             time.sleep(0.05)
         url = f"http://127.0.0.1:{port}"
         num_compiled = lambda: httpx.get(f"{url}/server_info", timeout=60).json()["compilations"]  # noqa: E731
-        for c, extra in itertools.product(levels, extras):
+        for c in levels:
             compiled = num_compiled()
-            clients[places[0]](url, prompts, args.max_tokens, c, 1, extra, real)  # untimed: this level's shapes
+            for extra in extras:  # untimed: this level's shapes, for every row's request
+                clients[places[0]](url, prompts, args.max_tokens, c, 1, extra, real)
             warm_compiled = num_compiled() - compiled
-            for where, interval in itertools.product(places, intervals):
+            compiled = num_compiled()
+            # The rows of one level interleaved, `--repeats` times: a host that slows down for a while (a
+            # shared machine) slows every row of one repeat alike, not one row.
+            for rep, extra, where, interval in itertools.product(range(args.repeats), extras, places, intervals):
                 sys.setswitchinterval(interval)
                 httpx.post(f"{url}/flush_cache", timeout=60)  # the timed pass starts with no prefix cached
                 res, wall = clients[where](url, prompts, args.max_tokens, c, args.requests_per_client, extra, real)
@@ -267,12 +299,12 @@ def main(argv=None):
                 lat = [r[1] for r in res]
                 n, tokens = len(res), sum(r[2] for r in res)
                 rows.append({"config": name, "concurrency": c, "requests": n, "wall_s": wall, "extra": extra,
-                             "clients": where, "switch_interval": interval,
+                             "clients": where, "switch_interval": interval, "repeat": rep,
                              "model": args.model, "output_tokens": tokens, "compiled_in_untimed_pass": warm_compiled,
                              "requests_per_s": n / wall, "output_tokens_per_s": tokens / wall,
                              "ttft_ms": {q: 1e3 * pct(ttft, q) for q in (50, 90, 99)},
                              "latency_ms": {q: 1e3 * pct(lat, q) for q in (50, 90, 99)}, "warmup_s": warm,
-                             "engine": args.engine, "engine_config": args.engine_config, "compiled_in_timed_pass": num_compiled() - compiled - warm_compiled})
+                             "engine": args.engine, "engine_config": args.engine_config, "compiled_in_timed_pass": num_compiled() - compiled})
                 compiled = num_compiled()
         server.should_exit = True
         th.join(timeout=30)
@@ -285,9 +317,16 @@ def main(argv=None):
         label = ",".join(r["extra"])[:24] or "-"
         print(f"{r['config']:>16} {r['engine']:>7} {label:>24} {r['clients']:>7} {r['switch_interval']:>6.4f} {r['concurrency']:>4} {r['requests_per_s']:>7.2f} {r['output_tokens_per_s']:>8.0f} "
               f"{t[50]:>7.1f}/{t[90]:>6.1f}/{t[99]:>7.1f} {lt[50]:>8.1f}/{lt[90]:>7.1f}/{lt[99]:>7.1f}")
+    summary = summarise(rows)
+    if args.repeats > 1:
+        print(f"medians of {args.repeats} interleaved passes (tok/s; ÷ the first --extra's row; ÷ {configs[0]}'s):")
+        for r in summary:
+            vs = "" if r["vs_config0"] is None else f" {r['vs_config0']:.3f}× {configs[0]}"
+            print(f"{r['config']:>16} {r['label']:>24} {r['clients']:>7} {r['concurrency']:>4} {r['tok_s_median']:>8.0f} "
+                  f"(runs {', '.join(f'{x:.0f}' for x in r['tok_s'])}) {r['vs_extra0']:.3f} of the first{vs}")
     print(json.dumps({"bench": "serve", "model": args.model, "shape": args.shape, "device": device_kind(),
                       "commit": git_commit(), "prompt_len": args.prompt_len,
-                      "max_tokens": args.max_tokens, "rows": rows}))
+                      "max_tokens": args.max_tokens, "repeats": args.repeats, "rows": rows, "summary": summary}))
 
 
 if __name__ == "__main__":
