@@ -398,13 +398,19 @@ fi
 if [[ "$steps" == *" adaptrounds "* ]]; then  # issue 22: static vs adaptive policies, per-run host diagnostics
   # bench/probes/adaptive_rounds.py, MT-bench, one batch (ARD_BATCH, 16), ARD_RUNS runs (8) per process, each
   # system its own process in turn, ARD_ROUNDS times (1): "static" ((5,4,8)), "tp" (the throughput policy),
-  # "tpw8" (with window_verifies 8), "ema", or "json" (the AdaptiveConfig in ARD_JSON).
+  # "tpw8" (with window_verifies 8), "ema", or "json" (the AdaptiveConfig in ARD_JSON); static (5,4,8) with
+  # rounds per dispatch: "r2" / "r4" (the device loop), "r2u" / "r4u" (the rounds unrolled).
   # An executable store: the first adaptive process compiles 4 tiers x the buckets (~150 s), later ones load.
-  store="{\"executable_cache_dir\": \"$JEAGLE_CACHE/exec\"}"
   for i in $(seq 1 "${ARD_ROUNDS:-1}"); do
     for sys in ${ARD_SYSTEMS:-static tp tpw8}; do
+      more=""
       case "$sys" in
-        static) cfg="" ;;
+        r[0-9]) cfg=""; more=", \"rounds_per_dispatch\": ${sys#r}" ;;
+        r[0-9]u) cfg=""; r=${sys#r}; more=", \"rounds_per_dispatch\": ${r%u}, \"unroll_rounds\": true" ;;
+      esac
+      store="{\"executable_cache_dir\": \"$JEAGLE_CACHE/exec\"$more}"
+      case "$sys" in
+        static|r[0-9]|r[0-9]u) cfg="" ;;
         tp) cfg='{"policy": "throughput"}' ;;
         tpw8) cfg='{"policy": "throughput", "window_verifies": 8}' ;;
         ema) cfg='{"policy": "ema"}' ;;

@@ -75,6 +75,25 @@ def test_greedy_tokens_equal_for_every_rounds_per_dispatch(target, head, workloa
             assert stats["round_dispatches"] < stats["rounds"]
 
 
+@pytest.mark.parametrize("rounds", [2, 4])
+def test_unrolled_rounds_equal_the_loop(target, head, workload, reference, rounds):
+    """`unroll_rounds`: every dispatch runs all R rounds (no device loop); greedy tokens equal target-only's,
+    sampled ones equal R = 1's for the same seeds, and every slot comes back."""
+    prompts, params = workload
+    eng = spec(target, head, rounds, unroll_rounds=True)
+    outs = eng.generate(prompts, params)
+    got = [o.token_ids for o in outs]
+    assert got[:5] == reference[:5]
+    assert outs[5].finish_reason == "length" and got[5] == reference[5][:len(got[5])]
+    assert kv_idle(eng)[0] == eng.pool.num_slots - 1
+    assert eng.last_stats.to_dict()["rounds_per_dispatch"] == rounds
+    assert eng.decoder.round_key(eng.decoder.spec, 4, 128, True).label.endswith(f"-r{rounds}u")
+    sampled = [SamplingParams(max_new_tokens=20, temperature=0.9, seed=100 + i, ignore_eos=True) for i in range(4)]
+    loop = spec(target, head, 1).generate(prompts[:4], sampled)
+    assert [o.token_ids for o in eng.generate(prompts[:4], sampled)] == [o.token_ids for o in loop]
+    assert kv_idle(eng)[0] == eng.pool.num_slots - 1
+
+
 def test_batch_of_one_and_sampled_requests(target, head, workload):
     prompts, _ = workload
     params = [SamplingParams(max_new_tokens=20, temperature=0.9, seed=100 + i, ignore_eos=True)

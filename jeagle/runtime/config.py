@@ -19,6 +19,9 @@ class EngineConfig:
     # (lax.while_loop), stopping early once every row of the batch has finished; the host reads them
     # with one copy. Output is the same for any value (tests/test_rounds_per_dispatch.py).
     rounds_per_dispatch: int = 1
+    # rounds_per_dispatch > 1: the rounds unrolled in the executable (every dispatch runs all of them)
+    # instead of a device loop that stops early; same output, R x the round's compile time.
+    unroll_rounds: bool = False
     # Layer loop: False (a loop), True (unrolled), k >= 2 (k layers per iteration); None: for the
     # decode and round executables 3 (halves the host's dispatch time per step for +10-30% compile
     # time, bench/HISTORY.md "dispatch"); the decode step unrolled when a layer's weights pass

@@ -154,7 +154,8 @@ class SpecDecoder(SlotTables, GrammarMasks, FlatParams):
                   penalties: bool = False) -> RoundKey:
         width = 0 if len(self.tiers) == 1 else max(packed_width(t.num_steps, logprobs, len(self._nested(t)))
                                                       for t in self.tiers)
-        return RoundKey(self.static, tier, b, kv, greedy, rounds=self.rounds_per_dispatch, logprobs=logprobs,
+        return RoundKey(self.static, tier, b, kv, greedy, rounds=self.rounds_per_dispatch,
+                        unrolled=self.config.unroll_rounds and self.rounds_per_dispatch > 1, logprobs=logprobs,
                         penalties=penalties, nested=self._nested(tier), width=width)
 
     def _nested(self, tier: SpecConfig) -> tuple[tuple[int, int], ...]:
@@ -177,7 +178,7 @@ class SpecDecoder(SlotTables, GrammarMasks, FlatParams):
             if False in grammar:
                 keys.append(self.round_key(tier, b, kv, g, lp, pen))
             if True in grammar:
-                accept = dataclasses.replace(self.round_key(tier, b, kv, g, lp, pen), phase="accept", rounds=1,
+                accept = dataclasses.replace(self.round_key(tier, b, kv, g, lp, pen), phase="accept", rounds=1, unrolled=False,
                                              grammar=True, nested=(), width=0)
                 keys += [DraftKey(self.static, tier, b, kv), accept.forward_key(), accept]
         return list(dict.fromkeys(keys))  # the draft and forward keys repeat across modes
@@ -293,7 +294,7 @@ class SpecDecoder(SlotTables, GrammarMasks, FlatParams):
         if fused:
             return self._run(self._round_exe(state, b, kv, greedy, lp, pen), row_ids)
         tree = self._run_draft(self.executables.get(DraftKey(self.static, tier, b, kv)), row_ids)
-        verify = dataclasses.replace(self.round_key(tier, b, kv, greedy, lp, pen), phase="verify", rounds=1, nested=(),
+        verify = dataclasses.replace(self.round_key(tier, b, kv, greedy, lp, pen), phase="verify", rounds=1, unrolled=False, nested=(),
                                      width=0)
         if not grammar:
             return self._run(self.executables.get(verify), (row_ids, tree))

@@ -168,6 +168,11 @@ class RoundKey(_SpecKey):
     # (row_ids, tree, VerifyForward, token masks [B, N, W]))
     phase: str = "round"
     rounds: int = 1  # rounds per dispatch, looped on the device (fused rounds only)
+    # rounds > 1: the rounds written out one after another in the executable (every dispatch runs all
+    # of them; a row's rounds after it finished emit nothing) instead of a `lax.while_loop` that stops
+    # once every row finished (XLA's GPU runtime reads a while loop's predicate back to the host each
+    # iteration and runs its body outside the command buffer).
+    unrolled: bool = False
     logprobs: bool = False  # the emitted tokens' logprobs appended to the result
     penalties: bool = False  # the rows' penalties applied in the verify (jeagle/penalties.py)
     grammar: bool = False  # accept only: token masks among the inputs (jeagle/grammar.py)
@@ -190,13 +195,15 @@ class RoundKey(_SpecKey):
             raise ValueError("padded results come from fused rounds only")
         if self.phase != "round" and self.rounds != 1:
             raise ValueError("a split round runs one round per dispatch")
+        if self.unrolled and self.rounds == 1:
+            raise ValueError("unrolled rounds need rounds > 1")
         if self.grammar != (self.phase == "accept"):
             raise ValueError("grammar masks come between the verify's forward and its accept (phase 'accept')")
 
     @property
     def label(self) -> str:
         s, k, n = self.tier.shape
-        r = f"-r{self.rounds}" if self.rounds > 1 else ""
+        r = f"-r{self.rounds}{'u' if self.unrolled else ''}" if self.rounds > 1 else ""
         lp = ("-lp" if self.logprobs else "") + ("-pen" if self.penalties else "") + ("-gram" if self.grammar else "")
         lp += "".join(f"-in{s_j}n{n_j}" for s_j, n_j in self.nested) + (f"-w{self.width}" if self.width else "")
         return f"{self.phase}-b{self.batch}-kv{self.kv_len}-{'greedy' if self.greedy else 'sampled'}-s{s}k{k}n{n}{r}{lp}"
@@ -289,7 +296,9 @@ def spec_prefill_step(key: SpecPrefillKey, graphdef, draft_graphdef, params, sta
 
 def round_step(key: RoundKey, graphdef, draft_graphdef, params, state: SpecState, row_ids):
     """`key.rounds` rounds over the rows `row_ids`: the first always, the rest in a `lax.while_loop`
-    that stops once every real row (not the scratch row that pads the batch) has finished. Result:
+    that stops once every real row (not the scratch row that pads the batch) has finished, or with
+    `key.unrolled` all of them, one after another (a finished row's rounds emit nothing, as in the
+    loop when another row is still running: the same result). Result:
     [B, C] for one round, else [B, rounds, C] (C: `pack_result`'s columns, then any logprobs), where
     a round that did not run reads as one that emitted nothing (tokens, accepted and nested -1,
     finished 0)."""
@@ -306,6 +315,12 @@ def round_step(key: RoundKey, graphdef, draft_graphdef, params, state: SpecState
     res, state = one(state)
     if key.rounds == 1:
         return res, state
+    if key.unrolled:
+        out = [res]
+        for _ in range(key.rounds - 1):
+            res, state = one(state)
+            out.append(res)
+        return jnp.stack(out, 1), state
     padding = row_ids == s.max_reqs  # the scratch row
 
     def live(carry):
