@@ -4,7 +4,7 @@
 # stacks included, raw folded stacks, without pausing it) for SPY_S seconds.
 # Needs py-spy (its wheel in .whl: `pip download --no-deps py-spy`) and the staged model, as gpu_session.sh
 # `run features` has them. Usage (from the repository root, in gpu_session.sh's environment):
-#   SPY_CONFIG=eagle SPY_CONC=48 bash bench/probes/serve_spy.sh   → $OUT/spy.txt, $OUT/spy_serve.log
+#   SPY_CONFIG=eagle SPY_CONC=48 [SPY_NATIVE=1] bash bench/probes/serve_spy.sh   → $OUT/spy.txt, $OUT/spy_serve.log
 set -u
 spy="${PY_SPY:-$HOME/site/bin/py-spy}"
 python3 bench/serve.py --model smollm2 --prompts .data/mtbench.jsonl --configs "${SPY_CONFIG:-eagle}" \
@@ -19,8 +19,11 @@ for _ in $(seq 1 300); do  # the engine's process: the one using the GPU
 done
 echo "engine process: ${pid:-none}"
 if [ -n "$pid" ]; then
-  "$spy" record --pid "$pid" --duration "${SPY_S:-8}" --rate 250 --threads --idle --nonblocking --format raw \
-    -o "$OUT/spy.txt"
+  # SPY_NATIVE=1: native frames too (what XLA does inside an executable's call); py-spy then pauses the
+  # process at each sample (no --nonblocking), so its throughput reads lower.
+  mode=(--nonblocking); [ -n "${SPY_NATIVE:-}" ] && mode=(--native)
+  "$spy" record --pid "$pid" --duration "${SPY_S:-8}" --rate "${SPY_RATE:-250}" --threads --idle "${mode[@]}" \
+    --format raw -o "$OUT/spy.txt"
 fi
 wait "$bench"
 grep -v '^{"bench\|Delay kernel' "$OUT/spy_serve.log" | tail -4
