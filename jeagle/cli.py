@@ -77,8 +77,12 @@ def build_parser(prog: str = "python -m jeagle.generate", prompts: bool = True,
                     help="after a round: data dependence only (dataflow, the default) or a hard wait (sync; also "
                          "JEAGLE_VERIFY_DONE_STREAM_WAIT=0)")
     rt.add_argument("--rounds-per-dispatch", type=int, default=1, metavar="R",
-                    help="speculative rounds one dispatch loops on the device, stopping early once every request "
-                         "of the batch has finished; the host reads them with one copy (default 1)")
+                    help="speculative rounds one dispatch runs on the device; the host reads them with one copy "
+                         "(default 1)")
+    rt.add_argument("--rounds-loop", choices=["unrolled", "while"], default="unrolled",
+                    help="R > 1: the rounds written out in one executable (default; R x the compile time) or a "
+                         "device loop that stops once every request of the batch has finished (slower on the "
+                         "H100: XLA reads its predicate back every iteration)")
     rt.add_argument("--warmup", action="store_true",
                     help="compile every (phase, bucket) executable at start-up (progress on stderr)")
     rt.add_argument("--compile-cache-dir", default=None,

@@ -87,6 +87,7 @@ class EngineSpec:
     schedule_conservativeness: float = 1.0
     verify_done_wait: str | None = None
     rounds_per_dispatch: int = 1
+    rounds_loop: str = "unrolled"  # "unrolled" | "while" (EngineConfig.unroll_rounds)
     compile_cache_dir: str | None = None
     no_compile_cache: bool = False
     compile_workers: int | None = None
@@ -158,6 +159,7 @@ class EngineSpec:
                             prefix_cache=not self.disable_prefix_cache,
                             schedule_conservativeness=self.schedule_conservativeness,
                             verify_done_wait=self.verify_done_wait, rounds_per_dispatch=self.rounds_per_dispatch,
+                            unroll_rounds=self.rounds_loop == "unrolled",
                             executable_cache_dir=executable_cache_dir,
                             compile_workers=self.compile_workers, tp=self.tp, tp_vocab=self.tp_vocab,
                             tp_draft=self.tp_draft, kernels=self.kernels)

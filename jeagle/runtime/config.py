@@ -15,13 +15,15 @@ class EngineConfig:
     mem_fraction_static: float | None = None  # ... or this fraction of GPU memory
     max_prefill_tokens: int = 8192  # padded tokens per prefill call (a longer single prompt still runs)
     decode_steps: int = 1  # tokens per decode dispatch (lax.fori_loop inside one executable)
-    # Speculative rounds per dispatch: one executable loops up to this many rounds on the device
-    # (lax.while_loop), stopping early once every row of the batch has finished; the host reads them
-    # with one copy. Output is the same for any value (tests/test_rounds_per_dispatch.py).
+    # Speculative rounds per dispatch: one executable runs this many rounds on the device; the host
+    # reads them with one copy. Output is the same for any value (tests/test_rounds_per_dispatch.py).
     rounds_per_dispatch: int = 1
-    # rounds_per_dispatch > 1: the rounds unrolled in the executable (every dispatch runs all of them)
-    # instead of a device loop that stops early; same output, R x the round's compile time.
-    unroll_rounds: bool = False
+    # rounds_per_dispatch > 1: the rounds written out one after another in the executable (every
+    # dispatch runs all R; R x a round's compile time), or False: a lax.while_loop that stops once every
+    # row has finished. On the H100 (SmolLM2, MT-bench, batch 16, R = 2) the loop ran at 0.65 of R = 1
+    # and the unrolled rounds at 0.97 (bench/HISTORY.md session 30): XLA reads a while loop's
+    # predicate back to the host every iteration.
+    unroll_rounds: bool = True
     # Layer loop: False (a loop), True (unrolled), k >= 2 (k layers per iteration); None: for the
     # decode and round executables 3 (halves the host's dispatch time per step for +10-30% compile
     # time, bench/HISTORY.md "dispatch"); the decode step unrolled when a layer's weights pass
