@@ -11,7 +11,7 @@
 #   carry .stage3 + .whl: `bash bench/gpu_session.sh run STEPS...` (later calls: carry .whl only).
 # startup (issue 27: first and second start of the README command) needs the staged GGUF like bench;
 # so does ttft (issue 25: a prefix-cache hit's time to first token by host phase, with a trace).
-# masks needs the staged GGUF (its tokenizer); so do linearab (decode A/B of JEAGLE_LINEAR=0|1) and adaptrounds. Random-weight steps (trainstep, tp, profile, phases, kerneltests, kernelbench, kernelround, specbench, overhead, warmup, cmdbuf, tierswitch, adaptoverhead, hostcall, graphlaunch, hostopts, adaptive, autotune) need no staging: `bash bench/gpu_session.sh run kerneltests kernelbench kernelround`.
+# masks needs the staged GGUF (its tokenizer); so do linearab (decode A/B of JEAGLE_LINEAR=0|1), adaptrounds and serveab. Random-weight steps (trainstep, tp, profile, phases, kerneltests, kernelbench, kernelround, specbench, overhead, warmup, cmdbuf, tierswitch, adaptoverhead, hostcall, graphlaunch, hostopts, adaptive, autotune) need no staging: `bash bench/gpu_session.sh run kerneltests kernelbench kernelround`.
 set -uo pipefail
 mode="${1:-run}"
 stage_in() {  # whatever staged parts this call carries -> $HOME/stage; unpack the data archives once
@@ -523,6 +523,25 @@ if [[ "$steps" == *" features "* ]]; then  # issue 24: logprobs, penalties, gram
         | grep -v "Converting\|Loading\|Delay kernel" | tee -a "$OUT/serve_features.log"
     done
   fi
+fi
+if [[ "$steps" == *" serveab "* ]]; then  # issue 24 at 32 clients: the served engine's host time, variant by variant
+  # Each variant one bench/serve.py process (EAGLE, then target-only with SAB_TARGET=1) at SAB_CONC (32)
+  # clients, plain and logprobs rows interleaved SAB_REPEATS (3) times. Variants: every engine config of
+  # SAB_CONFIGS (JSON, e.g. '{"rounds_per_dispatch": 2}') x every JEAGLE_XLA_OPTIONS of SAB_XLA (JSON, e.g.
+  # '{"xla_gpu_enable_dynamic_slice_fusion": false}'); SAB_CLIENT_PROCS (4) load-generator processes.
+  for xla in ${SAB_XLA:-'{}'}; do
+    for cfg in ${SAB_CONFIGS:-'{}'}; do
+      echo "== engine config $cfg, JEAGLE_XLA_OPTIONS $xla" | tee -a "$OUT/serveab.log"
+      JEAGLE_XLA_OPTIONS="$xla" timeout "${SAB_TIMEOUT:-300}" python3 bench/serve.py --model smollm2 \
+        --prompts .data/mtbench.jsonl --configs "$([ "${SAB_TARGET:-0}" = 1 ] && echo target-only,eagle || echo eagle)" \
+        --concurrency "${SAB_CONC:-32}" --requests-per-client "${SAB_PER_CLIENT:-8}" --max-tokens 256 \
+        --repeats "${SAB_REPEATS:-3}" --client-processes "${SAB_CLIENT_PROCS:-4}" --engine-config "$cfg" \
+        --extra '{}' --extra '{"logprobs": true, "top_logprobs": 5}' > "$OUT/serveab.tmp" 2>&1
+      grep '^{"bench' "$OUT/serveab.tmp" >> "$OUT/serveab.jsonl"
+      grep -v '^{"bench\|Delay kernel\|Converting\|Loading' "$OUT/serveab.tmp" | tee -a "$OUT/serveab.log" | tail -4
+    done
+  done
+  rm -f "$OUT/serveab.tmp"
 fi
 if [[ "$steps" == *" servespy "* ]]; then  # py-spy on the engine's process while bench/serve.py serves (py-spy in .whl)
   bash bench/probes/serve_spy.sh

@@ -32,6 +32,7 @@ import argparse
 import asyncio
 import itertools
 import json
+import os
 import socket
 import sys
 import threading
@@ -326,7 +327,8 @@ def main(argv=None):
                   f"(runs {', '.join(f'{x:.0f}' for x in r['tok_s'])}) {r['vs_extra0']:.3f} of the first{vs}")
     print(json.dumps({"bench": "serve", "model": args.model, "shape": args.shape, "device": device_kind(),
                       "commit": git_commit(), "prompt_len": args.prompt_len,
-                      "max_tokens": args.max_tokens, "repeats": args.repeats, "rows": rows, "summary": summary}))
+                      "max_tokens": args.max_tokens, "repeats": args.repeats,
+                      "xla_options": os.environ.get("JEAGLE_XLA_OPTIONS"), "rows": rows, "summary": summary}))
 
 
 if __name__ == "__main__":
