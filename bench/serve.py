@@ -186,6 +186,18 @@ def bench_engine(model, shape, name, prompts_path, prompt_len, top, max_tokens, 
     return engine, tok, {"warmup_s": round(time.perf_counter() - t0, 1), "target_dir": target_dir and str(target_dir)}
 
 
+def engine_host(before: dict, after: dict, wall: float) -> dict:
+    """The engine's host time over a pass (its /server_info `host_totals` before and after): the share
+    of the wall its steps spent busy (not waiting on the device; near 1: the host sets the pace) and
+    waiting, ms per step in the round/decode dispatch, prefill calls and ms per call."""
+    d = {k: after[k] - before[k] for k in after}
+    steps, prefills = max(d["steps"], 1), max(d["prefills"], 1)
+    return {"steps": d["steps"], "busy_frac": round(d["busy_s"] / wall, 3), "blocked_frac": round(d["blocked_s"] / wall, 3),
+            "dispatch_ms_per_step": round(1e3 * d["dispatch_s"] / steps, 3),
+            "busy_ms_per_step": round(1e3 * d["busy_s"] / steps, 3), "prefills": d["prefills"],
+            "prefill_dispatch_ms": round(1e3 * d["prefill_dispatch_s"] / prefills, 3)}
+
+
 def summarise(rows):
     """Per (config, concurrency, extra, clients, switch interval): the runs' output tok/s and their median,
     the median ÷ the same config's first extra (e.g. logprobs ÷ plain), and ÷ the first config's same row
@@ -284,6 +296,7 @@ def main(argv=None):
             time.sleep(0.05)
         url = f"http://127.0.0.1:{port}"
         num_compiled = lambda: httpx.get(f"{url}/server_info", timeout=60).json()["compilations"]  # noqa: E731
+        host_totals = lambda: httpx.get(f"{url}/server_info", timeout=60).json()["host_totals"]  # noqa: E731
         for c in levels:
             compiled = num_compiled()
             for extra in extras:  # untimed: this level's shapes, for every row's request
@@ -295,7 +308,9 @@ def main(argv=None):
             for rep, extra, where, interval in itertools.product(range(args.repeats), extras, places, intervals):
                 sys.setswitchinterval(interval)
                 httpx.post(f"{url}/flush_cache", timeout=60)  # the timed pass starts with no prefix cached
+                h0 = host_totals()
                 res, wall = clients[where](url, prompts, args.max_tokens, c, args.requests_per_client, extra, real)
+                host = engine_host(h0, host_totals(), wall)
                 ttft = [r[0] for r in res]
                 lat = [r[1] for r in res]
                 n, tokens = len(res), sum(r[2] for r in res)
@@ -305,19 +320,22 @@ def main(argv=None):
                              "requests_per_s": n / wall, "output_tokens_per_s": tokens / wall,
                              "ttft_ms": {q: 1e3 * pct(ttft, q) for q in (50, 90, 99)},
                              "latency_ms": {q: 1e3 * pct(lat, q) for q in (50, 90, 99)}, "warmup_s": warm,
-                             "engine": args.engine, "engine_config": args.engine_config, "compiled_in_timed_pass": num_compiled() - compiled})
+                             "engine": args.engine, "engine_config": args.engine_config, "engine_host": host,
+                             "compiled_in_timed_pass": num_compiled() - compiled})
                 compiled = num_compiled()
         server.should_exit = True
         th.join(timeout=30)
     for c in clients.values():
         c.close()
     print(f"{'config':>16} {'engine':>7} {'extra':>24} {'clients':>7} {'switch':>6} {'conc':>4} {'req/s':>7} {'tok/s':>8} {'TTFT p50/p90/p99 ms':>22} "
-          f"{'latency p50/p90/p99 ms':>24}")
+          f"{'latency p50/p90/p99 ms':>24} {'busy':>5} {'ms/step':>7} {'dispatch':>8}")
     for r in rows:
         t, lt = r["ttft_ms"], r["latency_ms"]
         label = ",".join(r["extra"])[:24] or "-"
         print(f"{r['config']:>16} {r['engine']:>7} {label:>24} {r['clients']:>7} {r['switch_interval']:>6.4f} {r['concurrency']:>4} {r['requests_per_s']:>7.2f} {r['output_tokens_per_s']:>8.0f} "
-              f"{t[50]:>7.1f}/{t[90]:>6.1f}/{t[99]:>7.1f} {lt[50]:>8.1f}/{lt[90]:>7.1f}/{lt[99]:>7.1f}")
+              f"{t[50]:>7.1f}/{t[90]:>6.1f}/{t[99]:>7.1f} {lt[50]:>8.1f}/{lt[90]:>7.1f}/{lt[99]:>7.1f} "
+              f"{r['engine_host']['busy_frac']:>5.2f} {r['engine_host']['busy_ms_per_step']:>7.3f} "
+              f"{r['engine_host']['dispatch_ms_per_step']:>8.3f}")
     summary = summarise(rows)
     if args.repeats > 1:
         print(f"medians of {args.repeats} interleaved passes (tok/s; ÷ the first --extra's row; ÷ {configs[0]}'s):")

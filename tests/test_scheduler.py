@@ -52,6 +52,12 @@ def test_identical_outputs_across_runtime_modes(target, head, workload):
         assert len(stats.buckets_used) >= 2, stats.buckets_used  # the batch crossed buckets
         assert stats.overlap == overlap and stats.verify_done_wait == wait
         assert stats.host_blocked_ms["p99"] >= stats.host_blocked_ms["p50"] >= 0
+        # The host's time per step: the dispatch is part of the step's busy time; the totals add up.
+        assert 0 < stats.host_dispatch_ms["mean"] <= stats.host_busy_ms["mean"]
+        assert stats.host_prefill_dispatch_ms["p50"] > 0
+        tot = engine.info()["host_totals"]
+        assert tot["steps"] == stats.steps and tot["prefills"] >= 1
+        assert tot["busy_s"] >= tot["dispatch_s"] > 0 and tot["blocked_s"] >= 0
         assert not engine.verify_done.pending
         steps[overlap, wait, padding] = stats.steps
     # Overlap dispatches the round after a request's last before it learns the request finished.

@@ -64,6 +64,12 @@ class Engine(KVFlow):
         self._hold_admission = False  # after a retraction, until a request finishes
         self._admitting: list[Request] = []  # admitted by the current `_admit_waiting`, not yet prefilled
         self.retractions = 0
+        # The host's time since start (s), summed, for a server's /server_info (a client takes differences):
+        # steps that dispatched a decode step or round; their host time not spent waiting on the device
+        # ("busy") and waiting ("blocked"); the decode/round dispatch calls and the prefill calls (inputs
+        # packed and the executable called: XLA's per-call work is most of it).
+        self.host_totals = {"steps": 0, "busy_s": 0.0, "blocked_s": 0.0, "dispatch_s": 0.0, "prefills": 0,
+                            "prefill_dispatch_s": 0.0}
         # Executables run once on padding rows (warm-up on a GPU, and a warm start's preload): `_prime`.
         self._primed: set = set()
         self.prime_after_warmup = jax.default_backend() == "gpu"
@@ -123,7 +129,8 @@ class Engine(KVFlow):
                 "prefix_cache": cache is not None, "prefix_cache_slots": cache.cached_slots if cache else 0,
                 "prefix_cache_evictable_slots": cache.evictable_slots if cache else 0,
                 "cached_tokens_total": kv.cached_tokens_total, "evicted_slots_total": kv.evicted_total,
-                "retractions": self.retractions, "new_token_ratio": round(self.new_token_ratio, 4)} | self.decoder.info()
+                "retractions": self.retractions, "new_token_ratio": round(self.new_token_ratio, 4),
+                "host_totals": dict(self.host_totals)} | self.decoder.info()
 
     def check_kv(self) -> None:
         """Raise unless every KV slot is free, cached once or owned once (`KVManager.check`)."""
@@ -214,7 +221,12 @@ class Engine(KVFlow):
             b, t = self.buckets.prefill(len(group), longest)
             starts = any(r.start for r in group)
             context = self.buckets.context(max(len(r.seq) for r in group)) if starts else 0
+            t0 = time.perf_counter()
             self._pending.append(("prefill", list(group), dec.prefill(group, b, t, context=context)))
+            spent = time.perf_counter() - t0
+            self.host_totals["prefills"] += 1
+            self.host_totals["prefill_dispatch_s"] += spent
+            self._acct["prefill_dispatches"].append(spent)
             for r in group:
                 self.kv.prefilled(r)  # its prompt's KV is on its way: later requests may share it
             running.extend(group)
@@ -254,6 +266,7 @@ class Engine(KVFlow):
         step or round over the live batch (dispatched before the previous one is processed, with
         overlap), and processing of the results that are due."""
         dec, pending, acct = self.decoder, self._pending, self._acct
+        start = time.perf_counter()
         # The next host step starts with the wait on the last round's verify results (sync: hard).
         blocked = self.verify_done.wait()
         if not self._running:  # nothing runs that waiting on the finished requests' table reads would stall
@@ -267,12 +280,15 @@ class Engine(KVFlow):
             blocked += waited
         grammar = wants_grammar(live)
 
+        drained = 0.0
+
         def drain():  # grammar masks need every token in flight: target-only first, EAGLE inside its round
-            nonlocal blocked
+            nonlocal blocked, drained
             t1 = time.perf_counter()
             while pending:
                 self._process(*pending.popleft())
             blocked += time.perf_counter() - t1
+            drained += time.perf_counter() - t1
         if grammar and pending and not dec.speculative:
             drain()
             self._running = [r for r in self._running if not r.done]
@@ -280,7 +296,9 @@ class Engine(KVFlow):
         if live:
             b, kv = self.buckets.decode(len(live), longest)
             acct["buckets_used"].add(b)
+            t1, drained = time.perf_counter(), 0.0
             result = dec.step(live, b, kv, drain)
+            dispatch = time.perf_counter() - t1 - drained  # (a grammar round reads the last one inside)
             pending.append(("step", live, result))
             handle = dec.verify_handle(result)
             if handle is not None:
@@ -299,7 +317,15 @@ class Engine(KVFlow):
             self._ask_tables()
         self._complete_releases(wait=False)  # after the dispatch: their host work overlaps the device's
         if live:
+            busy = time.perf_counter() - start - blocked
             acct["blocked_per_step"].append(blocked)
+            acct["busy_per_step"].append(busy)
+            acct["dispatch_per_step"].append(dispatch)
+            tot = self.host_totals
+            tot["steps"] += 1
+            tot["busy_s"] += busy
+            tot["blocked_s"] += blocked
+            tot["dispatch_s"] += dispatch
             self._decay_ratio()
         if not self.has_work:
             self.verify_done.wait()  # nothing may stay pending once idle
@@ -392,7 +418,9 @@ class Engine(KVFlow):
     def reset_stats(self) -> None:
         """Start a new accounting window for `stats()`."""
         self._acct = {"t0": time.perf_counter(), "compile0": self.compile_seconds, "compiled0": self.num_compiled,
-                      "blocked_per_step": deque(maxlen=HISTORY), "buckets_used": set(),
+                      "blocked_per_step": deque(maxlen=HISTORY), "busy_per_step": deque(maxlen=HISTORY),
+                      "dispatch_per_step": deque(maxlen=HISTORY), "prefill_dispatches": deque(maxlen=HISTORY),
+                      "buckets_used": set(),
                       "retractions0": self.retractions, "mask0": self.decoder.grammar_mask_s,
                       "decoder": self.decoder.stats_window()}
 
@@ -407,6 +435,9 @@ class Engine(KVFlow):
                      compilations_after_warmup=compiled if exes.warmup_seconds is not None else None,
                      warmup_s=exes.warmup_seconds, steps=len(acct["blocked_per_step"]),
                      host_blocked_ms=latency_stats(acct["blocked_per_step"]),
+                     host_busy_ms=latency_stats(acct["busy_per_step"]),
+                     host_dispatch_ms=latency_stats(acct["dispatch_per_step"]),
+                     host_prefill_dispatch_ms=latency_stats(acct["prefill_dispatches"]),
                      buckets_used=sorted(acct["buckets_used"]), overlap=self.config.overlap,
                      verify_done_wait=self.verify_done.mode, executables_from_store=exes.loaded_from_store,
                      cached_tokens=sum(r.cached_tokens for r in reqs),

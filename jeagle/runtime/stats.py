@@ -54,6 +54,12 @@ class Stats:
     verify_done_wait: str
     executables_from_store: int | None  # engine lifetime; None without a store
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache instead of prefilled
+    # Per step that dispatched (mean / p50 / p99, ms): the host's time in the step not waiting on the
+    # device (when it is as long as a step's device time, the host sets the pace), and within it the
+    # decode/round dispatch (inputs and the executable's call); per prefill call, its dispatch.
+    host_busy_ms: dict[str, float] | None = None
+    host_dispatch_ms: dict[str, float] | None = None
+    host_prefill_dispatch_ms: dict[str, float] | None = None
     retractions: int = 0  # requests retracted to make room (and resumed), in the window
     # Host time computing grammar masks (jeagle/grammar.py); a speculative round computes its tree's
     # while the device runs the verify's forward, so only what outlasts that forward stalls the device.
