@@ -201,13 +201,14 @@ def engine_host(before: dict, after: dict, wall: float) -> dict:
 def summarise(rows):
     """Per (config, concurrency, extra, clients, switch interval): the runs' output tok/s and their median,
     the median ÷ the same config's first extra (e.g. logprobs ÷ plain), and ÷ the first config's same row
-    (e.g. EAGLE ÷ target-only)."""
+    (e.g. EAGLE ÷ target-only); the median share of the wall the engine's steps kept its host busy."""
     import statistics
 
-    keyed: dict = {}
+    keyed, busy = {}, {}
     for r in rows:
         key = (r["config"], r["concurrency"], json.dumps(r["extra"], sort_keys=True), r["clients"], r["switch_interval"])
         keyed.setdefault(key, []).append(r["output_tokens_per_s"])
+        busy.setdefault(key, []).append(r["engine_host"]["busy_frac"])
     medians = {k: statistics.median(v) for k, v in keyed.items()}
     first_extra = {}
     for k in keyed:  # insertion order: a config's first extra comes first
@@ -220,7 +221,8 @@ def summarise(rows):
         other = medians.get((config0, c, extra, where, interval))
         out.append({"config": name, "concurrency": c, "extra": json.loads(extra), "label": ",".join(json.loads(extra))[:24] or "-",
                     "clients": where, "switch_interval": interval, "tok_s": v, "tok_s_median": medians[k],
-                    "vs_extra0": medians[k] / base, "vs_config0": None if name == config0 or not other else medians[k] / other})
+                    "vs_extra0": medians[k] / base, "vs_config0": None if name == config0 or not other else medians[k] / other,
+                    "engine_busy_frac_median": statistics.median(busy[k])})
     return out
 
 
@@ -342,7 +344,8 @@ def main(argv=None):
         for r in summary:
             vs = "" if r["vs_config0"] is None else f" {r['vs_config0']:.3f}× {configs[0]}"
             print(f"{r['config']:>16} {r['label']:>24} {r['clients']:>7} {r['concurrency']:>4} {r['tok_s_median']:>8.0f} "
-                  f"(runs {', '.join(f'{x:.0f}' for x in r['tok_s'])}) {r['vs_extra0']:.3f} of the first{vs}")
+                  f"(runs {', '.join(f'{x:.0f}' for x in r['tok_s'])}) {r['vs_extra0']:.3f} of the first{vs}; "
+                  f"engine busy {r['engine_busy_frac_median']:.2f} of the wall")
     print(json.dumps({"bench": "serve", "model": args.model, "shape": args.shape, "device": device_kind(),
                       "commit": git_commit(), "prompt_len": args.prompt_len,
                       "max_tokens": args.max_tokens, "repeats": args.repeats,
