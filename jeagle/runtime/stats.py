@@ -56,7 +56,8 @@ class Stats:
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache instead of prefilled
     # Per step that dispatched (mean / p50 / p99, ms): the host's time in the step not waiting on the
     # device (when it is as long as a step's device time, the host sets the pace), and within it the
-    # decode/round dispatch (inputs and the executable's call); per prefill call, its dispatch.
+    # decode/round dispatch (inputs and the executable's call; a grammar round's host masks too); per
+    # prefill call, its dispatch.
     host_busy_ms: dict[str, float] | None = None
     host_dispatch_ms: dict[str, float] | None = None
     host_prefill_dispatch_ms: dict[str, float] | None = None

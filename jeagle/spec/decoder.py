@@ -178,8 +178,8 @@ class SpecDecoder(SlotTables, GrammarMasks, FlatParams):
             if False in grammar:
                 keys.append(self.round_key(tier, b, kv, g, lp, pen))
             if True in grammar:
-                accept = dataclasses.replace(self.round_key(tier, b, kv, g, lp, pen), phase="accept", rounds=1, unrolled=False,
-                                             grammar=True, nested=(), width=0)
+                accept = dataclasses.replace(self.round_key(tier, b, kv, g, lp, pen), phase="accept", rounds=1,
+                                             unrolled=False, grammar=True, nested=(), width=0)
                 keys += [DraftKey(self.static, tier, b, kv), accept.forward_key(), accept]
         return list(dict.fromkeys(keys))  # the draft and forward keys repeat across modes
 
@@ -294,8 +294,8 @@ class SpecDecoder(SlotTables, GrammarMasks, FlatParams):
         if fused:
             return self._run(self._round_exe(state, b, kv, greedy, lp, pen), row_ids)
         tree = self._run_draft(self.executables.get(DraftKey(self.static, tier, b, kv)), row_ids)
-        verify = dataclasses.replace(self.round_key(tier, b, kv, greedy, lp, pen), phase="verify", rounds=1, unrolled=False, nested=(),
-                                     width=0)
+        verify = dataclasses.replace(self.round_key(tier, b, kv, greedy, lp, pen), phase="verify", rounds=1,
+                                     unrolled=False, nested=(), width=0)
         if not grammar:
             return self._run(self.executables.get(verify), (row_ids, tree))
         # Grammar: the device runs the verify's forward while the host computes the tree's masks

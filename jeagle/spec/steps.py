@@ -167,7 +167,7 @@ class RoundKey(_SpecKey):
     # target over the tree; inputs (row_ids, tree), result `VerifyForward`) and "accept" (inputs
     # (row_ids, tree, VerifyForward, token masks [B, N, W]))
     phase: str = "round"
-    rounds: int = 1  # rounds per dispatch, looped on the device (fused rounds only)
+    rounds: int = 1  # rounds per dispatch, run on the device (fused rounds only)
     # rounds > 1: the rounds written out one after another in the executable (every dispatch runs all
     # of them; a row's rounds after it finished emit nothing) instead of a `lax.while_loop` that stops
     # once every row finished (XLA's GPU runtime reads a while loop's predicate back to the host each
