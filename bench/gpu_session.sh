@@ -405,7 +405,7 @@ if [[ "$steps" == *" adaptrounds "* ]]; then  # issue 22: static vs adaptive pol
     for sys in ${ARD_SYSTEMS:-static tp tpw8}; do
       more=""
       case "$sys" in
-        r[0-9]) cfg=""; more=", \"rounds_per_dispatch\": ${sys#r}" ;;
+        r[0-9]) cfg=""; more=", \"rounds_per_dispatch\": ${sys#r}, \"unroll_rounds\": false" ;;
         r[0-9]u) cfg=""; r=${sys#r}; more=", \"rounds_per_dispatch\": ${r%u}, \"unroll_rounds\": true" ;;
       esac
       store="{\"executable_cache_dir\": \"$JEAGLE_CACHE/exec\"$more}"
@@ -527,8 +527,9 @@ fi
 if [[ "$steps" == *" serveab "* ]]; then  # issue 24 at 32 clients: the served engine's host time, variant by variant
   # Each variant one bench/serve.py process (EAGLE, then target-only with SAB_TARGET=1) at SAB_CONC (32)
   # clients, plain and logprobs rows interleaved SAB_REPEATS (3) times. Variants: every engine config of
-  # SAB_CONFIGS (JSON, e.g. '{"rounds_per_dispatch": 2}') x every JEAGLE_XLA_OPTIONS of SAB_XLA (JSON, e.g.
-  # '{"xla_gpu_enable_dynamic_slice_fusion": false}'); SAB_CLIENT_PROCS (4) load-generator processes.
+  # SAB_CONFIGS (JSON without spaces: the lists split on them, e.g. '{} {"rounds_per_dispatch":2}') x every
+  # JEAGLE_XLA_OPTIONS of SAB_XLA (the same, e.g. '{} {"xla_gpu_enable_dynamic_slice_fusion":false}');
+  # SAB_CLIENT_PROCS (4) load-generator processes.
   for xla in ${SAB_XLA:-'{}'}; do
     for cfg in ${SAB_CONFIGS:-'{}'}; do
       echo "== engine config $cfg, JEAGLE_XLA_OPTIONS $xla" | tee -a "$OUT/serveab.log"

@@ -298,7 +298,18 @@ def main(argv=None):
             time.sleep(0.05)
         url = f"http://127.0.0.1:{port}"
         num_compiled = lambda: httpx.get(f"{url}/server_info", timeout=60).json()["compilations"]  # noqa: E731
-        host_totals = lambda: httpx.get(f"{url}/server_info", timeout=60).json()["host_totals"]  # noqa: E731
+
+        def host_totals():
+            """The engine's host_totals once they stop moving (an engine process sends its counters at
+            most every 50 ms: read too soon, a pass's last steps would count in no pass)."""
+            last = None
+            for _ in range(20):
+                now = httpx.get(f"{url}/server_info", timeout=60).json()["host_totals"]
+                if now == last:
+                    return now
+                last = now
+                time.sleep(0.06)
+            return last
         for c in levels:
             compiled = num_compiled()
             for extra in extras:  # untimed: this level's shapes, for every row's request

@@ -163,7 +163,9 @@ class KVFlow:
                 self._releasing.append((done, self.decoder.read_tables([r.row for r in done])))
 
     def _complete(self, done, handle) -> None:
-        tables, lengths = self.decoder.tables_of(handle)
+        t = time.perf_counter()
+        tables, lengths = self.decoder.tables_of(handle)  # blocks while the read is in flight
+        self.tables_waited_s += time.perf_counter() - t
         for r, table, n in zip(done, tables, lengths):
             if r.table is not None:
                 self.kv.release(r, Committed(int(n), table))
@@ -212,12 +214,12 @@ class KVFlow:
             if self._pending or self._to_read or self._releasing:
                 # Read every result in flight (finished requests free their slots; the rest's state
                 # is final), then try again.
-                t1 = time.perf_counter()
+                t1, tables0 = time.perf_counter(), self.tables_waited_s
                 while self._pending:
                     self._process(*self._pending.popleft())
                 self._ask_tables()
                 self._complete_releases()
-                waited += time.perf_counter() - t1
+                waited += time.perf_counter() - t1 - (self.tables_waited_s - tables0)  # (the step adds those)
             elif len(self._running) > 1:
                 self._retract(max(self._running, key=lambda x: x.admit_order))
             else:

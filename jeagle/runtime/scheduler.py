@@ -70,6 +70,7 @@ class Engine(KVFlow):
         # packed and the executable called: XLA's per-call work is most of it).
         self.host_totals = {"steps": 0, "busy_s": 0.0, "blocked_s": 0.0, "dispatch_s": 0.0, "prefills": 0,
                             "prefill_dispatch_s": 0.0}
+        self.tables_waited_s = 0.0  # reading finished requests' slot tables back (KVFlow._complete)
         # Executables run once on padding rows (warm-up on a GPU, and a warm start's preload): `_prime`.
         self._primed: set = set()
         self.prime_after_warmup = jax.default_backend() == "gpu"
@@ -266,7 +267,7 @@ class Engine(KVFlow):
         step or round over the live batch (dispatched before the previous one is processed, with
         overlap), and processing of the results that are due."""
         dec, pending, acct = self.decoder, self._pending, self._acct
-        start = time.perf_counter()
+        start, tables0 = time.perf_counter(), self.tables_waited_s
         # The next host step starts with the wait on the last round's verify results (sync: hard).
         blocked = self.verify_done.wait()
         if not self._running:  # nothing runs that waiting on the finished requests' table reads would stall
@@ -317,6 +318,7 @@ class Engine(KVFlow):
             self._ask_tables()
         self._complete_releases(wait=False)  # after the dispatch: their host work overlaps the device's
         if live:
+            blocked += self.tables_waited_s - tables0  # slot-table reads waited on (admission, releases)
             busy = time.perf_counter() - start - blocked
             acct["blocked_per_step"].append(blocked)
             acct["busy_per_step"].append(busy)

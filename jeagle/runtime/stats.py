@@ -27,7 +27,7 @@ class SpecStats:
     tiers: list[list[int]] = field(default_factory=list)  # every (S, K, N) the decoder runs
     tier_history: dict[str, list[int]] = field(default_factory=dict)  # round index (from 0) -> tier from then on
     tier_switches: int = 0
-    rounds_per_dispatch: int = 1  # rounds one dispatch loops on the device (at most; fewer once all rows finish)
+    rounds_per_dispatch: int = 1  # rounds one dispatch runs (all of them unrolled; the loop stops once all rows finish)
     # Grammar rows' rounds whose tree masks came from checking the verify's best tokens (greedy rows,
     # `jeagle.grammar.walk_masks`) and from a mask per tree node (the rest, and what the walk left undecided).
     grammar_rows_walked: int = 0
@@ -55,9 +55,10 @@ class Stats:
     executables_from_store: int | None  # engine lifetime; None without a store
     cached_tokens: int = 0  # prompt tokens taken from the prefix cache instead of prefilled
     # Per step that dispatched (mean / p50 / p99, ms): the host's time in the step not waiting on the
-    # device (when it is as long as a step's device time, the host sets the pace), and within it the
-    # decode/round dispatch (inputs and the executable's call; a grammar round's host masks too); per
-    # prefill call, its dispatch.
+    # device (when it is as long as a step's device time, the host sets the pace; a target-only grammar
+    # step's reading of the results in flight counts as waiting, as in host_blocked_ms), and within it
+    # the decode/round dispatch (inputs and the executable's call; a grammar round's host masks too; a
+    # compile after warm-up too); per prefill call, its dispatch.
     host_busy_ms: dict[str, float] | None = None
     host_dispatch_ms: dict[str, float] | None = None
     host_prefill_dispatch_ms: dict[str, float] | None = None

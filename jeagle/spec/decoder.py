@@ -318,7 +318,8 @@ class SpecDecoder(SlotTables, GrammarMasks, FlatParams):
         """Time one round of every tier at bucket (b, kv, greedy) on padding rows (the scratch row,
         which every padded batch computes on anyway), for the throughput policy (`controller.times`):
         `warm` untimed rounds of each tier, then `runs` rounds each, the tiers interleaved and every
-        round timed alone (dispatch to result), the median kept. (Three rounds back to back after one
+        round timed alone (dispatch to result), the median kept (per round: a dispatch of R unrolled
+        rounds counts R). (Three rounds back to back after one
         untimed run read 4.9 ms for (1,4,3) where a (5,4,8) round takes 2.5 ms on the H100: first
         runs and clock ramps, bench/HISTORY.md session 12.) Waits for what is in flight first."""
         start, compiled = time.perf_counter(), self.executables.compile_seconds
@@ -333,8 +334,10 @@ class SpecDecoder(SlotTables, GrammarMasks, FlatParams):
                 t0 = time.perf_counter()
                 jax.block_until_ready((self._run(exe, rows), self.state))
                 samples[j].append(time.perf_counter() - t0)
+        # A dispatch of unrolled rounds runs all R on the padding rows (the loop stops after the first).
+        per = self.rounds_per_dispatch if self.config.unroll_rounds else 1
         for j, ms in enumerate(samples):
-            self.controller.times.calibrated(j, (b, kv, greedy), float(np.median(ms)) * 1e3)
+            self.controller.times.calibrated(j, (b, kv, greedy), float(np.median(ms)) * 1e3 / per)
         self._last_read = None  # the next sample would include this
         # Start-up work, not serving; the compiles in it are counted already.
         self.executables.add_startup_seconds(time.perf_counter() - start - (self.executables.compile_seconds - compiled))
