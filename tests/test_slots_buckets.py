@@ -142,6 +142,8 @@ def test_small_prefills_unroll_their_layers_on_a_gpu(monkeypatch):
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert steps.layer_unroll("small_prefill", cfg, mc) == 3
     assert steps.layer_unroll("small_prefill", EngineConfig(unroll_layers=True), mc) is True
+    step_only = EngineConfig(step_unroll_layers=True)  # the decode step and round only
+    assert [steps.layer_unroll(p, step_only, mc) for p in ("prefill", "small_prefill", "step", "round")] == [False, 3, True, True]
     static = type("S", (), {"unroll_prefill": False, "unroll_small_prefill": 3})()
     n = steps.SMALL_PREFILL_TOKENS
     assert steps.prefill_unroll(static, 1, n) == 3 and steps.prefill_unroll(static, 4, n // 4) == 3

@@ -32,6 +32,10 @@ class EngineConfig:
     # round's GEMMs went to cuBLAS without copies there, and unrolling it measured no faster); a loop
     # for prefill, 3 per iteration for small ones on a GPU (runtime/steps.py SMALL_PREFILL_TOKENS).
     unroll_layers: bool | int | None = None
+    # The same for the decode step and the round only (overrides unroll_layers there; prefills keep
+    # theirs): a served engine whose host sets the pace unrolls what it calls every step without
+    # paying the unrolled prefills' compile time at warm-up.
+    step_unroll_layers: bool | int | None = None
     batch_buckets: tuple[int, ...] | None = None  # default: SGLang's list capped at max_batch_size
     max_bucket: int | None = None  # cap the default list (the largest bucket is then max_batch_size)
     disable_padding: bool = False  # one executable per exact batch size

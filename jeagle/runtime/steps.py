@@ -58,7 +58,10 @@ SMALL_PREFILL_TOKENS = 256
 
 def layer_unroll(phase: str, config, model_cfg) -> bool | int:
     """The layer-loop unroll of the "prefill", "small_prefill" (`SMALL_PREFILL_TOKENS`), "step"
-    (target-only decode) or "round" executables (EngineConfig.unroll_layers; None: see there)."""
+    (target-only decode) or "round" executables (EngineConfig.unroll_layers and step_unroll_layers;
+    None: see there)."""
+    if phase in ("step", "round") and config.step_unroll_layers is not None:
+        return config.step_unroll_layers
     if config.unroll_layers is not None:
         return config.unroll_layers
     if phase == "prefill":
