@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import itertools
 import json
 import os
@@ -156,6 +157,7 @@ def bench_engine(model, shape, name, prompts_path, prompt_len, top, max_tokens, 
     in the server's process or in an engine process of its own (EngineProcess's build)."""
     from jeagle.engine import EngineConfig, speculative, target_only
     from jeagle.kernels.settings import KernelSettings
+    from jeagle.serve.options import SERVER_SLICE_FUSION
     from jeagle.spec.round import SpecConfig
 
     prompts, target_dir = workload(model, shape, prompts_path, prompt_len), None
@@ -172,8 +174,10 @@ def bench_engine(model, shape, name, prompts_path, prompt_len, top, max_tokens, 
     tok = tokenizer_for(model, shape, target_dir)
     lengths = [len(tok.encode_chat([{"role": "user", "content": t}])) for t in prompts] if target_dir else [prompt_len]
     buckets = tuple(sorted({1, 2, 4, 8, 16, 32, top} & set(range(1, top + 1))))
+    # The server's kernel settings (python -m jeagle.serve: the environment's, slice fusions off).
+    kernels = dataclasses.replace(KernelSettings.from_env(), slice_fusion=SERVER_SLICE_FUSION)
     cfg = EngineConfig(**{"max_batch_size": top, "max_context": max(lengths) + max_tokens + 64,
-                          "batch_buckets": buckets, "kernels": KernelSettings.from_env()} | (overrides or {}))
+                          "batch_buckets": buckets, "kernels": kernels} | (overrides or {}))
     if name == "target-only":
         engine = target_only(target, cfg)
     else:
@@ -184,6 +188,15 @@ def bench_engine(model, shape, name, prompts_path, prompt_len, top, max_tokens, 
     t0 = time.perf_counter()
     engine.warmup(prefill_lengths=sorted(set(lengths)), prefix=(False, True), progress=False, **modes)
     return engine, tok, {"warmup_s": round(time.perf_counter() - t0, 1), "target_dir": target_dir and str(target_dir)}
+
+
+def slice_fusion() -> bool:
+    """Whether the engines ran XLA's dynamic-slice fusions: the server's default (off), unless
+    JEAGLE_XLA_OPTIONS names the option."""
+    from jeagle.serve.options import SERVER_SLICE_FUSION
+
+    opts = json.loads(os.environ.get("JEAGLE_XLA_OPTIONS") or "{}")
+    return bool(opts.get("xla_gpu_enable_dynamic_slice_fusion", SERVER_SLICE_FUSION))
 
 
 def engine_host(before: dict, after: dict, wall: float) -> dict:
@@ -360,7 +373,8 @@ def main(argv=None):
     print(json.dumps({"bench": "serve", "model": args.model, "shape": args.shape, "device": device_kind(),
                       "commit": git_commit(), "prompt_len": args.prompt_len,
                       "max_tokens": args.max_tokens, "repeats": args.repeats,
-                      "xla_options": os.environ.get("JEAGLE_XLA_OPTIONS"), "rows": rows, "summary": summary}))
+                      "xla_options": os.environ.get("JEAGLE_XLA_OPTIONS"), "slice_fusion": slice_fusion(),
+                      "rows": rows, "summary": summary}))
 
 
 if __name__ == "__main__":

@@ -83,6 +83,11 @@ def build_parser(prog: str = "python -m jeagle.generate", prompts: bool = True,
                     help="R > 1: the rounds written out in one executable (default; R x the compile time) or a "
                          "device loop that stops once every request of the batch has finished (slower on the "
                          "H100: XLA reads its predicate back every iteration)")
+    rt.add_argument("--slice-fusion", choices=["on", "off"], default=None,
+                    help="XLA's dynamic-slice fusions on a GPU (a GEMM reads its layer's slice of the stacked weights "
+                         "in place); off: the slice is copied first, a little more device time for about half the "
+                         "host's work per call. Default: on for jeagle.generate, off for jeagle.serve (whose host "
+                         "sets the pace: +6-10%% at 16-32 clients on the H100, bench/HISTORY.md session 31)")
     rt.add_argument("--warmup", action="store_true",
                     help="compile every (phase, bucket) executable at start-up (progress on stderr)")
     rt.add_argument("--compile-cache-dir", default=None,
@@ -119,6 +124,17 @@ def build_parser(prog: str = "python -m jeagle.generate", prompts: bool = True,
                            "update_interval, down_hysteresis, up_hysteresis (omitted keys: defaults); "
                            "implies --speculative-adaptive")
     return p
+
+
+def kernel_settings(a: argparse.Namespace, *, slice_fusion: bool):
+    """The kernel settings of an entry point: the environment's (`KernelSettings.from_env`), with
+    `--slice-fusion` when given, else the entry point's default `slice_fusion`."""
+    import dataclasses
+
+    from jeagle.kernels.settings import KernelSettings
+
+    chosen = slice_fusion if a.slice_fusion is None else a.slice_fusion == "on"
+    return dataclasses.replace(KernelSettings.from_env(), slice_fusion=chosen)
 
 
 def check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:

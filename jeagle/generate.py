@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from jeagle.cli import build_parser, check_args
+from jeagle.cli import build_parser, check_args, kernel_settings
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -68,12 +68,11 @@ def describe_decoding(spec) -> str:
 def run(args: argparse.Namespace) -> dict:
     from jeagle.engine import EngineSpec, build_engine
     from jeagle.fetch import resolve_target
-    from jeagle.kernels.settings import KernelSettings
     from jeagle.sampling import SamplingParams
     from jeagle.tokenizer import StreamDecoder, Tokenizer
 
     texts = list(args.prompts) + (read_prompts_file(args.prompts_file) if args.prompts_file else [])
-    spec = EngineSpec.from_namespace(args, quiet=args.json, kernels=KernelSettings.from_env())
+    spec = EngineSpec.from_namespace(args, quiet=args.json, kernels=kernel_settings(args, slice_fusion=True))
     spec.adaptive()  # a bad adaptive config fails before anything loads
     target_dir = resolve_target(args.target, dtype=spec.dtype, quiet=args.json)
     tokenizer = Tokenizer.from_dir(target_dir)

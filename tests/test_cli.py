@@ -281,9 +281,25 @@ def test_serve_cli_end_to_end(smollm2_dir):
         assert "Paris" in r.json()["choices"][0]["message"]["content"]
         info = httpx.get(f"{url}/server_info", headers={"Authorization": "Bearer k"}, timeout=30).json()
         assert info["model"] == "SmolLM2-135M-Instruct-float32" and info["max_running_requests"] == 2
+        assert info["slice_fusion"] is False  # the server's default (jeagle.serve.options.SERVER_SLICE_FUSION)
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+def test_slice_fusion_defaults_on_for_generate_off_for_the_server(monkeypatch):
+    """`--slice-fusion`: XLA's dynamic-slice fusions stay on for jeagle.generate and go off for
+    jeagle.serve unless the flag says otherwise; the rest of the kernel settings come from the environment."""
+    from jeagle import generate
+    from jeagle.cli import kernel_settings
+    from jeagle.serve.options import parse_args as serve_args
+
+    assert kernel_settings(generate.parse_args([QUESTION]), slice_fusion=True).slice_fusion is True
+    assert kernel_settings(generate.parse_args(["--slice-fusion", "off", QUESTION]), slice_fusion=True).slice_fusion is False
+    assert serve_args([]).engine.kernels.slice_fusion is False
+    assert serve_args(["--slice-fusion", "on"]).engine.kernels.slice_fusion is True
+    monkeypatch.setenv("JEAGLE_TOPK", "0")
+    assert serve_args([]).engine.kernels.topk is False
 
 
 def test_serve_cli_bad_target_fails_fast_with_one_line():

@@ -68,6 +68,11 @@ class KernelSettings:
     # The draft's softmax + top-K (spec/round.py `draft_topk`) through the one-pass kernel
     # (jeagle/kernels/topk.py); False: XLA's softmax and TopK.
     topk: bool = True
+    # XLA's dynamic-slice fusions on a GPU: a GEMM on one layer's slice of the stacked weights reads it in
+    # place (less device time). False: XLA copies the slice first; each call then costs the host about half
+    # as much (no per-call prepare and re-record of those thunks): the server's default, whose host sets
+    # the pace (`--slice-fusion`, bench/HISTORY.md session 31).
+    slice_fusion: bool = True
 
     def __post_init__(self):
         if self.backend is not None and self.backend not in BACKENDS:
@@ -85,6 +90,8 @@ class KernelSettings:
             raise ValueError(f"linear must be a bool, got {self.linear!r}")
         if not isinstance(self.topk, bool):
             raise ValueError(f"topk must be a bool, got {self.topk!r}")
+        if not isinstance(self.slice_fusion, bool):
+            raise ValueError(f"slice_fusion must be a bool, got {self.slice_fusion!r}")
         if not isinstance(self.triton_gemm, bool):
             raise ValueError(f"triton_gemm must be a bool, got {self.triton_gemm!r}")
         if isinstance(self.xla_options, Mapping):  # a dict is accepted and stored as sorted pairs

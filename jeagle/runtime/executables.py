@@ -115,10 +115,13 @@ def compiler_options(kernels, *, cublas_only: bool) -> dict:
     executable) and the rounds run as fast or faster (bench/HISTORY.md, "XLA options"); kept on with
     `KernelSettings.triton_gemm` (JEAGLE_TRITON_GEMM=1). Deterministic mode: cuBLAS and no autotuning
     in every executable, so one matmul shape gets one algorithm everywhere. On a CPU no options of
-    ours. Then the settings' own `xla_options` (JEAGLE_XLA_OPTIONS)."""
+    ours. `slice_fusion=False`: XLA's dynamic-slice fusions off (KernelSettings says why). Then the
+    settings' own `xla_options` (JEAGLE_XLA_OPTIONS), which win."""
     extra = dict(kernels.xla_options)
     if jax.default_backend() != "gpu":
         return extra
+    if not kernels.slice_fusion:
+        extra = {"xla_gpu_enable_dynamic_slice_fusion": False} | extra
     if kernels.deterministic:  # the same cuBLAS algorithm for the same matmul shape in every executable
         return {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0} | extra
     if not cublas_only or kernels.triton_gemm:

@@ -54,12 +54,13 @@ class EngineFacts:
     verify_done_wait: str
     speculative: bool
     adaptive: bool
+    slice_fusion: bool  # XLA's dynamic-slice fusions (KernelSettings.slice_fusion; the server's default: off)
 
     @classmethod
     def of(cls, engine) -> "EngineFacts":
         return cls(tuple(engine.model_cfg.eos_token_ids), engine.model_cfg.vocab_size, engine.max_context,
                    engine.context_reserve, engine.max_running, tuple(engine.batch_buckets), engine.config.overlap,
-                   engine.verify_done_mode, engine.speculative, engine.adaptive)
+                   engine.verify_done_mode, engine.speculative, engine.adaptive, engine.config.kernels.slice_fusion)
 
 
 def rejection(e: Exception) -> tuple[str, int]:

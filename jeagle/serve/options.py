@@ -6,8 +6,15 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from jeagle.cli import build_parser, check_args
+from jeagle.cli import build_parser, check_args, kernel_settings
 from jeagle.engine import EngineSpec
+
+# XLA's dynamic-slice fusions in the server's executables (`--slice-fusion`): off. Admissions, streaming and
+# the round's call keep the served engine's host busy 0.8-0.9 of the wall at 16-32 clients, and without
+# those fusions a round's call costs the host a fifth less: EAGLE +6-10 % tok/s at 16 and 32 clients, no
+# visible change at 1 client or target-only (H100, bench/HISTORY.md session 31). jeagle.generate keeps them:
+# its batch decode is device-bound, where the slice copies cost 5-9 % (session 27).
+SERVER_SLICE_FUSION = False
 
 
 @dataclass(frozen=True)
@@ -40,9 +47,8 @@ def parse_options(argv: list[str] | None = None):
 
 def parse_args(argv: list[str] | None = None) -> ServeArgs:
     a = parse_options(argv)
-    from jeagle.kernels.settings import KernelSettings
-
-    return ServeArgs(EngineSpec.from_namespace(a, kernels=KernelSettings.from_env()), host=a.host, port=a.port,
+    return ServeArgs(EngineSpec.from_namespace(a, kernels=kernel_settings(a, slice_fusion=SERVER_SLICE_FUSION)),
+                     host=a.host, port=a.port,
                      api_key=a.api_key, served_model_name=a.served_model_name, warmup=a.warmup)
 
 

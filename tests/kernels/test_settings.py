@@ -150,3 +150,23 @@ def test_use_is_per_thread():
         t.start()
         t.join()
     assert seen == [KernelSettings()]  # a new thread starts outside any `use`: workers enter their own
+
+
+def test_slice_fusion_off_turns_xla_dynamic_slice_fusions_off_on_a_gpu_only(monkeypatch):
+    """KernelSettings.slice_fusion=False adds XLA's option on a GPU (the user's JEAGLE_XLA_OPTIONS win);
+    True adds nothing; a CPU gets no options of ours; the choice is part of the settings' key."""
+    from jeagle.runtime.executables import compiler_options
+
+    name = "xla_gpu_enable_dynamic_slice_fusion"
+    off = KernelSettings(slice_fusion=False)
+    assert off != KernelSettings() and hash(off) != hash(KernelSettings())
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert name not in compiler_options(off, cublas_only=True)
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    for cublas_only in (True, False):
+        assert compiler_options(off, cublas_only=cublas_only)[name] is False
+        assert name not in compiler_options(KernelSettings(), cublas_only=cublas_only)
+    assert compiler_options(KernelSettings(slice_fusion=False, deterministic=True), cublas_only=False)[name] is False
+    assert compiler_options(KernelSettings(slice_fusion=False, xla_options={name: True}), cublas_only=True)[name] is True
+    with pytest.raises(ValueError, match="slice_fusion must be a bool"):
+        KernelSettings(slice_fusion="off")
