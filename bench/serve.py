@@ -202,13 +202,24 @@ def slice_fusion() -> bool:
 def engine_host(before: dict, after: dict, wall: float) -> dict:
     """The engine's host time over a pass (its /server_info `host_totals` before and after): the share
     of the wall its steps spent busy (not waiting on the device; near 1: the host sets the pace) and
-    waiting, ms per step in the round/decode dispatch, prefill calls and ms per call."""
+    waiting, ms per step in the round/decode dispatch, prefill calls and ms per call; the process's
+    garbage collections (all, full) and their share of the wall."""
     d = {k: after[k] - before[k] for k in after}
     steps, prefills = max(d["steps"], 1), max(d["prefills"], 1)
     return {"steps": d["steps"], "busy_frac": round(d["busy_s"] / wall, 3), "blocked_frac": round(d["blocked_s"] / wall, 3),
             "dispatch_ms_per_step": round(1e3 * d["dispatch_s"] / steps, 3),
             "busy_ms_per_step": round(1e3 * d["busy_s"] / steps, 3), "prefills": d["prefills"],
-            "prefill_dispatch_ms": round(1e3 * d["prefill_dispatch_s"] / prefills, 3)}
+            "prefill_dispatch_ms": round(1e3 * d["prefill_dispatch_s"] / prefills, 3),
+            # Python's garbage collector in the engine's process (it stops the engine thread while it runs).
+            "gc_collections": d.get("gc_collections"), "gc_full_collections": d.get("gc_full_collections"),
+            "gc_frac": None if "gc_s" not in d else round(d["gc_s"] / wall, 4)}
+
+
+def gc_label(host: dict) -> str:
+    """The pass's garbage collections in the engine's process: "full/all wall-share" ("-" if unknown)."""
+    if host.get("gc_frac") is None:
+        return "-"
+    return f"{host['gc_full_collections']}/{host['gc_collections']} {100 * host['gc_frac']:.1f}%"
 
 
 def summarise(rows):
@@ -354,14 +365,14 @@ def main(argv=None):
     for c in clients.values():
         c.close()
     print(f"{'config':>16} {'engine':>7} {'extra':>24} {'clients':>7} {'switch':>6} {'conc':>4} {'req/s':>7} {'tok/s':>8} {'TTFT p50/p90/p99 ms':>22} "
-          f"{'latency p50/p90/p99 ms':>24} {'busy':>5} {'ms/step':>7} {'dispatch':>8}")
+          f"{'latency p50/p90/p99 ms':>24} {'busy':>5} {'ms/step':>7} {'dispatch':>8} {'gc':>9}")
     for r in rows:
         t, lt = r["ttft_ms"], r["latency_ms"]
         label = ",".join(r["extra"])[:24] or "-"
         print(f"{r['config']:>16} {r['engine']:>7} {label:>24} {r['clients']:>7} {r['switch_interval']:>6.4f} {r['concurrency']:>4} {r['requests_per_s']:>7.2f} {r['output_tokens_per_s']:>8.0f} "
               f"{t[50]:>7.1f}/{t[90]:>6.1f}/{t[99]:>7.1f} {lt[50]:>8.1f}/{lt[90]:>7.1f}/{lt[99]:>7.1f} "
               f"{r['engine_host']['busy_frac']:>5.2f} {r['engine_host']['busy_ms_per_step']:>7.3f} "
-              f"{r['engine_host']['dispatch_ms_per_step']:>8.3f}")
+              f"{r['engine_host']['dispatch_ms_per_step']:>8.3f} {gc_label(r['engine_host']):>9}")
     summary = summarise(rows)
     if args.repeats > 1:
         print(f"medians of {args.repeats} interleaved passes (tok/s; ÷ the first --extra's row; ÷ {configs[0]}'s):")

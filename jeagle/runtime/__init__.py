@@ -10,6 +10,7 @@
     startup.py      the devices brought up on a thread while a start imports (jeagle.generate)
     verify_done.py  the wait on a speculative round's verify results
     stats.py        what a generate() call reports
+    gc_clock.py     the garbage collector timed, and frozen for a serving process
     target.py       the target-only decoder; its pure step functions are in steps.py
     scheduler.py    the Engine: queue, admission, continuous batching, overlap, readback, stats
 

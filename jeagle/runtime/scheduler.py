@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 from jeagle.runtime.decoder import wants_grammar
+from jeagle.runtime.gc_clock import gc_totals
 from jeagle.runtime.kv import KVManager
 from jeagle.runtime.kv_flow import KVFlow
 from jeagle.runtime.requests import Output, Request, RequestLimits, make_request
@@ -131,7 +132,7 @@ class Engine(KVFlow):
                 "prefix_cache_evictable_slots": cache.evictable_slots if cache else 0,
                 "cached_tokens_total": kv.cached_tokens_total, "evicted_slots_total": kv.evicted_total,
                 "retractions": self.retractions, "new_token_ratio": round(self.new_token_ratio, 4),
-                "host_totals": dict(self.host_totals)} | self.decoder.info()
+                "host_totals": self.host_totals | gc_totals()} | self.decoder.info()
 
     def check_kv(self) -> None:
         """Raise unless every KV slot is free, cached once or owned once (`KVManager.check`)."""

@@ -14,6 +14,7 @@ def serve(args: ServeArgs, link=None) -> int:
     import uvicorn
 
     from jeagle.errors import USER_ERRORS, report
+    from jeagle.runtime.gc_clock import freeze_heap
     from jeagle.serve.app import create_app
     from jeagle.tokenizer import Tokenizer
 
@@ -22,6 +23,7 @@ def serve(args: ServeArgs, link=None) -> int:
             engine, tokenizer, facts = load(args)
         except USER_ERRORS as e:
             return report(e)
+        freeze_heap()  # this process serves from here on: later collections skip what start-up built
     else:
         engine, facts = link, link.extra
         tokenizer = Tokenizer.from_dir(facts["target_dir"])

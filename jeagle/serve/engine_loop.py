@@ -121,7 +121,10 @@ class EngineLoop(threading.Thread):
     def _read_info(self) -> dict:
         return self.engine.info() | {"compilations": self.engine.num_compiled}
 
-    def _tokens(self, job: Job, ids: list[int]) -> None:  # the engine's on_tokens, for one job
+    def _tokens_of(self, index: int, ids: list[int]) -> None:  # the engine's on_tokens
+        self._tokens(self.jobs[index], ids)
+
+    def _tokens(self, job: Job, ids: list[int]) -> None:
         r, facts = job.request, None
         if not job.told:
             job.told, facts = True, {"cached_tokens": r.cached_tokens, "prompt_logprobs": r.out.prompt_logprobs}
@@ -132,7 +135,9 @@ class EngineLoop(threading.Thread):
         eng = self.engine
         if cmd == "submit":
             try:
-                job.request = eng.submit(job.prompt, job.params, on_tokens=lambda _i, ids, j=job: self._tokens(j, ids))
+                # By index, not a closure over the job: a request and its job referring to each other
+                # would be a cycle that only the garbage collector frees, for every request served.
+                job.request = eng.submit(job.prompt, job.params, on_tokens=self._tokens_of)
             except Exception as e:  # the engine's checks (prompt length, vocabulary, slots): queued nothing
                 self._out.append((job, ("rejected", rejection(e))))
                 return

@@ -27,6 +27,7 @@ import sys
 import threading
 import time
 
+from jeagle.runtime.gc_clock import freeze_heap
 from jeagle.serve.engine_loop import EngineLoop, Job, by_loop
 
 INFO_PERIOD_S = 0.05
@@ -164,6 +165,7 @@ def _child_main(build, args, conn) -> None:
         engine, tokenizer, extra = build(*args)
         jobs: dict[int, Job] = {}
         loop = _ChildLoop(engine, conn, jobs)
+        freeze_heap()  # this process serves from here on: later collections skip what start-up built
     except BaseException as e:  # reported to the parent, which raises EngineFailed with it
         if not isinstance(e, EngineFailed):  # (an EngineFailed was printed where it was raised)
             print(f"[jeagle.serve] the engine failed to start: {e!r}", file=sys.stderr, flush=True)
