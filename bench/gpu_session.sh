@@ -528,7 +528,8 @@ if [[ "$steps" == *" serveab "* ]]; then  # issue 24 at 32 clients: the served e
   # Each variant one bench/serve.py process (EAGLE, then target-only with SAB_TARGET=1) at SAB_CONC (32)
   # clients, plain and logprobs rows interleaved SAB_REPEATS (3) times. Variants: every engine config of
   # SAB_CONFIGS (JSON without spaces: the lists split on them, e.g. '{} {"rounds_per_dispatch":2}') x every
-  # JEAGLE_XLA_OPTIONS of SAB_XLA (the same, e.g. '{} {"xla_gpu_enable_dynamic_slice_fusion":false}');
+  # JEAGLE_XLA_OPTIONS of SAB_XLA (the same; bench/serve.py builds the server's engines, XLA's dynamic-slice
+  # fusions off since session 31, so '{} {"xla_gpu_enable_dynamic_slice_fusion":true}' A/Bs them);
   # SAB_CLIENT_PROCS (4) load-generator processes.
   for xla in ${SAB_XLA:-'{}'}; do
     for cfg in ${SAB_CONFIGS:-'{}'}; do

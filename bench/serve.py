@@ -309,7 +309,10 @@ def main(argv=None):
             engine = EngineProcess(bench_engine, build)
             facts = engine.extra
         else:
+            from jeagle.runtime.gc_clock import freeze_heap
+
             engine, _, facts = bench_engine(*build)
+            freeze_heap()  # as python -m jeagle.serve --engine-thread does once its engine is built
         warm, tok = facts["warmup_s"], tokenizer_for(args.model, args.shape, facts["target_dir"])
         app = create_app(engine, tok, "bench")
         with socket.socket() as s:

@@ -85,8 +85,8 @@ def build_parser(prog: str = "python -m jeagle.generate", prompts: bool = True,
                          "H100: XLA reads its predicate back every iteration)")
     rt.add_argument("--slice-fusion", choices=["on", "off"], default=None,
                     help="XLA's dynamic-slice fusions on a GPU (a GEMM reads its layer's slice of the stacked weights "
-                         "in place); off: the slice is copied first, a little more device time for about half the "
-                         "host's work per call. Default: on for jeagle.generate, off for jeagle.serve (whose host "
+                         "in place); off: the slice is copied first, a little more device time for about a fifth less "
+                         "host work per call. Default: on for jeagle.generate, off for jeagle.serve (whose host "
                          "sets the pace: +6-10%% at 16-32 clients on the H100, bench/HISTORY.md session 31)")
     rt.add_argument("--warmup", action="store_true",
                     help="compile every (phase, bucket) executable at start-up (progress on stderr)")

@@ -65,14 +65,22 @@ def describe_decoding(spec) -> str:
         ", adaptive" if spec.speculative_adaptive or spec.speculative_adaptive_config else "")
 
 
+def engine_spec(args: argparse.Namespace):
+    """The engine the options describe (XLA's dynamic-slice fusions on unless `--slice-fusion off`: a
+    batch decode here is device-bound, where they save 5-9 %, bench/HISTORY.md session 27)."""
+    from jeagle.engine import EngineSpec
+
+    return EngineSpec.from_namespace(args, quiet=args.json, kernels=kernel_settings(args, slice_fusion=True))
+
+
 def run(args: argparse.Namespace) -> dict:
-    from jeagle.engine import EngineSpec, build_engine
+    from jeagle.engine import build_engine
     from jeagle.fetch import resolve_target
     from jeagle.sampling import SamplingParams
     from jeagle.tokenizer import StreamDecoder, Tokenizer
 
     texts = list(args.prompts) + (read_prompts_file(args.prompts_file) if args.prompts_file else [])
-    spec = EngineSpec.from_namespace(args, quiet=args.json, kernels=kernel_settings(args, slice_fusion=True))
+    spec = engine_spec(args)
     spec.adaptive()  # a bad adaptive config fails before anything loads
     target_dir = resolve_target(args.target, dtype=spec.dtype, quiet=args.json)
     tokenizer = Tokenizer.from_dir(target_dir)

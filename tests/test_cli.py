@@ -294,8 +294,9 @@ def test_slice_fusion_defaults_on_for_generate_off_for_the_server(monkeypatch):
     from jeagle.cli import kernel_settings
     from jeagle.serve.options import parse_args as serve_args
 
-    assert kernel_settings(generate.parse_args([QUESTION]), slice_fusion=True).slice_fusion is True
-    assert kernel_settings(generate.parse_args(["--slice-fusion", "off", QUESTION]), slice_fusion=True).slice_fusion is False
+    assert generate.engine_spec(generate.parse_args([QUESTION])).kernels.slice_fusion is True
+    assert generate.engine_spec(generate.parse_args(["--slice-fusion", "off", QUESTION])).kernels.slice_fusion is False
+    assert kernel_settings(generate.parse_args([QUESTION]), slice_fusion=False).slice_fusion is False
     assert serve_args([]).engine.kernels.slice_fusion is False
     assert serve_args(["--slice-fusion", "on"]).engine.kernels.slice_fusion is True
     monkeypatch.setenv("JEAGLE_TOPK", "0")

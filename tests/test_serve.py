@@ -343,9 +343,9 @@ def test_the_engine_in_its_own_process_serves_what_the_thread_serves(server, par
             assert info["running_requests"] == 0 and info["prefix_cache_slots"] > 0
             assert info["kv_slots_free"] + info["prefix_cache_slots"] == info["kv_slots_total"]
             assert info["speculative"] is True and info["compilations"] > 0
-            # The engine's process froze its start-up heap; its collections are counted.
+            # The engine's process froze its start-up heap (the counting itself: tests/test_gc_clock.py).
             tot = info["host_totals"]
-            assert tot["gc_frozen"] > 10_000 and tot["gc_collections"] >= tot["gc_full_collections"] >= 1
+            assert tot["gc_frozen"] > 10_000 and {"gc_collections", "gc_full_collections", "gc_s"} <= set(tot)
             assert c.post("/flush_cache").status_code == 200
             deadline = time.time() + 10  # the counters come back after the engine process applied it
             while c.get("/server_info").json()["prefix_cache_slots"] and time.time() < deadline:

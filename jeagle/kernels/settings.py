@@ -69,8 +69,8 @@ class KernelSettings:
     # (jeagle/kernels/topk.py); False: XLA's softmax and TopK.
     topk: bool = True
     # XLA's dynamic-slice fusions on a GPU: a GEMM on one layer's slice of the stacked weights reads it in
-    # place (less device time). False: XLA copies the slice first; each call then costs the host about half
-    # as much (no per-call prepare and re-record of those thunks): the server's default, whose host sets
+    # place (less device time). False: XLA copies the slice first; each round call then costs the host about
+    # a fifth less (no per-call prepare and re-record of those thunks; 1.5-1.6 -> 1.2-1.3 ms at batch 32): the server's default, whose host sets
     # the pace (`--slice-fusion`, bench/HISTORY.md session 31).
     slice_fusion: bool = True
 

@@ -33,8 +33,9 @@ class EngineConfig:
     # for prefill, 3 per iteration for small ones on a GPU (runtime/steps.py SMALL_PREFILL_TOKENS).
     unroll_layers: bool | int | None = None
     # The same for the decode step and the round only (overrides unroll_layers there; prefills keep
-    # theirs): a served engine whose host sets the pace unrolls what it calls every step without
-    # paying the unrolled prefills' compile time at warm-up.
+    # theirs), so that a server can unroll what it calls every step without the unrolled prefills'
+    # compile time. Measured served at 32 clients on the H100: 0.97x the default, 0.80x with
+    # XLA's dynamic-slice fusions off (bench/HISTORY.md session 31), so no default uses it.
     step_unroll_layers: bool | int | None = None
     batch_buckets: tuple[int, ...] | None = None  # default: SGLang's list capped at max_batch_size
     max_bucket: int | None = None  # cap the default list (the largest bucket is then max_batch_size)

@@ -163,9 +163,9 @@ def _child_main(build, args, conn) -> None:
     thread reads commands; exits when the parent says stop or goes away."""
     try:
         engine, tokenizer, extra = build(*args)
-        jobs: dict[int, Job] = {}
-        loop = _ChildLoop(engine, conn, jobs)
         freeze_heap()  # this process serves from here on: later collections skip what start-up built
+        jobs: dict[int, Job] = {}
+        loop = _ChildLoop(engine, conn, jobs)  # (its first counters, sent with "ready", show the freeze)
     except BaseException as e:  # reported to the parent, which raises EngineFailed with it
         if not isinstance(e, EngineFailed):  # (an EngineFailed was printed where it was raised)
             print(f"[jeagle.serve] the engine failed to start: {e!r}", file=sys.stderr, flush=True)
