@@ -11,7 +11,7 @@
 #   carry .stage3 + .whl: `bash bench/gpu_session.sh run STEPS...` (later calls: carry .whl only).
 # startup (issue 27: first and second start of the README command) needs the staged GGUF like bench;
 # so does ttft (issue 25: a prefix-cache hit's time to first token by host phase, with a trace).
-# masks needs the staged GGUF (its tokenizer); so do linearab (decode A/B of JEAGLE_LINEAR=0|1), adaptrounds and serveab. Random-weight steps (trainstep, tp, profile, phases, kerneltests, kernelbench, kernelround, specbench, overhead, warmup, cmdbuf, tierswitch, adaptoverhead, hostcall, graphlaunch, hostopts, adaptive, autotune) need no staging: `bash bench/gpu_session.sh run kerneltests kernelbench kernelround`.
+# masks needs the staged GGUF (its tokenizer); so do linearab (decode A/B of JEAGLE_LINEAR=0|1), adaptrounds and serveab. Random-weight steps (trainstep, tp, profile, phases, kerneltests, kernelbench, kernelround, specbench, overhead, warmup, cmdbuf, tierswitch, adaptoverhead, hostcall, graphlaunch, hostopts, adaptive, autotune, dispatchthread) need no staging: `bash bench/gpu_session.sh run kerneltests kernelbench kernelround`.
 set -uo pipefail
 mode="${1:-run}"
 stage_in() {  # whatever staged parts this call carries -> $HOME/stage; unpack the data archives once
@@ -530,10 +530,13 @@ if [[ "$steps" == *" serveab "* ]]; then  # issue 24 at 32 clients: the served e
   # SAB_CONFIGS (JSON without spaces: the lists split on them, e.g. '{} {"rounds_per_dispatch":2}') x every
   # JEAGLE_XLA_OPTIONS of SAB_XLA (the same; bench/serve.py builds the server's engines, XLA's dynamic-slice
   # fusions off since session 31, so '{} {"xla_gpu_enable_dynamic_slice_fusion":true}' A/Bs them);
-  # SAB_CLIENT_PROCS (4) load-generator processes.
+  # SAB_CLIENT_PROCS (4) load-generator processes. SAB_CYCLES (1): the whole list of variants run that many
+  # times (A B A B ...): the same configuration read 23.9k-28.2k tok/s in three processes of one machine
+  # (session 31), so a difference between two processes means something only where it outlasts that.
+  for cycle in $(seq 1 "${SAB_CYCLES:-1}"); do
   for xla in ${SAB_XLA:-'{}'}; do
     for cfg in ${SAB_CONFIGS:-'{}'}; do
-      echo "== engine config $cfg, JEAGLE_XLA_OPTIONS $xla" | tee -a "$OUT/serveab.log"
+      echo "== cycle $cycle: engine config $cfg, JEAGLE_XLA_OPTIONS $xla" | tee -a "$OUT/serveab.log"
       JEAGLE_XLA_OPTIONS="$xla" timeout "${SAB_TIMEOUT:-300}" python3 bench/serve.py --model smollm2 \
         --prompts .data/mtbench.jsonl --configs "$([ "${SAB_TARGET:-0}" = 1 ] && echo target-only,eagle || echo eagle)" \
         --concurrency "${SAB_CONC:-32}" --requests-per-client "${SAB_PER_CLIENT:-8}" --max-tokens 256 \
@@ -543,7 +546,12 @@ if [[ "$steps" == *" serveab "* ]]; then  # issue 24 at 32 clients: the served e
       grep -v '^{"bench\|Delay kernel\|Converting\|Loading' "$OUT/serveab.tmp" | tee -a "$OUT/serveab.log" | tail -4
     done
   done
+  done
   rm -f "$OUT/serveab.tmp"
+fi
+if [[ "$steps" == *" dispatchthread "* ]]; then  # the engine's Python beside a round call on a dispatch thread (random weights)
+  python3 bench/probes/dispatch_thread.py --batch-sizes "${DT_BATCH:-32,1}" --python-ms "${DT_PYTHON_MS:-0,0.6,1.2}" \
+    2>&1 | grep -v "Delay kernel" | tee "$OUT/dispatch_thread.log" | grep -v '^{"b'
 fi
 if [[ "$steps" == *" servespy "* ]]; then  # py-spy on the engine's process while bench/serve.py serves (py-spy in .whl)
   bash bench/probes/serve_spy.sh
