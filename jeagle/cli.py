@@ -66,6 +66,10 @@ def build_parser(prog: str = "python -m jeagle.generate", prompts: bool = True,
     rt.add_argument("--disable-padding", action="store_true", help="compile one executable per exact batch size")
     rt.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                     help="dispatch the next round before the host processes the last one (default on)")
+    rt.add_argument("--dispatch-thread", action="store_true",
+                    help="call the executables on a thread of their own while the host processes the last step's "
+                         "results (XLA's per-call host work beside the engine's Python; unmeasured on a GPU, off by "
+                         "default: bench/HISTORY.md session 31)")
     rt.add_argument("--disable-prefix-cache", action="store_true",
                     help="prefill every prompt whole (default: reuse the KV of the longest cached prefix — earlier "
                          "prompts and answers — and evict the least recently used when slots run short)")

@@ -88,6 +88,7 @@ class EngineSpec:
     verify_done_wait: str | None = None
     rounds_per_dispatch: int = 1
     rounds_loop: str = "unrolled"  # "unrolled" | "while" (EngineConfig.unroll_rounds)
+    dispatch_thread: bool = False
     compile_cache_dir: str | None = None
     no_compile_cache: bool = False
     compile_workers: int | None = None
@@ -156,6 +157,7 @@ class EngineSpec:
                             unroll_layers=True if self.unroll_layers else self.layer_unroll,
                             batch_buckets=self.buckets, max_bucket=self.max_bucket,
                             disable_padding=self.disable_padding, overlap=self.overlap,
+                            dispatch_thread=self.dispatch_thread,
                             prefix_cache=not self.disable_prefix_cache,
                             schedule_conservativeness=self.schedule_conservativeness,
                             verify_done_wait=self.verify_done_wait, rounds_per_dispatch=self.rounds_per_dispatch,

@@ -303,6 +303,16 @@ def test_slice_fusion_defaults_on_for_generate_off_for_the_server(monkeypatch):
     assert serve_args([]).engine.kernels.topk is False
 
 
+def test_dispatch_thread_flag_reaches_the_engine_config():
+    """`--dispatch-thread` (off by default) becomes EngineConfig.dispatch_thread, for both entry points."""
+    from jeagle import generate
+    from jeagle.serve.options import parse_args as serve_args
+
+    assert generate.engine_spec(generate.parse_args([QUESTION])).engine_config(1, None).dispatch_thread is False
+    assert generate.engine_spec(generate.parse_args(["--dispatch-thread", QUESTION])).engine_config(1, None).dispatch_thread
+    assert serve_args(["--dispatch-thread"]).engine.engine_config(1, None).dispatch_thread is True
+
+
 def test_serve_cli_bad_target_fails_fast_with_one_line():
     """A target that does not exist: the engine's process says so in one line and the server exits 2
     (it never binds the port)."""

@@ -41,6 +41,9 @@ class EngineConfig:
     max_bucket: int | None = None  # cap the default list (the largest bucket is then max_batch_size)
     disable_padding: bool = False  # one executable per exact batch size
     overlap: bool = True  # dispatch step r+1 before the host processes step r
+    # The executables' calls on a thread of their own, the host processing the last step's results
+    # meanwhile (runtime/dispatch.py). Off until the GPU measures it.
+    dispatch_thread: bool = False
     # Prefix caching (runtime/radix.py): a request reuses the KV of the longest cached prefix of its
     # prompt (prompts and finished requests are cached; LRU eviction when slots run short).
     prefix_cache: bool = True

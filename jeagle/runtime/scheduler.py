@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 from jeagle.runtime.decoder import wants_grammar
+from jeagle.runtime.dispatch import resolve
 from jeagle.runtime.gc_clock import gc_totals
 from jeagle.runtime.kv import KVManager
 from jeagle.runtime.kv_flow import KVFlow
@@ -302,15 +303,18 @@ class Engine(KVFlow):
             result = dec.step(live, b, kv, drain)
             dispatch = time.perf_counter() - t1 - drained  # (a grammar round reads the last one inside)
             pending.append(("step", live, result))
-            handle = dec.verify_handle(result)
-            if handle is not None:
-                self.verify_done.record(handle)
         # Overlap: keep this step in flight while the host processes the previous one; without
         # overlap (or with nothing more to dispatch) process everything now.
         # A target-only grammar step is processed at once: its requests' next masks need its tokens.
         keep = 1 if live and self.config.overlap and (dec.speculative or not grammar) else 0
         while len(pending) > keep:
             blocked += self._process(*pending.popleft())
+        if live:  # after the processing: with a dispatch thread the step's call ran meanwhile (its rest: dispatch)
+            t1 = time.perf_counter()
+            handle = dec.verify_handle(resolve(result))
+            if handle is not None:
+                self.verify_done.record(handle)
+            dispatch += time.perf_counter() - t1
         self._running = [r for r in self._running if not r.done]
         # The finished requests' slot tables are read when their rows and slots are wanted (requests
         # wait) or nothing else runs: a read between two rounds stalls the device more than a round's

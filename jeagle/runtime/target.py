@@ -19,18 +19,20 @@ from jeagle.penalties import penalty_inputs, wants_penalties
 from jeagle.runtime.decoder import (Delivery, GrammarMasks, SlotTables, context_size, place_cache, prefill_batch,
                                     sampling_inputs, split_prompt_logprobs, wants_grammar, wants_logprobs,
                                     wants_prompt_logprobs, weight_bytes)
+from jeagle.runtime.dispatch import Dispatching, resolve
 from jeagle.runtime.executables import DeviceShapes, Executables, FlatParams
 from jeagle.runtime.slots import SlotLayout, pool_size
 from jeagle.runtime.steps import (DecodeInputs, DecodeKey, PrefillInputs, PrefillKey, Sampling, TargetState,
                                   TargetStatic, init_state, input_layout, layer_unroll)
 
 
-class TargetDecoder(SlotTables, GrammarMasks, FlatParams):
+class TargetDecoder(SlotTables, GrammarMasks, FlatParams, Dispatching):
     speculative = False
     swaps_slots = False  # the host's slot tables are the device's (nothing swaps positions' slots)
 
     def __init__(self, model, config, *, mesh=None):
         self.config, self.model_cfg, self.mesh = config, model.cfg, mesh
+        self._init_dispatch(config.dispatch_thread)
         if mesh is not None:
             from jeagle.sharding import shard_target
 
@@ -88,9 +90,7 @@ class TargetDecoder(SlotTables, GrammarMasks, FlatParams):
 
     # ---- dispatch --------------------------------------------------------------------------------
     def _run(self, exe, inputs):
-        out, self.state = exe(self.param_leaves, self.state, inputs)
-        out.copy_to_host_async()  # the host reads it a step later; this copy is then done
-        return out
+        return self._call(exe, inputs)
 
     def prefill(self, reqs, b: int, t: int, logprobs: bool | None = None, prompt_logprobs: bool = False,
                 context: int = 0):
@@ -125,7 +125,7 @@ class TargetDecoder(SlotTables, GrammarMasks, FlatParams):
             out = self._run(self.executables.get(key), inputs)
         else:
             return
-        jax.block_until_ready((out, self.state))
+        jax.block_until_ready((resolve(out), self.state))
 
     def calibrate_keys(self, keys, compile: bool = True) -> None:
         """Nothing to time: one decode step, no tiers."""

@@ -37,6 +37,7 @@ from jeagle.penalties import penalty_inputs, wants_penalties
 from jeagle.runtime.decoder import (Delivery, GrammarMasks, SlotTables, context_size, place_cache, prefill_batch,
                                     sampling_inputs, split_prompt_logprobs, wants_grammar, wants_logprobs,
                                     wants_prompt_logprobs, weight_bytes)
+from jeagle.runtime.dispatch import Dispatching, resolve
 from jeagle.runtime.executables import DeviceShapes, Executables, FlatParams
 from jeagle.runtime.slots import SlotLayout, pool_size
 from jeagle.runtime.stats import SpecStats
@@ -47,7 +48,7 @@ from jeagle.spec.steps import DraftKey, RoundKey, SpecPrefillInputs, SpecPrefill
 ACCEPT_HISTORY = 100_000  # accept lengths kept between stats windows (a server runs for days)
 
 
-class SpecDecoder(SlotTables, GrammarMasks, FlatParams):
+class SpecDecoder(SlotTables, GrammarMasks, FlatParams, Dispatching):
     speculative = True
     swaps_slots = True  # a round's commit swaps tree slots into positions: read the tables back to know them
 
@@ -59,6 +60,7 @@ class SpecDecoder(SlotTables, GrammarMasks, FlatParams):
         bench only, a forced mean accept length (the output is then not the target's)."""
         draft.cfg.check_target(model.cfg)
         self.config, self.model_cfg, self.draft_cfg, self.mesh = config, model.cfg, draft.cfg, mesh
+        self._init_dispatch(config.dispatch_thread)
         self.base_spec, self.adaptive_config = spec, adaptive
         self.tiers = ((spec,) if adaptive is None else
                       tuple(_tier(spec, t, adaptive) for t in adaptive.tiers(*spec.shape)))
@@ -208,9 +210,7 @@ class SpecDecoder(SlotTables, GrammarMasks, FlatParams):
         return rows
 
     def _run(self, exe, inputs):
-        res, self.state = exe(self.param_leaves, self.state, inputs)
-        res.copy_to_host_async()
-        return res
+        return self._call(exe, inputs)
 
     def prefill(self, reqs, b: int, t: int, logprobs: bool | None = None, prompt_logprobs: bool = False,
                 context: int = 0):
@@ -254,7 +254,7 @@ class SpecDecoder(SlotTables, GrammarMasks, FlatParams):
             out = self._run(self.executables.get(key), pad([], key.batch, self.scratch_row, np.int32))
         else:
             return
-        jax.block_until_ready((out, self.state))
+        jax.block_until_ready((resolve(out), self.state))
 
     def wants_step(self, r) -> bool:
         """Every unfinished request: a round that finishes it reports so."""
@@ -327,12 +327,12 @@ class SpecDecoder(SlotTables, GrammarMasks, FlatParams):
         exes = [self._round_exe(state, b, kv, greedy) for state in self.tier_states]  # compiles count themselves
         for exe in exes:
             for _ in range(warm):
-                jax.block_until_ready((self._run(exe, rows), self.state))
+                jax.block_until_ready((resolve(self._run(exe, rows)), self.state))
         samples = [[] for _ in exes]
         for _ in range(runs):
             for j, exe in enumerate(exes):
                 t0 = time.perf_counter()
-                jax.block_until_ready((self._run(exe, rows), self.state))
+                jax.block_until_ready((resolve(self._run(exe, rows)), self.state))
                 samples[j].append(time.perf_counter() - t0)
         # A dispatch of unrolled rounds runs all R on the padding rows (the loop stops after the first).
         per = self.rounds_per_dispatch if self.config.unroll_rounds else 1

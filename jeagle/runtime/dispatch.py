@@ -1,0 +1,90 @@
+"""Where a decoder's executables are called: on the engine's thread, or on a dispatch thread of their own.
+
+A served engine's thread is busy ~0.9 of the wall at 16-32 clients on the H100, two thirds of it inside
+the executables' calls, where XLA prepares and launches the work on the host (bench/HISTORY.md sessions
+30-31). JAX releases the GIL inside a call, so with `EngineConfig.dispatch_thread` the decoders hand
+each call to one thread of their own and the engine processes the previous round's results
+(`Engine.step`) while XLA works on this one. Off by default until the GPU measures it
+(`bench/probes/dispatch_thread.py`, `bench/gpu_session.sh run serveab` with `{"dispatch_thread":true}`).
+
+What keeps it safe: a call donates the decoder's device state and returns the next one, so every read
+or write of `state` on the engine's thread first waits for the call in flight (`Dispatching.state`);
+the calls run one at a time, in the order the engine made them. A call's result comes back as a
+`Dispatched`: `np.asarray` of it (the engine's read) waits for the call, then for the copy to the host
+that the call started; `resolve` gives the device array.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+
+
+class Dispatched:
+    """A step's device result whose call runs on the dispatch thread."""
+
+    __slots__ = ("future",)
+
+    def __init__(self, future: Future):
+        self.future = future
+
+    def result(self):
+        """The device result (waits for the call; re-raises its error)."""
+        return self.future.result()
+
+    def __array__(self, dtype=None, copy=None):
+        return np.asarray(self.future.result(), dtype)
+
+
+def resolve(result):
+    """The device result of a call (a `Dispatched` one waited for)."""
+    return result.result() if isinstance(result, Dispatched) else result
+
+
+class Dispatching:
+    """For a decoder with `param_leaves`: its device `state` and `_call`, which runs one executable
+    (exe(params, state, inputs) -> (result, next state)) on the calling thread or the dispatch thread."""
+
+    _device_state = None
+    _pool: ThreadPoolExecutor | None = None
+    _in_flight: Future | None = None
+
+    def _init_dispatch(self, threaded: bool) -> None:
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="jeagle-dispatch") if threaded else None
+
+    @property
+    def threaded(self) -> bool:
+        return self._pool is not None
+
+    @property
+    def state(self):
+        """The device state, once the call in flight (if any) has returned it."""
+        self._join()
+        return self._device_state
+
+    @state.setter
+    def state(self, value) -> None:
+        self._join()
+        self._device_state = value
+
+    def _join(self) -> None:
+        future, self._in_flight = self._in_flight, None
+        if future is not None:
+            future.result()  # the call's error, if it failed, is raised here, on the engine's thread
+
+    def _call(self, exe, inputs):
+        """Call `exe` on the state and `inputs`; the result's copy to the host is started with it."""
+        if self._pool is None:
+            res, self.state = exe(self.param_leaves, self.state, inputs)
+            res.copy_to_host_async()  # the host reads it a step later; this copy is then done
+            return res
+        leaves, state = self.param_leaves, self.state  # (waits for the call before)
+
+        def run():
+            res, self._device_state = exe(leaves, state, inputs)
+            res.copy_to_host_async()
+            return res
+
+        self._in_flight = self._pool.submit(run)
+        return Dispatched(self._in_flight)
