@@ -15,6 +15,9 @@ device state, the step functions and their executables. The scheduler calls:
                                 where any request asks for logprobs (`wants_logprobs`, `wants_prompt_logprobs`)
                                 runs the executables that compute them
     verify_handle(result)       what the verify_done wait waits on after a step (None: nothing)
+    threaded / state            whether the executables' calls run on a dispatch thread (runtime/dispatch.py:
+                                a step's result is then a `Dispatched`); the device state, once the call in
+                                flight has returned it
     warmup_keys(plan, greedy, logprobs, penalties)   the step keys of a warm-up plan
     prime(key)                  run key's executable once on padding rows only (a warm start's preload)
     prefix_bound(n, max_new, overlap)   the longest prefix a request can reach (warm-up planning)

@@ -65,6 +65,7 @@ class Engine(KVFlow):
         self._admitted = 0  # admissions so far (a request's admit_order: the youngest is retracted first)
         self._hold_admission = False  # after a retraction, until a request finishes
         self._admitting: list[Request] = []  # admitted by the current `_admit_waiting`, not yet prefilled
+        self._unjoined = None  # the last step's result while its call runs on the dispatch thread (`_join_step`)
         self.retractions = 0
         # The host's time since start (s), summed, for a server's /server_info (a client takes differences):
         # steps that dispatched a decode step or round; their host time not spent waiting on the device
@@ -199,6 +200,7 @@ class Engine(KVFlow):
                     self.kv.release(r)
         self.decoder.dropped()
         try:  # after a failed step the last round's results may be the failure itself: drop them
+            self._join_step()
             self.verify_done.wait()
         except Exception:
             log.warning("abort_all: the last step's results failed; dropped", exc_info=True)
@@ -270,6 +272,7 @@ class Engine(KVFlow):
         overlap), and processing of the results that are due."""
         dec, pending, acct = self.decoder, self._pending, self._acct
         start, tables0 = time.perf_counter(), self.tables_waited_s
+        joined = self._join_step()
         # The next host step starts with the wait on the last round's verify results (sync: hard).
         blocked = self.verify_done.wait()
         if not self._running:  # nothing runs that waiting on the finished requests' table reads would stall
@@ -301,20 +304,20 @@ class Engine(KVFlow):
             acct["buckets_used"].add(b)
             t1, drained = time.perf_counter(), 0.0
             result = dec.step(live, b, kv, drain)
-            dispatch = time.perf_counter() - t1 - drained  # (a grammar round reads the last one inside)
+            dispatch = time.perf_counter() - t1 - drained + joined  # (a grammar round reads the last one inside)
             pending.append(("step", live, result))
+            if dec.threaded:  # its call runs beside this step's processing and the server's hand-over after it
+                self._unjoined = result
+            else:
+                handle = dec.verify_handle(result)
+                if handle is not None:
+                    self.verify_done.record(handle)
         # Overlap: keep this step in flight while the host processes the previous one; without
         # overlap (or with nothing more to dispatch) process everything now.
         # A target-only grammar step is processed at once: its requests' next masks need its tokens.
         keep = 1 if live and self.config.overlap and (dec.speculative or not grammar) else 0
         while len(pending) > keep:
             blocked += self._process(*pending.popleft())
-        if live:  # after the processing: with a dispatch thread the step's call ran meanwhile (its rest: dispatch)
-            t1 = time.perf_counter()
-            handle = dec.verify_handle(resolve(result))
-            if handle is not None:
-                self.verify_done.record(handle)
-            dispatch += time.perf_counter() - t1
         self._running = [r for r in self._running if not r.done]
         # The finished requests' slot tables are read when their rows and slots are wanted (requests
         # wait) or nothing else runs: a read between two rounds stalls the device more than a round's
@@ -335,8 +338,22 @@ class Engine(KVFlow):
             tot["dispatch_s"] += dispatch
             self._decay_ratio()
         if not self.has_work:
+            self._join_step()
             self.verify_done.wait()  # nothing may stay pending once idle
             self._complete_releases()
+
+    def _join_step(self) -> float:
+        """The last step's call, where a dispatch thread ran it (`EngineConfig.dispatch_thread`): wait for
+        it and record its verify_done handle, which the calling thread records at dispatch. Returns the
+        seconds waited (the call's host time that did not overlap the host's own work)."""
+        result, self._unjoined = self._unjoined, None
+        if result is None:
+            return 0.0
+        t0 = time.perf_counter()
+        handle = self.decoder.verify_handle(resolve(result))
+        if handle is not None:
+            self.verify_done.record(handle)
+        return time.perf_counter() - t0
 
     def _process(self, kind, batch, result) -> float:
         """Read one dispatched result and deliver its tokens; returns the seconds the host waited."""
