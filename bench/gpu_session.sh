@@ -550,8 +550,10 @@ if [[ "$steps" == *" serveab "* ]]; then  # issue 24 at 32 clients: the served e
   rm -f "$OUT/serveab.tmp"
 fi
 if [[ "$steps" == *" dispatchthread "* ]]; then  # the engine's Python beside a round call on a dispatch thread (random weights)
-  python3 bench/probes/dispatch_thread.py --batch-sizes "${DT_BATCH:-32,1}" --python-ms "${DT_PYTHON_MS:-0,0.6,1.2}" \
-    2>&1 | grep -v "Delay kernel" | tee "$OUT/dispatch_thread.log" | grep -v '^{"b'
+  for si in ${DT_SWITCH:-0.005 0.0005}; do  # Python's GIL switch interval: its default, and a tenth of it
+    python3 bench/probes/dispatch_thread.py --batch-sizes "${DT_BATCH:-32,1}" --python-ms "${DT_PYTHON_MS:-0,0.6,1.2}" \
+      --switch-interval "$si" 2>&1 | grep -v "Delay kernel" | tee -a "$OUT/dispatch_thread.log" | grep -v '^{"b'
+  done
 fi
 if [[ "$steps" == *" servespy "* ]]; then  # py-spy on the engine's process while bench/serve.py serves (py-spy in .whl)
   bash bench/probes/serve_spy.sh

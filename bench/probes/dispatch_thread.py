@@ -6,15 +6,16 @@ the pipe). JAX releases the GIL while XLA executes a call (checked on the CPU: a
 thread that calls an executable runs at full speed), so the engine's Python could run while another
 thread is inside the next round's call. This probe measures what that would give, before the engine is
 changed: one warm round executable (random SmolLM2-shaped target + EAGLE-3 head, padding rows) called in
-a loop, each step with `--python-ms` of pure-Python work standing in for the engine's processing of the
-previous round, in two forms:
+a loop through the decoder's own `_run` (jeagle/runtime/dispatch.py), each step with `--python-ms` of
+pure-Python work standing in for the engine's processing of the previous round, in two forms:
 
-    serial   call round c, then the Python work, then read round c-1's result (what Engine.step does)
-    thread   hand round c's call to a dispatch thread, do the Python work meanwhile, wait for the call,
-             then read round c-1's result
+    serial   call round c, then the Python work, then read round c-1's result (EngineConfig.dispatch_thread off)
+    thread   hand round c's call to the dispatch thread (once it has begun), do the Python work meanwhile,
+             wait for the call, then read round c-1's result (dispatch_thread on)
 
 It prints, per batch size and Python load, the wall ms per step of each form and their ratio, and the
-call's host ms (p50) in each (the call may take longer while Python holds the GIL beside it).
+hand-over's host ms (p50: the whole call, serially). `--switch-interval` sets Python's GIL switch
+interval: the call's return needs the GIL back from the Python work.
 
     python bench/probes/dispatch_thread.py --batch-sizes 1,32 --python-ms 0,0.6,1.2
 """
@@ -28,7 +29,6 @@ import json
 import statistics
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common puts the repo root on the path
@@ -53,6 +53,8 @@ def main(argv=None):
     p.add_argument("--tier", default="5,4,8")
     p.add_argument("--calls", type=int, default=300)
     p.add_argument("--context", type=int, default=512)
+    p.add_argument("--switch-interval", type=float, default=None, metavar="S",
+                   help="sys.setswitchinterval (Python's default 0.005): how soon a thread waiting for the GIL gets it")
     p.add_argument("--slice-fusion", choices=["on", "off"], default="off",
                    help="XLA's dynamic-slice fusions (the server's default: off)")
     args = p.parse_args(argv)
@@ -65,12 +67,14 @@ def main(argv=None):
     from jeagle.kernels.settings import KernelSettings
     from jeagle.models.llama import random_model
     from jeagle.runtime.buckets import pad
+    from jeagle.runtime.dispatch import resolve
     from jeagle.spec.round import SpecConfig
 
     cfg = ModelConfig(**SHAPES[args.shape])
     model, head = random_model(cfg), random_eagle3_head(cfg, draft_vocab=DRAFT_VOCAB.get(args.shape))
     kernels = dataclasses.replace(KernelSettings.from_env(), slice_fusion=args.slice_fusion == "on")
-    pool = ThreadPoolExecutor(1, thread_name_prefix="dispatch")
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     rows_out = []
     for b in (int(x) for x in args.batch_sizes.split(",")):
         eng = speculative(model, head, EngineConfig(max_batch_size=b, max_context=args.context, kernels=kernels),
@@ -80,40 +84,34 @@ def main(argv=None):
         exe = dec.executables.get(dec.round_key(dec.spec, b, kv, True))
         rows = jax.device_put(pad([], b, dec.scratch_row, np.int32))
 
-        def call():
-            t0 = time.perf_counter()
-            res, dec.state = exe(dec.param_leaves, dec.state, rows)
-            res.copy_to_host_async()
-            return res, time.perf_counter() - t0
+        def run(form, ms):  # one pass of --calls steps through the decoder's own dispatch (runtime/dispatch.py)
+            dec.state  # noqa: B018 (waits for any call in flight before the dispatch mode changes)
+            dec._init_dispatch(form == "thread")
+            inflight, call_s = collections.deque(), []
+            jax.block_until_ready(dec.state)
+            start = time.perf_counter()
+            for _ in range(args.calls):
+                t0 = time.perf_counter()
+                res = dec._run(exe, rows)  # thread: handed over once the dispatch thread has begun it
+                call_s.append(time.perf_counter() - t0)
+                python_work(ms)  # the engine's processing of the last round, beside this one's call
+                res = resolve(res)  # the engine joins at the next step's start
+                inflight.append(res)
+                if len(inflight) > 1:
+                    np.asarray(inflight.popleft())
+            while inflight:
+                np.asarray(inflight.popleft())
+            return (time.perf_counter() - start) * 1e3 / args.calls, statistics.median(call_s) * 1e3
 
-        for _ in range(20):  # untimed: the executable's first calls, on this thread and on the dispatch thread
-            np.asarray(call()[0])
-            np.asarray(pool.submit(call).result()[0])
+        run("serial", 0.0), run("thread", 0.0)  # untimed: the executable's first calls, in both forms
         for ms in (float(x) for x in args.python_ms.split(",")):
             for form in ("serial", "thread") * 3:  # alternating, three each: their spread is the noise
-                inflight, call_s = collections.deque(), []
-                jax.block_until_ready(dec.state)
-                start = time.perf_counter()
-                for _ in range(args.calls):
-                    if form == "serial":
-                        res, spent = call()
-                        python_work(ms)
-                    else:
-                        future = pool.submit(call)
-                        python_work(ms)
-                        res, spent = future.result()
-                    call_s.append(spent)
-                    inflight.append(res)
-                    if len(inflight) > 1:
-                        np.asarray(inflight.popleft())
-                while inflight:
-                    np.asarray(inflight.popleft())
-                row = {"batch": b, "python_ms": ms, "form": form,
-                       "wall_ms_per_step": round((time.perf_counter() - start) * 1e3 / args.calls, 3),
-                       "call_ms_p50": round(1e3 * statistics.median(call_s), 3)}
+                wall, call_ms = run(form, ms)
+                row = {"batch": b, "python_ms": ms, "form": form, "wall_ms_per_step": round(wall, 3),
+                       "hand_over_ms_p50": round(call_ms, 3)}
                 rows_out.append(row)
                 print(json.dumps(row), flush=True)
-    pool.shutdown()
+        dec._init_dispatch(False)
     for b in sorted({r["batch"] for r in rows_out}):
         for ms in sorted({r["python_ms"] for r in rows_out}):
             walls = {f: statistics.median(r["wall_ms_per_step"] for r in rows_out
@@ -122,7 +120,8 @@ def main(argv=None):
             print(f"batch {b:>3} python {ms:.1f} ms: serial {walls['serial']:.3f} ms/step, thread "
                   f"{walls['thread']:.3f} ({walls['serial'] / walls['thread']:.2f}x)")
     print(json.dumps({"bench": "dispatch_thread", "shape": args.shape, "tier": args.tier, "device": device_kind(),
-                      "commit": git_commit(), "slice_fusion": args.slice_fusion, "rows": rows_out}))
+                      "commit": git_commit(), "slice_fusion": args.slice_fusion,
+                      "switch_interval": sys.getswitchinterval(), "rows": rows_out}))
 
 
 if __name__ == "__main__":

@@ -51,6 +51,7 @@ class Delivery(NamedTuple):
 
 class Decoder(Protocol):
     speculative: bool
+    threaded: bool  # runtime/dispatch.py
     context_reserve: int
     grammar_mask_s: float  # `GrammarMasks`
 
@@ -71,6 +72,8 @@ class Decoder(Protocol):
     def calibrate_keys(self, keys, compile: bool = True) -> None: ...
 
     def dropped(self) -> None: ...
+
+    def settle(self) -> None: ...
 
 
 def context_size(config, model_cfg) -> int:

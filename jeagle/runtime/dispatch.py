@@ -11,11 +11,17 @@ What keeps it safe: a call donates the decoder's device state and returns the ne
 or write of `state` on the engine's thread first waits for the call in flight (`Dispatching.state`);
 the calls run one at a time, in the order the engine made them. A call's result comes back as a
 `Dispatched`: `np.asarray` of it (the engine's read) waits for the call, then for the copy to the host
-that the call started; `resolve` gives the device array.
+that the call started; `resolve` gives the device array. A failed call raises once on the engine's
+thread (where its result or the state is read next); the engine's abort path `settle`s it.
+
+The call's Python part (JAX's argument handling, ~a fifth of it) and its return take the GIL back, so
+how much of a call overlaps the engine's Python depends on how often that Python lets the GIL go
+(`sys.setswitchinterval`); the GPU measures it.
 """
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -24,17 +30,20 @@ import numpy as np
 class Dispatched:
     """A step's device result whose call runs on the dispatch thread."""
 
-    __slots__ = ("future",)
+    __slots__ = ("future", "owner")
 
-    def __init__(self, future: Future):
-        self.future = future
+    def __init__(self, future: Future, owner: "Dispatching"):
+        self.future, self.owner = future, owner
 
     def result(self):
-        """The device result (waits for the call; re-raises its error)."""
+        """The device result (waits for the call; its error is raised here, once: the state's next read
+        does not raise it again)."""
+        if self.owner._in_flight is self.future:
+            self.owner._in_flight = None
         return self.future.result()
 
     def __array__(self, dtype=None, copy=None):
-        return np.asarray(self.future.result(), dtype)
+        return np.asarray(self.result(), dtype)
 
 
 def resolve(result):
@@ -51,6 +60,9 @@ class Dispatching:
     _in_flight: Future | None = None
 
     def _init_dispatch(self, threaded: bool) -> None:
+        """Calls on a dispatch thread or not (again: a probe switching modes; nothing may be in flight)."""
+        if self._pool is not None:
+            self._pool.shutdown()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="jeagle-dispatch") if threaded else None
 
     @property
@@ -73,6 +85,13 @@ class Dispatching:
         if future is not None:
             future.result()  # the call's error, if it failed, is raised here, on the engine's thread
 
+    def settle(self) -> None:
+        """Wait for the call in flight, if any, without raising its error (the engine's abort path,
+        which has the error already or drops what is in flight anyway)."""
+        future, self._in_flight = self._in_flight, None
+        if future is not None:
+            future.exception()
+
     def _call(self, exe, inputs):
         """Call `exe` on the state and `inputs`; the result's copy to the host is started with it."""
         if self._pool is None:
@@ -80,11 +99,17 @@ class Dispatching:
             res.copy_to_host_async()  # the host reads it a step later; this copy is then done
             return res
         leaves, state = self.param_leaves, self.state  # (waits for the call before)
+        started = threading.Event()
 
         def run():
+            started.set()
             res, self._device_state = exe(leaves, state, inputs)
             res.copy_to_host_async()
             return res
 
         self._in_flight = self._pool.submit(run)
-        return Dispatched(self._in_flight)
+        # Until the dispatch thread holds the GIL the call has not begun: without this wait it would
+        # begin when the engine thread next blocks or after Python's switch interval (5 ms), whichever
+        # comes first (measured on a CPU: 3 ms of Python after the hand-over delayed the call by 3 ms).
+        started.wait()
+        return Dispatched(self._in_flight, self)

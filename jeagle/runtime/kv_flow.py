@@ -158,9 +158,9 @@ class KVFlow:
         """Start reading the slot tables of the requests that finished in this processing."""
         if self._to_read:
             done = [r for r in self._to_read if r.table is not None]
-            self._to_read = []
-            if done:
+            if done:  # (read before they leave _to_read: a failed read leaves them for abort_all to free)
                 self._releasing.append((done, self.decoder.read_tables([r.row for r in done])))
+            self._to_read = []
 
     def _complete(self, done, handle) -> None:
         t = time.perf_counter()

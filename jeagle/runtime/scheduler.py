@@ -183,7 +183,9 @@ class Engine(KVFlow):
     def abort_all(self) -> list[Request]:
         """Abort every request (waiting, running, in flight) and leave the engine idle: after a failed
         step, nothing in flight is read. Returns the requests aborted."""
-        reqs = [*self._waiting, *self._running] + [r for _, batch, _ in self._pending for r in batch]
+        self.decoder.settle()  # a call still on the dispatch thread: waited for, its error dropped (not raised again)
+        self._unjoined = None
+        reqs = [*self._waiting, *self._admitting, *self._running] + [r for _, batch, _ in self._pending for r in batch]
         reqs = list({id(r): r for r in reqs if not r.done}.values())
         for r in reqs:
             self.abort(r)
@@ -199,8 +201,8 @@ class Engine(KVFlow):
                 for r in done:
                     self.kv.release(r)
         self.decoder.dropped()
+        self._admitting = []
         try:  # after a failed step the last round's results may be the failure itself: drop them
-            self._join_step()
             self.verify_done.wait()
         except Exception:
             log.warning("abort_all: the last step's results failed; dropped", exc_info=True)
