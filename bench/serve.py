@@ -193,9 +193,10 @@ def bench_engine(model, shape, name, prompts_path, prompt_len, top, max_tokens, 
 def slice_fusion() -> bool:
     """Whether the engines ran XLA's dynamic-slice fusions: the server's default (off), unless
     JEAGLE_XLA_OPTIONS names the option."""
+    from jeagle.kernels.settings import KernelSettings
     from jeagle.serve.options import SERVER_SLICE_FUSION
 
-    opts = json.loads(os.environ.get("JEAGLE_XLA_OPTIONS") or "{}")
+    opts = dict(KernelSettings.from_env().xla_options)
     return bool(opts.get("xla_gpu_enable_dynamic_slice_fusion", SERVER_SLICE_FUSION))
 
 

@@ -132,7 +132,7 @@ class Calls(Dispatching):
     param_leaves = ()
 
     def __init__(self):
-        self._init_dispatch(True)
+        self.use_dispatch_thread(True)
         self.state = 0
         self.order = []
 
@@ -144,7 +144,7 @@ def test_calls_run_in_order_and_the_state_waits_for_them():
         d.order.append(x)
         return jnp.full(2, state + x), state + x
 
-    results = [d._call(exe, x) for x in (1, 2, 3)]
+    results = [d.dispatch(exe, x) for x in (1, 2, 3)]
     assert all(isinstance(r, Dispatched) for r in results)
     assert d.state == 6 and d.order == [1, 2, 3]  # reading the state waits for the last call
     assert [int(np.asarray(r)[0]) for r in results] == [1, 3, 6] and int(resolve(results[2])[1]) == 6
@@ -156,15 +156,15 @@ def test_a_failing_call_raises_on_the_engines_thread():
     def exe(_params, _state, _x):
         raise RuntimeError("the device failed")
 
-    r = d._call(exe, 1)
+    r = d.dispatch(exe, 1)
     with pytest.raises(RuntimeError, match="the device failed"):
         np.asarray(r)
     assert d.state == 0  # raised once: the state's next read does not raise it again
     d2 = Calls()
-    d2._call(exe, 1)
+    d2.dispatch(exe, 1)
     with pytest.raises(RuntimeError, match="the device failed"):
         d2.state  # noqa: B018 (the read is the test)
     d3 = Calls()
-    d3._call(exe, 1)
+    d3.dispatch(exe, 1)
     d3.settle()  # the abort path: waits, raises nothing, leaves nothing in flight
     assert d3.state == 0

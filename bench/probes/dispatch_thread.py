@@ -6,7 +6,7 @@ the pipe). JAX releases the GIL while XLA executes a call (checked on the CPU: a
 thread that calls an executable runs at full speed), so the engine's Python could run while another
 thread is inside the next round's call. This probe measures what that would give, before the engine is
 changed: one warm round executable (random SmolLM2-shaped target + EAGLE-3 head, padding rows) called in
-a loop through the decoder's own `_run` (jeagle/runtime/dispatch.py), each step with `--python-ms` of
+a loop through the decoder's own `dispatch` (jeagle/runtime/dispatch.py), each step with `--python-ms` of
 pure-Python work standing in for the engine's processing of the previous round, in two forms:
 
     serial   call round c, then the Python work, then read round c-1's result (EngineConfig.dispatch_thread off)
@@ -86,13 +86,13 @@ def main(argv=None):
 
         def run(form, ms):  # one pass of --calls steps through the decoder's own dispatch (runtime/dispatch.py)
             dec.state  # noqa: B018 (waits for any call in flight before the dispatch mode changes)
-            dec._init_dispatch(form == "thread")
+            dec.use_dispatch_thread(form == "thread")
             inflight, call_s = collections.deque(), []
             jax.block_until_ready(dec.state)
             start = time.perf_counter()
             for _ in range(args.calls):
                 t0 = time.perf_counter()
-                res = dec._run(exe, rows)  # thread: handed over once the dispatch thread has begun it
+                res = dec.dispatch(exe, rows)  # thread: handed over once the dispatch thread has begun it
                 call_s.append(time.perf_counter() - t0)
                 python_work(ms)  # the engine's processing of the last round, beside this one's call
                 res = resolve(res)  # the engine joins at the next step's start
@@ -111,7 +111,7 @@ def main(argv=None):
                        "hand_over_ms_p50": round(call_ms, 3)}
                 rows_out.append(row)
                 print(json.dumps(row), flush=True)
-        dec._init_dispatch(False)
+        dec.use_dispatch_thread(False)
     for b in sorted({r["batch"] for r in rows_out}):
         for ms in sorted({r["python_ms"] for r in rows_out}):
             walls = {f: statistics.median(r["wall_ms_per_step"] for r in rows_out

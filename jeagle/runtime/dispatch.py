@@ -52,14 +52,14 @@ def resolve(result):
 
 
 class Dispatching:
-    """For a decoder with `param_leaves`: its device `state` and `_call`, which runs one executable
+    """For a decoder with `param_leaves`: its device `state` and `dispatch`, which runs one executable
     (exe(params, state, inputs) -> (result, next state)) on the calling thread or the dispatch thread."""
 
     _device_state = None
     _pool: ThreadPoolExecutor | None = None
     _in_flight: Future | None = None
 
-    def _init_dispatch(self, threaded: bool) -> None:
+    def use_dispatch_thread(self, threaded: bool) -> None:
         """Calls on a dispatch thread or not (again: a probe switching modes; nothing may be in flight)."""
         if self._pool is not None:
             self._pool.shutdown()
@@ -92,7 +92,7 @@ class Dispatching:
         if future is not None:
             future.exception()
 
-    def _call(self, exe, inputs):
+    def dispatch(self, exe, inputs):
         """Call `exe` on the state and `inputs`; the result's copy to the host is started with it."""
         if self._pool is None:
             res, self.state = exe(self.param_leaves, self.state, inputs)

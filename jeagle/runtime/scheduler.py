@@ -308,12 +308,9 @@ class Engine(KVFlow):
             result = dec.step(live, b, kv, drain)
             dispatch = time.perf_counter() - t1 - drained + joined  # (a grammar round reads the last one inside)
             pending.append(("step", live, result))
-            if dec.threaded:  # its call runs beside this step's processing and the server's hand-over after it
-                self._unjoined = result
-            else:
-                handle = dec.verify_handle(result)
-                if handle is not None:
-                    self.verify_done.record(handle)
+            self._unjoined = result
+            if not dec.threaded:  # else its call runs beside this step's processing and the server's hand-over
+                self._join_step()  # (the calling thread's result: its verify_done handle recorded at dispatch)
         # Overlap: keep this step in flight while the host processes the previous one; without
         # overlap (or with nothing more to dispatch) process everything now.
         # A target-only grammar step is processed at once: its requests' next masks need its tokens.
@@ -345,9 +342,9 @@ class Engine(KVFlow):
             self._complete_releases()
 
     def _join_step(self) -> float:
-        """The last step's call, where a dispatch thread ran it (`EngineConfig.dispatch_thread`): wait for
-        it and record its verify_done handle, which the calling thread records at dispatch. Returns the
-        seconds waited (the call's host time that did not overlap the host's own work)."""
+        """Record the last step's verify_done handle; where a dispatch thread runs its call
+        (`EngineConfig.dispatch_thread`: joined at the next step's start), wait for the call first. Returns
+        the seconds waited (the call's host time that did not overlap the host's own work)."""
         result, self._unjoined = self._unjoined, None
         if result is None:
             return 0.0

@@ -32,7 +32,7 @@ class TargetDecoder(SlotTables, GrammarMasks, FlatParams, Dispatching):
 
     def __init__(self, model, config, *, mesh=None):
         self.config, self.model_cfg, self.mesh = config, model.cfg, mesh
-        self._init_dispatch(config.dispatch_thread)
+        self.use_dispatch_thread(config.dispatch_thread)
         if mesh is not None:
             from jeagle.sharding import shard_target
 
@@ -89,9 +89,6 @@ class TargetDecoder(SlotTables, GrammarMasks, FlatParams, Dispatching):
         return min(prompt_len + max_new + self.config.decode_steps, self.max_ctx)
 
     # ---- dispatch --------------------------------------------------------------------------------
-    def _run(self, exe, inputs):
-        return self._call(exe, inputs)
-
     def prefill(self, reqs, b: int, t: int, logprobs: bool | None = None, prompt_logprobs: bool = False,
                 context: int = 0):
         """logprobs: the executable with logprobs or not (None: as the requests ask; then
@@ -108,7 +105,7 @@ class TargetDecoder(SlotTables, GrammarMasks, FlatParams, Dispatching):
                                penalties=penalty_inputs(reqs, b),
                                token_mask=self.token_masks(reqs, b))
         key = self.prefill_key(b, t, lp, plp, context)
-        return self._run(self.executables.get(key), input_layout(key).pack(inputs))
+        return self.dispatch(self.executables.get(key), input_layout(key).pack(inputs))
 
     def prime(self, key) -> None:
         """Run `key`'s executable once on padding rows only (the scratch row, which every padded batch
@@ -122,7 +119,7 @@ class TargetDecoder(SlotTables, GrammarMasks, FlatParams, Dispatching):
                                   positions=pad([], key.batch, 0, np.int32))
             if key.grammar:  # a grammar step also takes each row's token mask (every token allowed)
                 inputs = (inputs, self.token_masks([], key.batch))
-            out = self._run(self.executables.get(key), inputs)
+            out = self.dispatch(self.executables.get(key), inputs)
         else:
             return
         jax.block_until_ready((resolve(out), self.state))
@@ -154,7 +151,7 @@ class TargetDecoder(SlotTables, GrammarMasks, FlatParams, Dispatching):
         exe = self._fast.get((b, kv, *mode))
         if exe is None:
             exe = self._fast[(b, kv, *mode)] = self.executables.get(self.decode_key(b, kv, *mode))
-        return self._run(exe, inputs)
+        return self.dispatch(exe, inputs)
 
     def verify_handle(self, result):
         return None  # target-only steps have no verify to wait on

@@ -60,7 +60,7 @@ class SpecDecoder(SlotTables, GrammarMasks, FlatParams, Dispatching):
         bench only, a forced mean accept length (the output is then not the target's)."""
         draft.cfg.check_target(model.cfg)
         self.config, self.model_cfg, self.draft_cfg, self.mesh = config, model.cfg, draft.cfg, mesh
-        self._init_dispatch(config.dispatch_thread)
+        self.use_dispatch_thread(config.dispatch_thread)
         self.base_spec, self.adaptive_config = spec, adaptive
         self.tiers = ((spec,) if adaptive is None else
                       tuple(_tier(spec, t, adaptive) for t in adaptive.tiers(*spec.shape)))
@@ -209,9 +209,6 @@ class SpecDecoder(SlotTables, GrammarMasks, FlatParams, Dispatching):
         self._rows_on_device = (row_ids, rows)
         return rows
 
-    def _run(self, exe, inputs):
-        return self._call(exe, inputs)
-
     def prefill(self, reqs, b: int, t: int, logprobs: bool | None = None, prompt_logprobs: bool = False,
                 context: int = 0):
         """logprobs: the executable with logprobs or not (None: as the requests ask; then
@@ -240,7 +237,7 @@ class SpecDecoder(SlotTables, GrammarMasks, FlatParams, Dispatching):
         lp = wants_logprobs(reqs) if logprobs is None else logprobs
         plp = wants_prompt_logprobs(reqs) if logprobs is None else prompt_logprobs
         key = self.prefill_key(b, t, lp, plp, context)
-        return self._run(self.executables.get(key), input_layout(key).pack(inputs))
+        return self.dispatch(self.executables.get(key), input_layout(key).pack(inputs))
 
     def prime(self, key) -> None:
         """Run `key`'s executable once on padding rows only (the scratch row, which every padded batch
@@ -251,7 +248,7 @@ class SpecDecoder(SlotTables, GrammarMasks, FlatParams, Dispatching):
             out = self.prefill([], key.batch, key.length, logprobs=key.logprobs, prompt_logprobs=key.prompt_logprobs,
                                context=key.context)
         elif key.phase == "round":
-            out = self._run(self.executables.get(key), pad([], key.batch, self.scratch_row, np.int32))
+            out = self.dispatch(self.executables.get(key), pad([], key.batch, self.scratch_row, np.int32))
         else:
             return
         jax.block_until_ready((resolve(out), self.state))
@@ -292,12 +289,12 @@ class SpecDecoder(SlotTables, GrammarMasks, FlatParams, Dispatching):
         self._dispatches.append((index, self._last_bucket, time.perf_counter(), self._prefill_since, nested))
         self._prefill_since = False
         if fused:
-            return self._run(self._round_exe(state, b, kv, greedy, lp, pen), row_ids)
+            return self.dispatch(self._round_exe(state, b, kv, greedy, lp, pen), row_ids)
         tree = self._run_draft(self.executables.get(DraftKey(self.static, tier, b, kv)), row_ids)
         verify = dataclasses.replace(self.round_key(tier, b, kv, greedy, lp, pen), phase="verify", rounds=1,
                                      unrolled=False, nested=(), width=0)
         if not grammar:
-            return self._run(self.executables.get(verify), (row_ids, tree))
+            return self.dispatch(self.executables.get(verify), (row_ids, tree))
         # Grammar: the device runs the verify's forward while the host computes the tree's masks
         # (the draft's tree read back as soon as the draft is done), then the accept applies them.
         accept = dataclasses.replace(verify, phase="accept", grammar=True)
@@ -312,7 +309,7 @@ class SpecDecoder(SlotTables, GrammarMasks, FlatParams, Dispatching):
         # others get a mask per tree node (those that finished in the round just read: none).
         walk = [r.matcher is not None and not r.done and r.params.greedy and not pen for r in reqs]
         masks = self.tree_masks(reqs, b, tree, fwd, walk)
-        return self._run(self.executables.get(accept), (row_ids, tree, fwd, masks))
+        return self.dispatch(self.executables.get(accept), (row_ids, tree, fwd, masks))
 
     def calibrate(self, b: int, kv: int, greedy: bool, runs: int = 5, warm: int = 2) -> None:
         """Time one round of every tier at bucket (b, kv, greedy) on padding rows (the scratch row,
@@ -327,12 +324,12 @@ class SpecDecoder(SlotTables, GrammarMasks, FlatParams, Dispatching):
         exes = [self._round_exe(state, b, kv, greedy) for state in self.tier_states]  # compiles count themselves
         for exe in exes:
             for _ in range(warm):
-                jax.block_until_ready((resolve(self._run(exe, rows)), self.state))
+                jax.block_until_ready((resolve(self.dispatch(exe, rows)), self.state))
         samples = [[] for _ in exes]
         for _ in range(runs):
             for j, exe in enumerate(exes):
                 t0 = time.perf_counter()
-                jax.block_until_ready((resolve(self._run(exe, rows)), self.state))
+                jax.block_until_ready((resolve(self.dispatch(exe, rows)), self.state))
                 samples[j].append(time.perf_counter() - t0)
         # A dispatch of unrolled rounds runs all R on the padding rows (the loop stops after the first).
         per = self.rounds_per_dispatch if self.config.unroll_rounds else 1
