@@ -338,6 +338,16 @@ def main(argv=None):
                 last = now
                 time.sleep(0.06)
             return last
+
+        def grammar_rows(before=None):
+            """EAGLE's grammar rows (walked by the host / masked per node, and why the walk left rows
+            undecided: /server_info `grammar_rows`), since `before` if given."""
+            now = httpx.get(f"{url}/server_info", timeout=60).json().get("grammar_rows")
+            if before is None or now is None:
+                return now
+            und = {k: v - before["undecided"].get(k, 0) for k, v in now["undecided"].items()}
+            return {"walked": now["walked"] - before["walked"], "masked": now["masked"] - before["masked"],
+                    "undecided": {k: v for k, v in und.items() if v}}
         for c in levels:
             compiled = num_compiled()
             for extra in extras:  # untimed: this level's shapes, for every row's request
@@ -349,9 +359,9 @@ def main(argv=None):
             for rep, extra, where, interval in itertools.product(range(args.repeats), extras, places, intervals):
                 sys.setswitchinterval(interval)
                 httpx.post(f"{url}/flush_cache", timeout=60)  # the timed pass starts with no prefix cached
-                h0 = host_totals()
+                h0, g0 = host_totals(), grammar_rows()
                 res, wall = clients[where](url, prompts, args.max_tokens, c, args.requests_per_client, extra, real)
-                host = engine_host(h0, host_totals(), wall)
+                host = engine_host(h0, host_totals(), wall) | {"grammar_rows": grammar_rows(g0)}
                 ttft = [r[0] for r in res]
                 lat = [r[1] for r in res]
                 n, tokens = len(res), sum(r[2] for r in res)

@@ -134,7 +134,9 @@ class GrammarBackend:
         err = llguidance.LLMatcher.validate_grammar(grammar, self.tokenizer)
         if err and not err.startswith("WARNING"):
             raise GrammarError(_one_line(f"{kind}: {err}"))
-        return Grammar(kind, grammar, self)
+        compiled = Grammar(kind, grammar, self)
+        _build(compiled)  # one matcher built here: its requests' matchers, built in the background, then build too
+        return compiled
 
 
 @dataclass(frozen=True, eq=False)
@@ -144,8 +146,10 @@ class Grammar:
     source: str  # llguidance's grammar text
     backend: GrammarBackend
 
-    def matcher(self) -> "Matcher":
-        return Matcher(self)
+    def matcher(self, background: bool = False) -> "Matcher":
+        """A request's matcher at the grammar's start; `background`: built on a worker thread (its
+        `ready` says when), so the thread that queues requests does not pay for it."""
+        return Matcher(self, background)
 
 
 class Matcher:
@@ -155,16 +159,31 @@ class Matcher:
     would share its lazily built lexer automaton — a request's first masks then cost 13 ms instead of
     87 ms per 400 requests on the CI machine — but they share it behind a lock: on the H100 host's 16
     cores, 48 requests' tree masks took 23.6 ms batched from copies against 8.0 ms from matchers of
-    their own (bench/probes/grammar_masks.py, bench/RESULTS.md)."""
+    their own (bench/probes/grammar_masks.py, bench/RESULTS.md).
 
-    def __init__(self, grammar: Grammar):
-        import llguidance
+    Building one parses the grammar's text (~1 ms for a small JSON schema), with the GIL released:
+    `background=True` builds it on a worker thread (`_build_soon`), and `ready` says whether it is
+    built; `_ll` waits for it (a build that failed raises its GrammarError there)."""
 
-        self._ll = llguidance.LLMatcher(grammar.backend.tokenizer, grammar.source, log_level=0)
-        if self._ll.is_error():
-            raise GrammarError(self._ll.get_error())
+    def __init__(self, grammar: Grammar, background: bool = False):
         self.words = mask_words(grammar.backend.vocab_size)
         self.eos = grammar.backend.eos_token_id
+        self._built, self._future = None, None
+        if background:
+            self._future = _build_soon(grammar)
+        else:
+            self._built = _build(grammar)
+
+    @property
+    def _ll(self):
+        if self._built is None:
+            self._built, self._future = self._future.result(), None
+        return self._built
+
+    @property
+    def ready(self) -> bool:
+        """Built (or its build failed: `_ll` raises)."""
+        return self._built is not None or self._future.done()
 
     def consume(self, token: int) -> None:
         if not self._ll.consume_token(int(token)):
@@ -200,12 +219,37 @@ class Matcher:
     def copy(self) -> "Matcher":
         """A matcher in this one's state, sharing its lexer cache (behind a lock: the class docstring)."""
         twin = object.__new__(Matcher)
-        twin._ll, twin.words, twin.eos = self._ll.deep_copy(), self.words, self.eos
+        twin._built, twin._future, twin.words, twin.eos = self._ll.deep_copy(), None, self.words, self.eos
         return twin
 
     @property
     def stopped(self) -> bool:
         return self._ll.is_stopped()
+
+
+def _build(grammar: Grammar):
+    import llguidance
+
+    ll = llguidance.LLMatcher(grammar.backend.tokenizer, grammar.source, log_level=0)
+    if ll.is_error():
+        raise GrammarError(ll.get_error())
+    return ll
+
+
+_BUILDERS = None
+_BUILDERS_LOCK = threading.Lock()
+
+
+def _build_soon(grammar: Grammar):
+    """A future of `_build(grammar)` on the process's builder threads (two: llguidance releases the
+    GIL while it parses, so a serving engine's thread keeps stepping)."""
+    global _BUILDERS
+    with _BUILDERS_LOCK:
+        if _BUILDERS is None:
+            import concurrent.futures
+
+            _BUILDERS = concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="jeagle-grammar")
+    return _BUILDERS.submit(_build, grammar)
 
 
 # ---- batches: masks for many requests at once, on llguidance's worker threads -------------------------
@@ -313,10 +357,6 @@ def tree_masks(matchers, tokens: np.ndarray, parents: np.ndarray, vocab: int) ->
 CANDIDATES = 8  # the verify's top tokens per tree node the host checks (`walk_masks`)
 
 
-def _allows(ll, path: list[int], token: int) -> bool:
-    return ll.validate_tokens(path + [token]) == len(path) + 1  # checks; the matcher does not move
-
-
 def walk_masks(matcher: Matcher, tokens: np.ndarray, parents: np.ndarray, top_ids: np.ndarray,
                top_vals: np.ndarray, out: np.ndarray) -> bool:
     """A greedy row's masks [N, W] in `out`, from the target's top CANDIDATES tokens at every tree node
@@ -328,77 +368,117 @@ def walk_masks(matcher: Matcher, tokens: np.ndarray, parents: np.ndarray, top_id
     at each node the first candidate the grammar allows is c* — provided its logit is above the last
     candidate's (a token outside the candidates may tie it otherwise) — and the node's mask allows c*
     and any allowed candidate tied with it (the device's argmax then picks among them as it would
-    under the full mask). Nodes off the path keep every token allowed: the walk never reaches them.
+    under the full mask: the lowest id, `jnp.argmax`'s first maximum, so the walk goes on from that
+    one). Nodes off the path keep every token allowed: the walk never reaches them.
 
     Where EOS comes before any allowed candidate, or no candidate is allowed, the node's full mask
     decides (one mask, not a tree of them): it says whether EOS and the candidates are allowed, and a
     grammar that allows a single token there (a closing quote, a comma) has chosen it, whatever the
-    logits. Returns False where that cannot decide a node on the path either (several tokens allowed,
-    none of them a candidate; a tie at the last candidate; a grammar that has stopped): the row then
-    needs `tree_masks`."""
-    if matcher.stopped:
-        return False
-    ll, eos = matcher._ll, matcher.eos
+    logits; where it allows several, none of them a candidate, the walk ends there if no child's token
+    is among them (the device's choice, whichever it is, leaves the tree). A grammar that is complete
+    allows EOS alone. Returns False where that cannot decide a node on the path (several tokens
+    allowed, none of them a candidate, a child's among them; a tie at the last candidate; a tie with
+    EOS): the row then needs `tree_masks` (`UNDECIDED` counts why).
+
+    The matcher moves along the walked path (a token consumed per step: each check is then one
+    token's) and is rolled back before this returns."""
+    ll, eos, last = matcher._ll, matcher.eos, top_vals.shape[1] - 1
+    if matcher.stopped:  # the grammar is complete: EOS alone may follow (the row ends at the root)
+        if ll.is_error():
+            return _undecided("error")
+        out[:] = -1
+        out[0] = 0
+        out[0, eos >> 5] = np.int32(np.uint32(1 << (eos & 31)).view(np.int32))
+        return True
+    toks, pars = tokens.tolist(), parents.tolist()  # Python scalars: the walk reads them one by one
     children: dict[tuple[int, int], int] = {}
-    for j in range(1, tokens.shape[0]):
-        if parents[j] >= 0:
-            key = (int(parents[j]), int(tokens[j]))
+    for j in range(1, len(toks)):
+        if pars[j] >= 0:
+            key = (pars[j], toks[j])
             if key in children:  # siblings with one token (top-K gives none): which one the walk takes is the device's
-                return False
+                return _undecided("siblings")
             children[key] = j
-    node, path, last = 0, [], top_vals.shape[1] - 1
     out[:] = -1
-    while True:
-        ids, vals = top_ids[node], top_vals[node]
-        row = out[node].view(np.uint32)
-        best, full = None, None
-        for k in range(last + 1):
-            if ids[k] == eos:  # EOS is the grammar's to judge (its end): the full mask
-                break
-            if _allows(ll, path, int(ids[k])):
-                best = k
-                break
-        if best is None:
-            full = _node_mask(ll, path, out.shape[1])
-            ok = [(full[int(t) // 32] >> np.uint32(int(t) % 32)) & 1 for t in ids]
-            best = next((k for k in range(last + 1) if ok[k]), None)
-            if best is None:  # no candidate allowed: decided only if the grammar allows one token
-                single = np.flatnonzero(np.unpackbits(full.view(np.uint8), bitorder="little"))
-                if single.size != 1:
-                    return False
-                row[:] = full
-                c = int(single[0])
-                if c == eos or (node, c) not in children:  # the row ends at EOS: what follows is cut
-                    return True
-                node, path = children[node, c], path + [c]
-                continue
-        if not vals[best] > vals[last]:
-            return False
-        tied = [k for k in range(best + 1, last + 1) if vals[k] == vals[best]]
-        if full is None and any(ids[k] == eos for k in tied):
-            return False
-        allowed = [int(ids[best])] + [int(ids[k]) for k in tied
-                                      if (ok[k] if full is not None else _allows(ll, path, int(ids[k])))]
-        row[:] = 0
-        for t in allowed:
-            row[t // 32] |= np.uint32(1 << (t % 32))
-        c = int(ids[best]) if len(allowed) == 1 else None
-        if c == eos:
-            return True  # the row ends at EOS: what follows it is cut
-        nxt = children.get((node, c)) if c is not None else None
-        if nxt is None:
-            if c is None and any((node, t) in children for t in allowed):
-                return False  # a tie the device breaks: the host cannot tell which child it walks to
-            return True
-        node, path = nxt, path + [c]
+    moved = 0
+    try:
+        node = 0
+        while True:
+            ids, vals = top_ids[node].tolist(), top_vals[node].tolist()
+            row = out[node].view(np.uint32)
+            best, ok = None, None
+            for k in range(last + 1):
+                if ids[k] == eos:  # EOS is the grammar's to judge (its end): the full mask
+                    break
+                if ll.validate_tokens([ids[k]]) == 1:
+                    best = k
+                    break
+            if best is None:
+                full = _node_mask(ll, out.shape[1])
+                ok = [(int(full[t >> 5]) >> (t & 31)) & 1 for t in ids]
+                best = next((k for k in range(last + 1) if ok[k]), None)
+                if best is None:  # no candidate allowed: decided only if the grammar allows one token
+                    c = _single(full)
+                    row[:] = full
+                    if c is None:  # the device's choice is not known here: decided if no child can be it
+                        if any((int(full[t >> 5]) >> (t & 31)) & 1 for p, t in children if p == node):
+                            return _undecided("none_of_the_candidates")
+                        return True
+                    if c == eos or (node, c) not in children:  # the row ends at EOS: what follows is cut
+                        return True
+                    node = children[node, c]
+                    moved += _advance(ll, c)
+                    continue
+            if not vals[best] > vals[last]:
+                return _undecided("tie_at_the_last_candidate")
+            tied = [k for k in range(best + 1, last + 1) if vals[k] == vals[best]]
+            if ok is None and any(ids[k] == eos for k in tied):
+                return _undecided("tie_with_eos")
+            allowed = [ids[best]] + [ids[k] for k in tied
+                                     if (ok[k] if ok is not None else ll.validate_tokens([ids[k]]) == 1)]
+            row[:] = 0
+            for t in allowed:
+                row[t >> 5] |= np.uint32(1 << (t & 31))
+            # The device's argmax takes the first of tied maxima (jnp.argmax): the lowest allowed id.
+            c = min(allowed)
+            if c == eos:
+                return True  # the row ends at EOS: what follows it is cut
+            nxt = children.get((node, c))
+            if nxt is None:
+                return True
+            node = nxt
+            moved += _advance(ll, c)
+    finally:
+        if moved:
+            ll.rollback(moved)
 
 
-def _node_mask(ll, path: list[int], words: int) -> np.ndarray:
-    """[W] uint32: the mask after `path` (a path the grammar allows), the matcher moved back after."""
+# Why `walk_masks` left rows to full tree masks (counts in this process; the engines' info reports them).
+UNDECIDED: collections.Counter = collections.Counter()
+
+
+def _undecided(reason: str) -> bool:
+    UNDECIDED[reason] += 1
+    return False
+
+
+def _advance(ll, token: int) -> int:
+    """Consume one token the walk found allowed; 1."""
+    if ll.try_consume_tokens([token]) != 1:
+        raise AssertionError(f"the grammar refused token {token} that it had allowed")
+    return 1
+
+
+def _single(mask: np.ndarray) -> int | None:
+    """The one token a [W] uint32 mask allows, or None (none, or several)."""
+    words = np.flatnonzero(mask)
+    if words.size != 1:
+        return None
+    w = int(mask[words[0]])
+    return int(words[0]) * 32 + w.bit_length() - 1 if w & (w - 1) == 0 else None
+
+
+def _node_mask(ll, words: int) -> np.ndarray:
+    """[W] uint32: the mask in the matcher's current state."""
     out = np.zeros(words, np.uint32)
-    took = ll.try_consume_tokens(path) if path else 0
-    assert took == len(path), "the walk's path left the grammar"
     ll.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
-    if took:
-        ll.rollback(took)
     return out

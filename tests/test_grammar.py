@@ -149,6 +149,32 @@ def test_eagle_equals_the_reference(tok, target, head, workload, expected, tier)
     assert kv_idle(eng)[0] == eng.pool.num_slots - 1
 
 
+def test_matchers_build_in_the_background(tok, target, workload, expected, monkeypatch):
+    """A grammar request's matcher builds on a worker thread (`Grammar.matcher(background=True)`, from
+    `submit`): the engine keeps stepping the running requests meanwhile, admits the request once its
+    matcher is built, and emits the reference's tokens."""
+    import threading
+
+    import jeagle.grammar as grammar
+
+    go, real = threading.Event(), grammar._build
+    monkeypatch.setattr(grammar, "_build", lambda g: (go.wait(30), real(g))[1])
+    prompts, params = workload
+    eng = target_only(target, EngineConfig(max_batch_size=4, max_context=MAX_CONTEXT, batch_buckets=(1, 2, 4)))
+    free = eng.submit(prompts[-1], SamplingParams(max_new_tokens=40, ignore_eos=True))
+    eng.step()
+    r = eng.submit(prompts[0], params[0])
+    for _ in range(3):
+        eng.step()
+    assert not r.matcher.ready and r.row == -1 and r.out.token_ids == []  # waiting for its matcher ...
+    assert len(free.out.token_ids) > 0  # ... while the running request steps
+    go.set()
+    while eng.has_work:
+        eng.step()
+    assert r.out.token_ids == expected[0] and len(free.out.token_ids) == 40
+    assert kv_idle(eng)[0] == eng.pool.num_slots - 1
+
+
 @pytest.mark.parametrize("spec", [False, True])
 def test_warmup_compiles_the_grammar_executables(tok, backend, target, head, spec):
     """warmup(grammar=(False, True)) compiles what grammar batches run (target-only: one-step decodes;
@@ -252,7 +278,7 @@ def test_walk_masks_give_the_full_masks_walk(tok, backend):
         k = trial % 2
         ids = tok.encode(docs[k], add_special_tokens=False)
         m = backend.compile("json_schema", SCHEMAS[k]).matcher()
-        pos = int(rng.integers(1, len(ids)))
+        pos = int(rng.integers(1, len(ids) + 1))  # the whole document: the grammar is complete
         for t in ids[:pos]:
             m.consume(t)
         n = 8
@@ -293,6 +319,8 @@ def test_walk_masks_give_the_full_masks_walk(tok, backend):
         else:
             undecided += 1
         np.testing.assert_array_equal(m.mask(), before)  # the matcher did not move
+    from jeagle.grammar import UNDECIDED
+    print("decided", decided, "undecided", undecided, dict(UNDECIDED))
     assert decided > 200 and undecided > 10, (decided, undecided)
 
 

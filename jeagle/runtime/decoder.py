@@ -142,6 +142,13 @@ class GrammarMasks:
     grammar_rows_walked = 0  # speculative rows whose masks came from `walk_masks` ...
     grammar_rows_masked = 0  # ... and from a mask per tree node
 
+    def grammar_rows(self) -> dict:
+        """Speculative grammar rows so far: walked, masked, and why the walk left rows undecided (in
+        this process: `jeagle.grammar.UNDECIDED`)."""
+        from jeagle.grammar import UNDECIDED
+
+        return {"walked": self.grammar_rows_walked, "masked": self.grammar_rows_masked, "undecided": dict(UNDECIDED)}
+
     def token_masks(self, reqs, b: int) -> np.ndarray:
         """Each request's next-token mask [b, W] (its grammar's, else every token allowed), padded to b."""
         from jeagle.grammar import next_masks

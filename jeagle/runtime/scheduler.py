@@ -163,7 +163,7 @@ class Engine(KVFlow):
         r = self.check(prompt, params, index)
         r.on_tokens, r.t_submit, r.compile_mark = on_tokens, time.perf_counter(), self.compile_seconds
         if params.grammar is not None:  # started here, not in check(): a matcher builds the grammar's parser
-            r.matcher = params.grammar.matcher()
+            r.matcher = params.grammar.matcher(background=True)  # admitted once built (`_admit_waiting`)
         self._waiting.append(r)
         return r
 
@@ -250,6 +250,8 @@ class Engine(KVFlow):
         try:
             while waiting and len(running) + len(group) < self.max_running:
                 nxt = waiting[0]
+                if nxt.matcher is not None and not nxt.matcher.ready and (group or running):
+                    break  # its grammar's matcher is being built (the prefill needs its mask): next step
                 if group and (not self.buckets.prefill_fits(len(group) + 1, max(longest, len(nxt.seq) - nxt.start))
                               or self.kv.shares_prefix(nxt, group)):
                     flush()

@@ -464,7 +464,8 @@ class SpecDecoder(SlotTables, GrammarMasks, FlatParams, Dispatching):
         acc = self.accept_lengths[-512:]
         return {"speculative_num_steps": self.spec.num_steps, "speculative_tier": list(self.spec.shape),
                 "avg_spec_accept_length": sum(acc) / len(acc) if acc else None} | (
-                    {"adaptive": self.adaptive_state()} if self.controller is not None else {})
+                    {"adaptive": self.adaptive_state()} if self.controller is not None else {}) | (
+                    {"grammar_rows": self.grammar_rows()} if self.grammar_rows_walked + self.grammar_rows_masked else {})
 
 
 def _round(ms: float | None) -> float | None:
