@@ -172,9 +172,9 @@ class SpecDecoder(SlotTables, GrammarMasks, FlatParams, Dispatching):
                     grammar=(False,)) -> list:
         """Prefill keys for the (b, t) pairs (every prefill applies penalties and masks), then every
         tier's fused rounds for the (b, kv) pairs in each mode of `greedy` and `penalties`; each in
-        each mode of `logprobs`. With `grammar` True, the rounds grammar batches run too (draft, the
-        verify's forward, its masked accept). (The split round without grammar is a measurement
-        mode: compiled on first use.)"""
+        each mode of `logprobs`. With `grammar` True, the rounds grammar batches run too (the draft
+        and the verify's forward, then its masked accept). (The split round without grammar is a
+        measurement mode: compiled on first use.)"""
         keys = [self.prefill_key(b, t, lp, context=c) for lp in logprobs for b, t, c in prefill]
         for lp, pen, tier, g, (b, kv) in itertools.product(logprobs, penalties, self.tiers, greedy, decode):
             if False in grammar:
@@ -182,8 +182,8 @@ class SpecDecoder(SlotTables, GrammarMasks, FlatParams, Dispatching):
             if True in grammar:
                 accept = dataclasses.replace(self.round_key(tier, b, kv, g, lp, pen), phase="accept", rounds=1,
                                              unrolled=False, grammar=True, nested=(), width=0)
-                keys += [DraftKey(self.static, tier, b, kv), accept.forward_key(), accept]
-        return list(dict.fromkeys(keys))  # the draft and forward keys repeat across modes
+                keys += [accept.forward_key(), accept]
+        return list(dict.fromkeys(keys))  # the forward keys repeat across modes
 
     def prefix_bound(self, prompt_len: int, max_new: int, overlap: bool) -> int:
         # Dispatch bounds L by tokens received + (S+1) per unread round: two dispatches' rounds with
@@ -290,19 +290,17 @@ class SpecDecoder(SlotTables, GrammarMasks, FlatParams, Dispatching):
         self._prefill_since = False
         if fused:
             return self.dispatch(self._round_exe(state, b, kv, greedy, lp, pen), row_ids)
-        tree = self._run_draft(self.executables.get(DraftKey(self.static, tier, b, kv)), row_ids)
         verify = dataclasses.replace(self.round_key(tier, b, kv, greedy, lp, pen), phase="verify", rounds=1,
                                      unrolled=False, nested=(), width=0)
         if not grammar:
+            tree = self._run_draft(self.executables.get(DraftKey(self.static, tier, b, kv)), row_ids)
             return self.dispatch(self.executables.get(verify), (row_ids, tree))
-        # Grammar: the device runs the verify's forward while the host computes the tree's masks
-        # (the draft's tree read back as soon as the draft is done), then the accept applies them.
+        # Grammar: one executable drafts and runs the verify's forward; the host reads the tree and the
+        # forward's best tokens, computes the masks, and the accept applies them.
         accept = dataclasses.replace(verify, phase="accept", grammar=True)
-        tree.tokens.copy_to_host_async()
-        tree.parent.copy_to_host_async()
-        fwd, self.state = self.executables.get(accept.forward_key())(self.param_leaves, self.state, (row_ids, tree))
-        fwd.top_ids.copy_to_host_async()
-        fwd.top_vals.copy_to_host_async()
+        (tree, fwd), self.state = self.executables.get(accept.forward_key())(self.param_leaves, self.state, row_ids)
+        for leaf in (tree.tokens, tree.parent, fwd.top_ids, fwd.top_vals):
+            leaf.copy_to_host_async()
         if drain is not None:  # the last round's tokens, read while this one's draft and forward run
             drain()
         # Greedy rows without penalties check the forward's best tokens (`grammar.walk_masks`); the

@@ -162,9 +162,9 @@ class RoundKey(_SpecKey):
     batch: int
     kv_len: int
     greedy: bool
-    # "round" (fused) | "verify" (the split round's second half) | the verify in two halves, for
-    # grammar masks computed on the host while the device runs the first: "verify_forward" (the
-    # target over the tree; inputs (row_ids, tree), result `VerifyForward`) and "accept" (inputs
+    # "round" (fused) | "verify" (the split round's second half) | the round in two halves, for
+    # grammar masks computed on the host between them: "verify_forward" (the draft, then the target
+    # over its tree; inputs row_ids, result (tree, `VerifyForward`)) and "accept" (inputs
     # (row_ids, tree, VerifyForward, token masks [B, N, W]))
     phase: str = "round"
     rounds: int = 1  # rounds per dispatch, run on the device (fused rounds only)
@@ -209,23 +209,24 @@ class RoundKey(_SpecKey):
         return f"{self.phase}-b{self.batch}-kv{self.kv_len}-{'greedy' if self.greedy else 'sampled'}-s{s}k{k}n{n}{r}{lp}"
 
     def build(self, shapes: DeviceShapes) -> StepBuild:
+        rows = _abstract((self.batch,))
         if self.phase == "round":
-            return self._build(round_step, shapes, _abstract((self.batch,)))
-        tree = jax.eval_shape(functools.partial(draft_step, DraftKey(self.static, self.tier, self.batch, self.kv_len),
-                                                *shapes.graphdefs), shapes.params, shapes.state,
-                              _abstract((self.batch,)))[0]
-        inputs = (_abstract((self.batch,)), tree)
-        if self.phase == "verify":
-            return self._build(verify_step, shapes, inputs)
+            return self._build(round_step, shapes, rows)
         if self.phase == "verify_forward":
-            return self._build(verify_forward_step, shapes, inputs)
-        fwd = jax.eval_shape(functools.partial(verify_forward_step, self.forward_key(), *shapes.graphdefs),
-                             shapes.params, shapes.state, inputs)[0]
+            return self._build(verify_forward_step, shapes, rows)
+        if self.phase == "verify":
+            tree = jax.eval_shape(functools.partial(draft_step, DraftKey(self.static, self.tier, self.batch,
+                                                                         self.kv_len), *shapes.graphdefs),
+                                  shapes.params, shapes.state, rows)[0]
+            return self._build(verify_step, shapes, (rows, tree))
+        tree, fwd = jax.eval_shape(functools.partial(verify_forward_step, self.forward_key(), *shapes.graphdefs),
+                                   shapes.params, shapes.state, rows)[0]
         masks = _abstract((self.batch, self.tier.num_draft_tokens, mask_words(self.static.model.vocab_size)))
-        return self._build(accept_step, shapes, inputs + (fwd, masks))
+        return self._build(accept_step, shapes, (rows, tree, fwd, masks))
 
     def forward_key(self) -> "RoundKey":
-        """The "verify_forward" key an "accept" key follows (one executable for every sampling mode)."""
+        """The "verify_forward" key (draft and forward) an "accept" key follows (one executable for every
+        sampling mode)."""
         return RoundKey(self.static, self.tier, self.batch, self.kv_len, True, phase="verify_forward")
 
 
@@ -375,9 +376,13 @@ class VerifyForward:
     top_vals: jax.Array  # [B, N, grammar.CANDIDATES] fp32: their logits
 
 
-def verify_forward_step(key: RoundKey, graphdef, draft_graphdef, params, state: SpecState, inputs):
+def verify_forward_step(key: RoundKey, graphdef, draft_graphdef, params, state: SpecState, row_ids):
+    """A grammar round's first half: the draft and the target's forward over its tree, in one
+    executable (one call's host time less than two: the host needs the forward's best tokens anyway,
+    `jeagle.grammar.walk_masks`). Returns ((tree, VerifyForward), state)."""
+    tree, state = draft_step(DraftKey(key.static, key.tier, key.batch, key.kv_len), graphdef, draft_graphdef,
+                             params, state, row_ids)
     target, head = nnx.merge(graphdef, params[0]), nnx.merge(draft_graphdef, params[1])
-    row_ids, tree = inputs
     out = verify_forward(target, key.tier, state.cache, state.rows.gather(row_ids), row_ids, tree,
                          kv_len=key.kv_len, aux_layers=key.static.aux_layers, unroll=key.static.unroll_round)
     eagle1 = head.cfg.kind == "eagle1"
@@ -385,7 +390,7 @@ def verify_forward_step(key: RoundKey, graphdef, draft_graphdef, params, state: 
     fwd = VerifyForward(out.logits, out.hidden if eagle1 else None, None if eagle1 else out.aux_hidden,
                         ids.astype(jnp.int32), vals)
     cache = KVCache(k=out.k, v=out.v, req_to_token=state.cache.req_to_token)
-    return fwd, SpecState(cache, state.draft_k, state.draft_v, state.rows, state.penalties)
+    return (tree, fwd), SpecState(cache, state.draft_k, state.draft_v, state.rows, state.penalties)
 
 
 def accept_step(key: RoundKey, graphdef, draft_graphdef, params, state: SpecState, inputs):
