@@ -4,7 +4,7 @@
 # stacks included, raw folded stacks, without pausing it) for SPY_S seconds.
 # Needs py-spy (its wheel in .whl: `pip download --no-deps py-spy`) and the staged model, as gpu_session.sh
 # `run features` has them. Usage (from the repository root, in gpu_session.sh's environment):
-#   SPY_CONFIG=eagle SPY_CONC=48 [SPY_NATIVE=1] bash bench/probes/serve_spy.sh   → $OUT/spy.txt, $OUT/spy_serve.log
+#   SPY_CONFIG=eagle SPY_CONC=48 [SPY_NATIVE=1] [SPY_WHO=server] bash bench/probes/serve_spy.sh   → $OUT/spy.txt, $OUT/spy_serve.log
 set -u
 spy="${PY_SPY:-$HOME/site/bin/py-spy}"
 python3 bench/serve.py --model smollm2 --prompts .data/mtbench.jsonl --configs "${SPY_CONFIG:-eagle}" \
@@ -18,6 +18,8 @@ for _ in $(seq 1 300); do  # the engine's process: the one using the GPU
   sleep 1
 done
 echo "engine process: ${pid:-none}"
+# SPY_WHO=server: record the server's own process instead (bench/serve.py: uvicorn, the HTTP/JSON work)
+[ -n "$pid" ] && [ "${SPY_WHO:-engine}" = server ] && pid=$bench && echo "recording the server's process: $pid"
 if [ -n "$pid" ]; then
   # SPY_NATIVE=1: native frames too (what XLA does inside an executable's call); py-spy then pauses the
   # process at each sample (no --nonblocking), so its throughput reads lower.
