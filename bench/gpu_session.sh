@@ -526,13 +526,18 @@ if [[ "$steps" == *" features "* ]]; then  # issue 24: logprobs, penalties, gram
 fi
 if [[ "$steps" == *" serveab "* ]]; then  # issue 24 at 32 clients: the served engine's host time, variant by variant
   # Each variant one bench/serve.py process (EAGLE, then target-only with SAB_TARGET=1) at SAB_CONC (32)
-  # clients, plain and logprobs rows interleaved SAB_REPEATS (3) times. Variants: every engine config of
+  # clients, plain and logprobs rows (SAB_EXTRAS) interleaved SAB_REPEATS (3) times. Variants: every engine config of
   # SAB_CONFIGS (JSON without spaces: the lists split on them, e.g. '{} {"rounds_per_dispatch":2}') x every
   # JEAGLE_XLA_OPTIONS of SAB_XLA (the same; bench/serve.py builds the server's engines, XLA's dynamic-slice
   # fusions off since session 31, so '{} {"xla_gpu_enable_dynamic_slice_fusion":true}' A/Bs them);
   # SAB_CLIENT_PROCS (4) load-generator processes. SAB_CYCLES (1): the whole list of variants run that many
   # times (A B A B ...): the same configuration read 23.9k-28.2k tok/s in three processes of one machine
   # (session 31), so a difference between two processes means something only where it outlasts that.
+  # SAB_EXTRAS: the rows, of plain / logprobs / grammar (the features step's json_schema request).
+  declare -A sab_named=([plain]='{}' [logprobs]='{"logprobs": true, "top_logprobs": 5}'
+    [grammar]='{"response_format": {"type": "json_schema", "json_schema": {"name": "outline", "schema": {"type": "object", "properties": {"title": {"type": "string", "maxLength": 60}, "points": {"type": "array", "items": {"type": "string", "maxLength": 80}, "minItems": 3, "maxItems": 5}}, "required": ["title", "points"]}}}}')
+  sab_extras=()
+  for name in ${SAB_EXTRAS:-plain logprobs}; do sab_extras+=(--extra "${sab_named[$name]}"); done
   for cycle in $(seq 1 "${SAB_CYCLES:-1}"); do
   for xla in ${SAB_XLA:-'{}'}; do
     for cfg in ${SAB_CONFIGS:-'{}'}; do
@@ -541,7 +546,7 @@ if [[ "$steps" == *" serveab "* ]]; then  # issue 24 at 32 clients: the served e
         --prompts .data/mtbench.jsonl --configs "$([ "${SAB_TARGET:-0}" = 1 ] && echo target-only,eagle || echo eagle)" \
         --concurrency "${SAB_CONC:-32}" --requests-per-client "${SAB_PER_CLIENT:-8}" --max-tokens 256 \
         --repeats "${SAB_REPEATS:-3}" --client-processes "${SAB_CLIENT_PROCS:-4}" --engine-config "$cfg" \
-        --extra '{}' --extra '{"logprobs": true, "top_logprobs": 5}' > "$OUT/serveab.tmp" 2>&1
+        "${sab_extras[@]}" > "$OUT/serveab.tmp" 2>&1
       grep '^{"bench' "$OUT/serveab.tmp" >> "$OUT/serveab.jsonl"
       grep -v '^{"bench\|Delay kernel\|Converting\|Loading' "$OUT/serveab.tmp" | tee -a "$OUT/serveab.log" | tail -4
     done

@@ -135,11 +135,13 @@ def test_target_only_equals_the_reference(tok, target, workload, expected):
     assert kv_idle(eng)[0] == eng.pool.num_slots - 1
 
 
-@pytest.mark.parametrize("tier", [(3, 2, 5), (2, 1, 3), (4, 3, 8)])
-def test_eagle_equals_the_reference(tok, target, head, workload, expected, tier):
+@pytest.mark.parametrize("tier,threaded", [((3, 2, 5), False), ((2, 1, 3), False), ((4, 3, 8), False),
+                                           ((3, 2, 5), True)])
+def test_eagle_equals_the_reference(tok, target, head, workload, expected, tier, threaded):
+    """(threaded: the executables called on the dispatch thread, `EngineConfig.dispatch_thread`.)"""
     prompts, params = workload
     eng = speculative(target, head, EngineConfig(max_batch_size=4, max_context=MAX_CONTEXT, batch_buckets=(1, 2, 4),
-                                                 rounds_per_dispatch=2), SpecConfig(*tier))
+                                                 rounds_per_dispatch=2, dispatch_thread=threaded), SpecConfig(*tier))
     outs = eng.generate(prompts, params)
     check_outputs(tok, outs, params)
     for o, e in zip(outs, expected):

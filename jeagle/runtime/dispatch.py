@@ -46,6 +46,11 @@ class Dispatched:
         return np.asarray(self.result(), dtype)
 
 
+def _copy_to_host(res, to_host) -> None:
+    for leaf in (to_host(res) if to_host is not None else (res,)):
+        leaf.copy_to_host_async()
+
+
 def resolve(result):
     """The device result of a call (a `Dispatched` one waited for)."""
     return result.result() if isinstance(result, Dispatched) else result
@@ -92,11 +97,12 @@ class Dispatching:
         if future is not None:
             future.exception()
 
-    def dispatch(self, exe, inputs):
-        """Call `exe` on the state and `inputs`; the result's copy to the host is started with it."""
+    def dispatch(self, exe, inputs, to_host=None):
+        """Call `exe` on the state and `inputs`; the result's copy to the host is started with it (or
+        only the arrays `to_host(result)` lists: a result with arrays the host never reads)."""
         if self._pool is None:
             res, self.state = exe(self.param_leaves, self.state, inputs)
-            res.copy_to_host_async()  # the host reads it a step later; this copy is then done
+            _copy_to_host(res, to_host)  # the host reads it a step later; this copy is then done
             return res
         leaves, state = self.param_leaves, self.state  # (waits for the call before)
         started = threading.Event()
@@ -104,7 +110,7 @@ class Dispatching:
         def run():
             started.set()
             res, self._device_state = exe(leaves, state, inputs)
-            res.copy_to_host_async()
+            _copy_to_host(res, to_host)
             return res
 
         self._in_flight = self._pool.submit(run)

@@ -298,11 +298,11 @@ class SpecDecoder(SlotTables, GrammarMasks, FlatParams, Dispatching):
         # Grammar: one executable drafts and runs the verify's forward; the host reads the tree and the
         # forward's best tokens, computes the masks, and the accept applies them.
         accept = dataclasses.replace(verify, phase="accept", grammar=True)
-        (tree, fwd), self.state = self.executables.get(accept.forward_key())(self.param_leaves, self.state, row_ids)
-        for leaf in (tree.tokens, tree.parent, fwd.top_ids, fwd.top_vals):
-            leaf.copy_to_host_async()
+        first = self.dispatch(self.executables.get(accept.forward_key()), row_ids,
+                              lambda r: (r[0].tokens, r[0].parent, r[1].top_ids, r[1].top_vals))
         if drain is not None:  # the last round's tokens, read while this one's draft and forward run
             drain()
+        tree, fwd = resolve(first)
         # Greedy rows without penalties check the forward's best tokens (`grammar.walk_masks`); the
         # others get a mask per tree node (those that finished in the round just read: none).
         walk = [r.matcher is not None and not r.done and r.params.greedy and not pen for r in reqs]
