@@ -157,7 +157,7 @@ def bench_engine(model, shape, name, prompts_path, prompt_len, top, max_tokens, 
     in the server's process or in an engine process of its own (EngineProcess's build)."""
     from jeagle.engine import EngineConfig, speculative, target_only
     from jeagle.kernels.settings import KernelSettings
-    from jeagle.serve.options import SERVER_SLICE_FUSION
+    from jeagle.serve.options import SERVER_DISPATCH_THREAD, SERVER_SLICE_FUSION
     from jeagle.spec.round import SpecConfig
 
     prompts, target_dir = workload(model, shape, prompts_path, prompt_len), None
@@ -174,10 +174,12 @@ def bench_engine(model, shape, name, prompts_path, prompt_len, top, max_tokens, 
     tok = tokenizer_for(model, shape, target_dir)
     lengths = [len(tok.encode_chat([{"role": "user", "content": t}])) for t in prompts] if target_dir else [prompt_len]
     buckets = tuple(sorted({1, 2, 4, 8, 16, 32, top} & set(range(1, top + 1))))
-    # The server's kernel settings (python -m jeagle.serve: the environment's, slice fusions off).
+    # The server's kernel settings (python -m jeagle.serve: the environment's, slice fusions off) and its
+    # dispatch thread (on), unless --engine-config says otherwise.
     kernels = dataclasses.replace(KernelSettings.from_env(), slice_fusion=SERVER_SLICE_FUSION)
     cfg = EngineConfig(**{"max_batch_size": top, "max_context": max(lengths) + max_tokens + 64,
-                          "batch_buckets": buckets, "kernels": kernels} | (overrides or {}))
+                          "batch_buckets": buckets, "kernels": kernels, "dispatch_thread": SERVER_DISPATCH_THREAD}
+                       | (overrides or {}))
     if name == "target-only":
         engine = target_only(target, cfg)
     else:

@@ -66,10 +66,10 @@ def build_parser(prog: str = "python -m jeagle.generate", prompts: bool = True,
     rt.add_argument("--disable-padding", action="store_true", help="compile one executable per exact batch size")
     rt.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                     help="dispatch the next round before the host processes the last one (default on)")
-    rt.add_argument("--dispatch-thread", action="store_true",
+    rt.add_argument("--dispatch-thread", action=argparse.BooleanOptionalAction, default=None,
                     help="call the executables on a thread of their own while the host processes the last step's "
-                         "results (XLA's per-call host work beside the engine's Python; unmeasured on a GPU, off by "
-                         "default: bench/HISTORY.md session 31)")
+                         "results (XLA's per-call host work beside the engine's Python; default: on for jeagle.serve, "
+                         "whose engine is host-bound under load, off for jeagle.generate: bench/HISTORY.md session 32)")
     rt.add_argument("--disable-prefix-cache", action="store_true",
                     help="prefill every prompt whole (default: reuse the KV of the longest cached prefix — earlier "
                          "prompts and answers — and evict the least recently used when slots run short)")
@@ -128,6 +128,11 @@ def build_parser(prog: str = "python -m jeagle.generate", prompts: bool = True,
                            "update_interval, down_hysteresis, up_hysteresis (omitted keys: defaults); "
                            "implies --speculative-adaptive")
     return p
+
+
+def dispatch_thread(a: argparse.Namespace, *, default: bool) -> bool:
+    """`--dispatch-thread` / `--no-dispatch-thread` when given, else the entry point's default."""
+    return default if a.dispatch_thread is None else a.dispatch_thread
 
 
 def kernel_settings(a: argparse.Namespace, *, slice_fusion: bool):

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from jeagle.cli import build_parser, check_args, kernel_settings
+from jeagle.cli import build_parser, check_args, dispatch_thread, kernel_settings
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -67,10 +67,12 @@ def describe_decoding(spec) -> str:
 
 def engine_spec(args: argparse.Namespace):
     """The engine the options describe (XLA's dynamic-slice fusions on unless `--slice-fusion off`: a
-    batch decode here is device-bound, where they save 5-9 %, bench/HISTORY.md session 27)."""
+    batch decode here is device-bound, where they save 5-9 %, bench/HISTORY.md session 27; the calls on
+    the engine's thread unless `--dispatch-thread`: nothing else runs beside them here)."""
     from jeagle.engine import EngineSpec
 
-    return EngineSpec.from_namespace(args, quiet=args.json, kernels=kernel_settings(args, slice_fusion=True))
+    return EngineSpec.from_namespace(args, quiet=args.json, kernels=kernel_settings(args, slice_fusion=True),
+                                     dispatch_thread=dispatch_thread(args, default=False))
 
 
 def run(args: argparse.Namespace) -> dict:

@@ -282,6 +282,7 @@ def test_serve_cli_end_to_end(smollm2_dir):
         info = httpx.get(f"{url}/server_info", headers={"Authorization": "Bearer k"}, timeout=30).json()
         assert info["model"] == "SmolLM2-135M-Instruct-float32" and info["max_running_requests"] == 2
         assert info["slice_fusion"] is False  # the server's default (jeagle.serve.options.SERVER_SLICE_FUSION)
+        assert info["dispatch_thread"] is True  # (SERVER_DISPATCH_THREAD): the answer above came through it
     finally:
         proc.terminate()
         proc.wait(timeout=60)
@@ -304,13 +305,17 @@ def test_slice_fusion_defaults_on_for_generate_off_for_the_server(monkeypatch):
 
 
 def test_dispatch_thread_flag_reaches_the_engine_config():
-    """`--dispatch-thread` (off by default) becomes EngineConfig.dispatch_thread, for both entry points."""
+    """`--dispatch-thread` / `--no-dispatch-thread` become EngineConfig.dispatch_thread; the default is off
+    for jeagle.generate, on for jeagle.serve."""
     from jeagle import generate
     from jeagle.serve.options import parse_args as serve_args
 
-    assert generate.engine_spec(generate.parse_args([QUESTION])).engine_config(1, None).dispatch_thread is False
-    assert generate.engine_spec(generate.parse_args(["--dispatch-thread", QUESTION])).engine_config(1, None).dispatch_thread
-    assert serve_args(["--dispatch-thread"]).engine.engine_config(1, None).dispatch_thread is True
+    def gen(*argv):
+        return generate.engine_spec(generate.parse_args([*argv, QUESTION])).engine_config(1, None).dispatch_thread
+
+    assert gen() is False and gen("--dispatch-thread") is True
+    assert serve_args([]).engine.engine_config(1, None).dispatch_thread is True
+    assert serve_args(["--no-dispatch-thread"]).engine.engine_config(1, None).dispatch_thread is False
 
 
 def test_serve_cli_bad_target_fails_fast_with_one_line():

@@ -55,12 +55,14 @@ class EngineFacts:
     speculative: bool
     adaptive: bool
     slice_fusion: bool  # XLA's dynamic-slice fusions (KernelSettings.slice_fusion; the server's default: off)
+    dispatch_thread: bool  # the executables called on a thread of their own (the server's default: on)
 
     @classmethod
     def of(cls, engine) -> "EngineFacts":
         return cls(tuple(engine.model_cfg.eos_token_ids), engine.model_cfg.vocab_size, engine.max_context,
                    engine.context_reserve, engine.max_running, tuple(engine.batch_buckets), engine.config.overlap,
-                   engine.verify_done_mode, engine.speculative, engine.adaptive, engine.config.kernels.slice_fusion)
+                   engine.verify_done_mode, engine.speculative, engine.adaptive, engine.config.kernels.slice_fusion,
+                   engine.config.dispatch_thread)
 
 
 def rejection(e: Exception) -> tuple[str, int]:
