@@ -11,11 +11,12 @@ bitmask per position to decode from ([W] int32, bit v % 32 of word v // 32 allow
 
     prefill         the mask of the grammar's start
     decode step     the mask after the request's tokens so far (`next_masks`: the batch's at once)
-    speculative     the draft tree's tokens come to the host while the device runs the verify's
-                    forward; each tree node gets the mask after its path (root excluded: emitted
-                    already: `tree_masks`), or for a greedy row the mask of the one path the accept
-                    walks (`walk_masks`, from the forward's best tokens), so the accept takes only
-                    tokens the grammar allows and emits what constrained target-only decoding emits
+    speculative     one executable drafts and runs the verify's forward; the tree's tokens and the
+                    forward's best tokens come to the host: each tree node gets the mask after its
+                    path (root excluded: emitted already: `tree_masks`), or for a greedy row the
+                    mask of the one path the accept walks (`grammar_walk.walk_masks`), so the accept
+                    takes only tokens the grammar allows and emits what constrained target-only
+                    decoding emits
 
 A target-only grammar step needs the previous step's tokens first (the scheduler drains what is in
 flight before it); a speculative one reads them while its draft and forward run
@@ -27,7 +28,7 @@ from __future__ import annotations
 import collections
 import json
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import jax.numpy as jnp
 import numpy as np
@@ -100,9 +101,24 @@ class GrammarBackend:
             if hit is not None:
                 self._compiled.move_to_end(key)
                 return hit
-        grammar = self._compile(kind, source)
+        return self._keep(key, self._compile(kind, source))
+
+    def rebuild(self, kind: str, source: str) -> "Grammar":
+        """A grammar compiled and checked elsewhere (by the server's process), from its llguidance
+        text `source`; kept like `compile`'s, so a schema's requests share one `Grammar` (and its
+        template matcher, `Grammar.matcher`)."""
+        key = ("llguidance", kind, source)
         with self._lock:
-            self._compiled[key] = grammar
+            hit = self._compiled.get(key)
+            if hit is not None:
+                self._compiled.move_to_end(key)
+                return hit
+        return self._keep(key, Grammar(kind, source, self))
+
+    def _keep(self, key, grammar: "Grammar") -> "Grammar":
+        with self._lock:
+            grammar = self._compiled.setdefault(key, grammar)
+            self._compiled.move_to_end(key)
             while len(self._compiled) > self.COMPILED_KEPT:
                 self._compiled.popitem(last=False)
         return grammar
@@ -135,7 +151,7 @@ class GrammarBackend:
         if err and not err.startswith("WARNING"):
             raise GrammarError(_one_line(f"{kind}: {err}"))
         compiled = Grammar(kind, grammar, self)
-        _build(compiled)  # one matcher built here: its requests' matchers, built in the background, then build too
+        compiled.template()  # one matcher built here: its requests' matchers, built in the background, then build too
         return compiled
 
 
@@ -145,31 +161,52 @@ class Grammar:
     kind: str
     source: str  # llguidance's grammar text
     backend: GrammarBackend
+    _template: list = field(default_factory=list, repr=False)  # [the template matcher], once built
 
-    def matcher(self, background: bool = False) -> "Matcher":
-        """A request's matcher at the grammar's start; `background`: built on a worker thread (its
-        `ready` says when), so the thread that queues requests does not pay for it."""
-        return Matcher(self, background)
+    def matcher(self, background: bool = False, shared: bool = False) -> "Matcher":
+        """A request's matcher at the grammar's start. `background`: built on a worker thread (its
+        `ready` says when), so the thread that queues requests does not pay for it. `shared`: a copy
+        of the grammar's template instead (`Matcher` says when that is faster)."""
+        return Matcher(self, background, shared)
+
+    def template(self):
+        """The grammar's template llguidance matcher (built once; never moved): copies of it share its
+        lexer automaton."""
+        if not self._template:
+            built = _build(self)
+            with _TEMPLATE_LOCK:
+                if not self._template:
+                    self._template.append(built)
+        return self._template[0]
+
+
+_TEMPLATE_LOCK = threading.Lock()
 
 
 class Matcher:
     """One request's grammar state, in step with the tokens the request has emitted.
 
-    Each request builds its own llguidance matcher. Copies of one template matcher (`deep_copy`)
-    would share its lazily built lexer automaton — a request's first masks then cost 13 ms instead of
-    87 ms per 400 requests on the CI machine — but they share it behind a lock: on the H100 host's 16
-    cores, 48 requests' tree masks took 23.6 ms batched from copies against 8.0 ms from matchers of
-    their own (bench/probes/grammar_masks.py, bench/RESULTS.md).
+    A request's matcher is its own llguidance matcher, or (`shared`) a copy of the grammar's template
+    (`deep_copy`, ~6 µs). Copies share the template's lazily built lexer automaton, warm after the
+    first requests: a request's first 30 masks cost 0.8 ms from a copy against 3.2 ms from a matcher
+    of its own (CI machine, the serve benchmark's schema). But they share it behind a lock: on the
+    H100 host's 16 cores, 48 requests' tree masks took 23.6 ms batched on llguidance's threads from
+    copies against 8.0 ms from matchers of their own (bench/probes/grammar_masks.py, bench/RESULTS.md).
+    So copies serve the rows whose masks the engine's thread computes one request at a time (the
+    greedy rows of a speculative engine, `walk_masks`), own matchers the rows whose masks come in
+    parallel batches (`next_masks`, `tree_masks`).
 
-    Building one parses the grammar's text (~1 ms for a small JSON schema), with the GIL released:
-    `background=True` builds it on a worker thread (`_build_soon`), and `ready` says whether it is
-    built; `_ll` waits for it (a build that failed raises its GrammarError there)."""
+    Building one's own parses the grammar's text (~1 ms for a small JSON schema), with the GIL
+    released: `background=True` builds it on a worker thread (`_build_soon`), and `ready` says whether
+    it is built; `_ll` waits for it (a build that failed raises its GrammarError there)."""
 
-    def __init__(self, grammar: Grammar, background: bool = False):
+    def __init__(self, grammar: Grammar, background: bool = False, shared: bool = False):
         self.words = mask_words(grammar.backend.vocab_size)
         self.eos = grammar.backend.eos_token_id
         self._built, self._future = None, None
-        if background:
+        if shared:
+            self._built = grammar.template().deep_copy()
+        elif background:
             self._future = _build_soon(grammar)
         else:
             self._built = _build(grammar)
@@ -350,135 +387,4 @@ def tree_masks(matchers, tokens: np.ndarray, parents: np.ndarray, vocab: int) ->
                 out[i, nodes] = scratch[r0:r0 + len(nodes)]
         for ll, took in advanced:
             ll.rollback(took)
-    return out
-
-
-# ---- greedy rows: check the target's choices instead of computing masks ---------------------------------
-CANDIDATES = 8  # the verify's top tokens per tree node the host checks (`walk_masks`)
-
-
-def walk_masks(matcher: Matcher, tokens: np.ndarray, parents: np.ndarray, top_ids: np.ndarray,
-               top_vals: np.ndarray, out: np.ndarray) -> bool:
-    """A greedy row's masks [N, W] in `out`, from the target's top CANDIDATES tokens at every tree node
-    (ids and logits, [N, C], best first) instead of a mask per node: what a node's masked argmax is,
-    a few token checks say (~4 µs each where a mask costs 20-150 µs).
-
-    The accept walk visits one node per depth: at node n it emits the grammar's best token c* (the
-    masked argmax) and moves to the child whose token is c*, if any. So the host walks the same path:
-    at each node the first candidate the grammar allows is c* — provided its logit is above the last
-    candidate's (a token outside the candidates may tie it otherwise) — and the node's mask allows c*
-    and any allowed candidate tied with it (the device's argmax then picks among them as it would
-    under the full mask: the lowest id, `jnp.argmax`'s first maximum, so the walk goes on from that
-    one). Nodes off the path keep every token allowed: the walk never reaches them.
-
-    Where EOS comes before any allowed candidate, or no candidate is allowed, the node's full mask
-    decides (one mask, not a tree of them): it says whether EOS and the candidates are allowed, and a
-    grammar that allows a single token there (a closing quote, a comma) has chosen it, whatever the
-    logits; where it allows several, none of them a candidate, the walk ends there if no child's token
-    is among them (the device's choice, whichever it is, leaves the tree). A grammar that is complete
-    allows EOS alone. Returns False where that cannot decide a node on the path (several tokens
-    allowed, none of them a candidate, a child's among them; a tie at the last candidate; a tie with
-    EOS): the row then needs `tree_masks` (`UNDECIDED` counts why).
-
-    The matcher moves along the walked path (a token consumed per step: each check is then one
-    token's) and is rolled back before this returns."""
-    ll, eos, last = matcher._ll, matcher.eos, top_vals.shape[1] - 1
-    if matcher.stopped:  # the grammar is complete: EOS alone may follow (the row ends at the root)
-        if ll.is_error():
-            return _undecided("error")
-        out[:] = -1
-        out[0] = 0
-        out[0, eos >> 5] = np.int32(np.uint32(1 << (eos & 31)).view(np.int32))
-        return True
-    toks, pars = tokens.tolist(), parents.tolist()  # Python scalars: the walk reads them one by one
-    children: dict[tuple[int, int], int] = {}
-    for j in range(1, len(toks)):
-        if pars[j] >= 0:
-            key = (pars[j], toks[j])
-            if key in children:  # siblings with one token (top-K gives none): which one the walk takes is the device's
-                return _undecided("siblings")
-            children[key] = j
-    out[:] = -1
-    moved = 0
-    try:
-        node = 0
-        while True:
-            ids, vals = top_ids[node].tolist(), top_vals[node].tolist()
-            row = out[node].view(np.uint32)
-            best, ok = None, None
-            for k in range(last + 1):
-                if ids[k] == eos:  # EOS is the grammar's to judge (its end): the full mask
-                    break
-                if ll.validate_tokens([ids[k]]) == 1:
-                    best = k
-                    break
-            if best is None:
-                full = _node_mask(ll, out.shape[1])
-                ok = [(int(full[t >> 5]) >> (t & 31)) & 1 for t in ids]
-                best = next((k for k in range(last + 1) if ok[k]), None)
-                if best is None:  # no candidate allowed: decided only if the grammar allows one token
-                    c = _single(full)
-                    row[:] = full
-                    if c is None:  # the device's choice is not known here: decided if no child can be it
-                        if any((int(full[t >> 5]) >> (t & 31)) & 1 for p, t in children if p == node):
-                            return _undecided("none_of_the_candidates")
-                        return True
-                    if c == eos or (node, c) not in children:  # the row ends at EOS: what follows is cut
-                        return True
-                    node = children[node, c]
-                    moved += _advance(ll, c)
-                    continue
-            if not vals[best] > vals[last]:
-                return _undecided("tie_at_the_last_candidate")
-            tied = [k for k in range(best + 1, last + 1) if vals[k] == vals[best]]
-            if ok is None and any(ids[k] == eos for k in tied):
-                return _undecided("tie_with_eos")
-            allowed = [ids[best]] + [ids[k] for k in tied
-                                     if (ok[k] if ok is not None else ll.validate_tokens([ids[k]]) == 1)]
-            row[:] = 0
-            for t in allowed:
-                row[t >> 5] |= np.uint32(1 << (t & 31))
-            # The device's argmax takes the first of tied maxima (jnp.argmax): the lowest allowed id.
-            c = min(allowed)
-            if c == eos:
-                return True  # the row ends at EOS: what follows it is cut
-            nxt = children.get((node, c))
-            if nxt is None:
-                return True
-            node = nxt
-            moved += _advance(ll, c)
-    finally:
-        if moved:
-            ll.rollback(moved)
-
-
-# Why `walk_masks` left rows to full tree masks (counts in this process; the engines' info reports them).
-UNDECIDED: collections.Counter = collections.Counter()
-
-
-def _undecided(reason: str) -> bool:
-    UNDECIDED[reason] += 1
-    return False
-
-
-def _advance(ll, token: int) -> int:
-    """Consume one token the walk found allowed; 1."""
-    if ll.try_consume_tokens([token]) != 1:
-        raise AssertionError(f"the grammar refused token {token} that it had allowed")
-    return 1
-
-
-def _single(mask: np.ndarray) -> int | None:
-    """The one token a [W] uint32 mask allows, or None (none, or several)."""
-    words = np.flatnonzero(mask)
-    if words.size != 1:
-        return None
-    w = int(mask[words[0]])
-    return int(words[0]) * 32 + w.bit_length() - 1 if w & (w - 1) == 0 else None
-
-
-def _node_mask(ll, words: int) -> np.ndarray:
-    """[W] uint32: the mask in the matcher's current state."""
-    out = np.zeros(words, np.uint32)
-    ll.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
     return out

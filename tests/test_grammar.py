@@ -6,6 +6,7 @@ validates. fp32, a tiny target over a 100-token ASCII vocabulary."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 
@@ -151,7 +152,7 @@ def test_eagle_equals_the_reference(tok, target, head, workload, expected, tier,
     assert kv_idle(eng)[0] == eng.pool.num_slots - 1
 
 
-def test_matchers_build_in_the_background(tok, target, workload, expected, monkeypatch):
+def test_matchers_build_in_the_background(tok, target, head, workload, expected, monkeypatch):
     """A grammar request's matcher builds on a worker thread (`Grammar.matcher(background=True)`, from
     `submit`): the engine keeps stepping the running requests meanwhile, admits the request once its
     matcher is built, and emits the reference's tokens."""
@@ -175,6 +176,19 @@ def test_matchers_build_in_the_background(tok, target, workload, expected, monke
         eng.step()
     assert r.out.token_ids == expected[0] and len(free.out.token_ids) == 40
     assert kv_idle(eng)[0] == eng.pool.num_slots - 1
+    # A speculative engine's greedy rows are walked on its thread: their matchers are copies of the
+    # grammar's template (ready at once, the blocked builds notwithstanding); sampled rows build their own.
+    go.clear()
+    spec = speculative(target, head, EngineConfig(max_batch_size=4, max_context=MAX_CONTEXT, batch_buckets=(1, 2, 4)),
+                       SpecConfig(3, 2, 5))
+    greedy = spec.submit(prompts[0], params[0])
+    sampled = spec.submit(prompts[1], dataclasses.replace(params[1], temperature=0.7, seed=1))
+    assert greedy.matcher.ready and not sampled.matcher.ready
+    go.set()
+    while spec.has_work:
+        spec.step()
+    assert greedy.out.token_ids == expected[0]
+    check_outputs(tok, [sampled.out], [params[1]])
 
 
 @pytest.mark.parametrize("spec", [False, True])
@@ -270,7 +284,7 @@ def test_walk_masks_give_the_full_masks_walk(tok, backend):
     ties, trees that follow the grammar's own choices, and every position of valid documents (EOS
     and nodes where no candidate is allowed decided by the node's own mask); where it cannot decide
     (several tokens allowed, none a candidate; a tie at the last candidate) it says so."""
-    from jeagle.grammar import CANDIDATES, walk_masks
+    from jeagle.grammar_walk import CANDIDATES, walk_masks
 
     rng = np.random.default_rng(1)
     docs = [json.dumps({"name": "rex", "kind": "dog"}, separators=(",", ":")),
@@ -321,7 +335,7 @@ def test_walk_masks_give_the_full_masks_walk(tok, backend):
         else:
             undecided += 1
         np.testing.assert_array_equal(m.mask(), before)  # the matcher did not move
-    from jeagle.grammar import UNDECIDED
+    from jeagle.grammar_walk import UNDECIDED
     print("decided", decided, "undecided", undecided, dict(UNDECIDED))
     assert decided > 200 and undecided > 10, (decided, undecided)
 
@@ -330,7 +344,7 @@ def test_walk_masks_leave_a_tie_at_the_last_candidate_undecided(tok, backend):
     """After '{"id":' only digits may follow. The candidates are C-1 letters and then '5'; '3', no
     candidate, may tie '5' (the masked argmax would then be '3', the lower id): the walk must not
     decide '5' at the last candidate."""
-    from jeagle.grammar import CANDIDATES, walk_masks
+    from jeagle.grammar_walk import CANDIDATES, walk_masks
 
     m = backend.compile("json_schema", SCHEMAS[1]).matcher()
     for t in tok.encode('{"id":', add_special_tokens=False):

@@ -145,7 +145,7 @@ class GrammarMasks:
     def grammar_rows(self) -> dict:
         """Speculative grammar rows so far: walked, masked, and why the walk left rows undecided (in
         this process: `jeagle.grammar.UNDECIDED`)."""
-        from jeagle.grammar import UNDECIDED
+        from jeagle.grammar_walk import UNDECIDED
 
         return {"walked": self.grammar_rows_walked, "masked": self.grammar_rows_masked, "undecided": dict(UNDECIDED)}
 
@@ -161,11 +161,12 @@ class GrammarMasks:
 
     def tree_masks(self, reqs, b: int, tree, fwd=None, walk=None) -> np.ndarray:
         """Each draft-tree node's grammar mask [b, N, W], from the tree read back to the host: rows
-        with `walk` True from the verify forward's best tokens `fwd` (`jeagle.grammar.walk_masks`,
+        with `walk` True from the verify forward's best tokens `fwd` (`jeagle.grammar_walk.walk_masks`,
         greedy rows; those it cannot decide, and the other rows, with `jeagle.grammar.tree_masks`)."""
-        from jeagle.grammar import tree_masks, walk_masks
+        from jeagle.grammar import tree_masks
+        from jeagle.grammar_walk import walk_masks
 
-        tokens, parents = np.asarray(tree.tokens), np.asarray(tree.parent)  # their copies started at the draft
+        tokens, parents = np.asarray(tree.tokens), np.asarray(tree.parent)  # their copies started with the call
         walk, walked = walk or [False] * len(reqs), 0
         t0 = time.perf_counter()
         full = [r.matcher if not (w or r.done) else None for r, w in zip(reqs, walk)]
@@ -176,7 +177,7 @@ class GrammarMasks:
             t0 = time.perf_counter()
             undecided = [None] * b
             for i, (r, w) in enumerate(zip(reqs, walk)):
-                if w and not walk_masks(r.matcher, tokens[i], parents[i], ids[i], vals[i], out[i]):
+                if w and not walk_masks(r.matcher, tokens[i], parents[i], ids[i], vals[i], out[i], cleared=True):
                     undecided[i] = r.matcher
             walked = sum(walk) - sum(m is not None for m in undecided)
             self.grammar_rows_walked += walked

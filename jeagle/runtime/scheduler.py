@@ -163,7 +163,8 @@ class Engine(KVFlow):
         r = self.check(prompt, params, index)
         r.on_tokens, r.t_submit, r.compile_mark = on_tokens, time.perf_counter(), self.compile_seconds
         if params.grammar is not None:  # started here, not in check(): a matcher builds the grammar's parser
-            r.matcher = params.grammar.matcher(background=True)  # admitted once built (`_admit_waiting`)
+            # Admitted once built (`_admit_waiting`); a copy of the grammar's where the host walks its rows.
+            r.matcher = params.grammar.matcher(background=True, shared=self.decoder.walks(params))
         self._waiting.append(r)
         return r
 

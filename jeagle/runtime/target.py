@@ -130,6 +130,10 @@ class TargetDecoder(SlotTables, GrammarMasks, FlatParams, Dispatching):
     def dropped(self) -> None:
         """Nothing kept per dispatch."""
 
+    def walks(self, params) -> bool:
+        """Never: every grammar step takes the batch's next-token masks at once (`grammar.next_masks`)."""
+        return False
+
     def wants_step(self, r) -> bool:
         """Until its last token is dispatched."""
         return not r.done and r.dispatched < r.max_new

@@ -202,10 +202,10 @@ def _child_main(build, args, conn) -> None:
 
 def _grammar(grammars: dict, tokenizer, engine, kind: str, source: str):
     """A grammar the parent compiled and checked, rebuilt from its llguidance text on this process's
-    backend (built on first use)."""
-    from jeagle.grammar import Grammar, GrammarBackend
+    backend (built on first use; a schema's requests share one, `GrammarBackend.rebuild`)."""
+    from jeagle.grammar import GrammarBackend
 
     if "backend" not in grammars:
         cfg = engine.model_cfg
         grammars["backend"] = GrammarBackend(tokenizer, cfg.vocab_size, cfg.eos_token_ids[0])
-    return Grammar(kind, source, grammars["backend"])
+    return grammars["backend"].rebuild(kind, source)

@@ -253,6 +253,11 @@ class SpecDecoder(SlotTables, GrammarMasks, FlatParams, Dispatching):
             return
         jax.block_until_ready((resolve(out), self.state))
 
+    def walks(self, params) -> bool:
+        """Whether a request's grammar rows are walked on the host (`grammar_walk.walk_masks`): greedy ones
+        without penalties (their matchers are copies of the grammar's template: `grammar.Matcher`)."""
+        return params.greedy and not params.penalized
+
     def wants_step(self, r) -> bool:
         """Every unfinished request: a round that finishes it reports so."""
         return not r.done
@@ -303,7 +308,7 @@ class SpecDecoder(SlotTables, GrammarMasks, FlatParams, Dispatching):
         if drain is not None:  # the last round's tokens, read while this one's draft and forward run
             drain()
         tree, fwd = resolve(first)
-        # Greedy rows without penalties check the forward's best tokens (`grammar.walk_masks`); the
+        # Greedy rows without penalties check the forward's best tokens (`grammar_walk.walk_masks`); the
         # others get a mask per tree node (those that finished in the round just read: none).
         walk = [r.matcher is not None and not r.done and r.params.greedy and not pen for r in reqs]
         masks = self.tree_masks(reqs, b, tree, fwd, walk)

@@ -26,7 +26,8 @@ from flax import nnx
 from jeagle.cache import KVCache, assign_rows, init_cache, init_pools
 from jeagle.config import DraftConfig, ModelConfig
 from jeagle.kernels.settings import KernelSettings
-from jeagle.grammar import CANDIDATES, apply_token_mask, mask_words
+from jeagle.grammar import apply_token_mask, mask_words
+from jeagle.grammar_walk import CANDIDATES
 from jeagle.logprobs import pack, prompt_logprobs, token_logprobs, top_k_blocked
 from jeagle.models.llama import ForwardOut
 from jeagle.penalties import (PenaltyInputs, PenaltyRows, add_tokens, apply as apply_penalties,
@@ -368,18 +369,18 @@ def verify_step(key: RoundKey, graphdef, draft_graphdef, params, state: SpecStat
 class VerifyForward:
     """What the verify's forward hands its accept: the target's logits at the tree nodes and the
     draft's features (the final hidden for EAGLE-1, the aux layers' for EAGLE-3; the other None);
-    and for the host, each node's best tokens (`jeagle.grammar.walk_masks`: greedy grammar rows)."""
+    and for the host, each node's best tokens (`jeagle.grammar_walk.walk_masks`: greedy grammar rows)."""
     logits: jax.Array  # [B, N, V] fp32
     hidden: jax.Array | None
     aux_hidden: jax.Array | None
-    top_ids: jax.Array  # [B, N, grammar.CANDIDATES] int32, best first
-    top_vals: jax.Array  # [B, N, grammar.CANDIDATES] fp32: their logits
+    top_ids: jax.Array  # [B, N, grammar_walk.CANDIDATES] int32, best first
+    top_vals: jax.Array  # [B, N, grammar_walk.CANDIDATES] fp32: their logits
 
 
 def verify_forward_step(key: RoundKey, graphdef, draft_graphdef, params, state: SpecState, row_ids):
     """A grammar round's first half: the draft and the target's forward over its tree, in one
     executable (one call's host time less than two: the host needs the forward's best tokens anyway,
-    `jeagle.grammar.walk_masks`). Returns ((tree, VerifyForward), state)."""
+    `jeagle.grammar_walk.walk_masks`). Returns ((tree, VerifyForward), state)."""
     tree, state = draft_step(DraftKey(key.static, key.tier, key.batch, key.kv_len), graphdef, draft_graphdef,
                              params, state, row_ids)
     target, head = nnx.merge(graphdef, params[0]), nnx.merge(draft_graphdef, params[1])
