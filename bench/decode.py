@@ -140,10 +140,12 @@ def jeagle_rows(target_dir, head_dir, prompts_ids, batches, max_new, repeats, ti
         tokens: dict[str, list[list[int]]] = {}
         for name, eng in engines.items():
             # Compile every executable this batch can reach (the smaller buckets it shrinks into as
-            # requests finish, every KV bucket, every tier of jeagle-adaptive), then a warm-up run.
+            # requests finish, every KV bucket, every tier of jeagle-adaptive; a grammar's rounds), then a
+            # warm-up run. (A grammar's requests end at EOS, raggedly: without its executables compiled
+            # here, a timed run could reach a bucket the warm-up run did not.)
             eng.warmup(batch_sizes=range(1, batch + 1), prefill_lengths=sorted({len(p) for p in ids}),
                        greedy=(sp.greedy,), logprobs=(sp.logprobs is not None,), penalties=(sp.penalized,),
-                       prefix=(False, True), progress=False)
+                       grammar=(sp.grammar is not None,), prefix=(False, True), progress=False)
             for w in wave_ids:
                 eng.generate(w, sp)
 
