@@ -30,6 +30,7 @@ import json
 import threading
 from dataclasses import dataclass, field
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -54,6 +55,21 @@ def apply_token_mask(logits, mask):
     words = jnp.take(mask, ids // 32, axis=-1)  # [..., V]
     allowed = (jnp.right_shift(words, (ids % 32).astype(jnp.int32)) & 1) != 0
     return jnp.where(allowed, logits, -jnp.inf)
+
+
+def masks_from_ids(ids, words: int):
+    """[..., C] int32 token ids (-1 padded) → [..., W] int32 bitmasks allowing just them; a row of -1s
+    allows every token (the compact form of a walked row's masks, `grammar_walk.walk_nodes`: C ids a
+    node instead of W words)."""
+    valid = ids >= 0
+    word = jnp.where(valid, ids >> 5, -1)
+    bit = jnp.where(valid, jnp.left_shift(jnp.uint32(1), (ids & 31).astype(jnp.uint32)), jnp.uint32(0))
+    cols = jnp.arange(words)
+    out = jnp.zeros(ids.shape[:-1] + (words,), jnp.uint32)
+    for c in range(ids.shape[-1]):
+        out = out | jnp.where(cols == word[..., c, None], bit[..., c, None], jnp.uint32(0))
+    out = jnp.where(valid[..., :1], out, jnp.uint32(0xFFFFFFFF))
+    return jax.lax.bitcast_convert_type(out, jnp.int32)
 
 
 def allow_all(rows: int, vocab: int) -> np.ndarray:

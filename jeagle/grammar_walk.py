@@ -14,11 +14,14 @@ if TYPE_CHECKING:
 CANDIDATES = 8  # the verify's top tokens per tree node the host checks (`walk_masks`)
 
 
-def walk_masks(matcher: "Matcher", tokens: np.ndarray, parents: np.ndarray, top_ids: np.ndarray,
-               top_vals: np.ndarray, out: np.ndarray, cleared: bool = False) -> bool:
-    """A greedy row's masks [N, W] in `out`, from the target's top CANDIDATES tokens at every tree node
-    (ids and logits, [N, C], best first) instead of a mask per node: what a node's masked argmax is,
-    a few token checks say (~4 µs each where a mask costs 20-150 µs).
+def walk_nodes(matcher: "Matcher", tokens: np.ndarray, parents: np.ndarray, top_ids: np.ndarray,
+               top_vals: np.ndarray, words: int) -> dict | None:
+    """A greedy row's masks from the target's top CANDIDATES tokens at every tree node (ids and logits,
+    [N, C], best first) instead of a mask per node: what a node's masked argmax is, a few token checks
+    say (~4 µs each where a mask costs 20-150 µs). Returns {node: what its mask allows} for the nodes
+    the walk constrains — a list of token ids (at most C), or a [W] uint32 mask where the grammar allows
+    several tokens, none of them a candidate —, every other node allowing every token; None where the
+    walk cannot decide.
 
     The accept walk visits one node per depth: at node n it emits the grammar's best token c* (the
     masked argmax) and moves to the child whose token is c*, if any. So the host walks the same path:
@@ -33,21 +36,15 @@ def walk_masks(matcher: "Matcher", tokens: np.ndarray, parents: np.ndarray, top_
     grammar that allows a single token there (a closing quote, a comma) has chosen it, whatever the
     logits; where it allows several, none of them a candidate, the walk ends there if no child's token
     is among them (the device's choice, whichever it is, leaves the tree). A grammar that is complete
-    allows EOS alone. Returns False where that cannot decide a node on the path (several tokens
-    allowed, none of them a candidate, a child's among them; a tie at the last candidate; a tie with
-    EOS): the row then needs `tree_masks` (`UNDECIDED` counts why).
+    allows EOS alone. Undecided where that cannot decide a node on the path (several tokens allowed,
+    none of them a candidate, a child's among them; a tie at the last candidate; a tie with EOS): the
+    row then needs `tree_masks` (`UNDECIDED` counts why).
 
     The matcher moves along the walked path (a token consumed per step: each check is then one
     token's) and is rolled back before this returns."""
     ll, eos, last = matcher._ll, matcher.eos, top_vals.shape[1] - 1
     if matcher.stopped:  # the grammar is complete: EOS alone may follow (the row ends at the root)
-        if ll.is_error():
-            return _undecided("error")
-        if not cleared:
-            out[:] = -1
-        out[0] = 0
-        out[0, eos >> 5] = np.int32(np.uint32(1 << (eos & 31)).view(np.int32))
-        return True
+        return _undecided("error") if ll.is_error() else {0: [eos]}
     toks, pars = tokens.tolist(), parents.tolist()  # Python scalars: the walk reads them one by one
     children: dict[tuple[int, int], int] = {}
     for j in range(1, len(toks)):
@@ -56,14 +53,12 @@ def walk_masks(matcher: "Matcher", tokens: np.ndarray, parents: np.ndarray, top_
             if key in children:  # siblings with one token (top-K gives none): which one the walk takes is the device's
                 return _undecided("siblings")
             children[key] = j
-    if not cleared:  # (`cleared`: the caller's `out` allows every token already)
-        out[:] = -1
+    nodes: dict = {}
     moved = 0
     try:
         node = 0
         while True:
             ids, vals = top_ids[node].tolist(), top_vals[node].tolist()
-            row = out[node].view(np.uint32)
             best, ok = None, None
             for k in range(last + 1):
                 if ids[k] == eos:  # EOS is the grammar's to judge (its end): the full mask
@@ -72,18 +67,19 @@ def walk_masks(matcher: "Matcher", tokens: np.ndarray, parents: np.ndarray, top_
                     best = k
                     break
             if best is None:
-                full = _node_mask(ll, out.shape[1])
+                full = _node_mask(ll, words)
                 ok = [(int(full[t >> 5]) >> (t & 31)) & 1 for t in ids]
                 best = next((k for k in range(last + 1) if ok[k]), None)
                 if best is None:  # no candidate allowed: decided only if the grammar allows one token
                     c = _single(full)
-                    row[:] = full
                     if c is None:  # the device's choice is not known here: decided if no child can be it
                         if any((int(full[t >> 5]) >> (t & 31)) & 1 for p, t in children if p == node):
                             return _undecided("none_of_the_candidates")
-                        return True
+                        nodes[node] = full
+                        return nodes
+                    nodes[node] = [c]
                     if c == eos or (node, c) not in children:  # the row ends at EOS: what follows is cut
-                        return True
+                        return nodes
                     node = children[node, c]
                     moved += _advance(ll, c)
                     continue
@@ -94,16 +90,14 @@ def walk_masks(matcher: "Matcher", tokens: np.ndarray, parents: np.ndarray, top_
                 return _undecided("tie_with_eos")
             allowed = [ids[best]] + [ids[k] for k in tied
                                      if (ok[k] if ok is not None else ll.validate_tokens([ids[k]]) == 1)]
-            row[:] = 0
-            for t in allowed:
-                row[t >> 5] |= np.uint32(1 << (t & 31))
+            nodes[node] = allowed
             # The device's argmax takes the first of tied maxima (jnp.argmax): the lowest allowed id.
             c = min(allowed)
             if c == eos:
-                return True  # the row ends at EOS: what follows it is cut
+                return nodes  # the row ends at EOS: what follows it is cut
             nxt = children.get((node, c))
             if nxt is None:
-                return True
+                return nodes
             node = nxt
             moved += _advance(ll, c)
     finally:
@@ -111,13 +105,42 @@ def walk_masks(matcher: "Matcher", tokens: np.ndarray, parents: np.ndarray, top_
             ll.rollback(moved)
 
 
+def walk_masks(matcher: "Matcher", tokens: np.ndarray, parents: np.ndarray, top_ids: np.ndarray,
+               top_vals: np.ndarray, out: np.ndarray, cleared: bool = False) -> bool:
+    """`walk_nodes` as bitmasks: the row's masks [N, W] in `out` (`cleared`: `out` allows every token
+    already); False where the walk cannot decide."""
+    nodes = walk_nodes(matcher, tokens, parents, top_ids, top_vals, out.shape[1])
+    if nodes is None:
+        return False
+    if not cleared:
+        out[:] = -1
+    write_nodes(nodes, out)
+    return True
+
+
+def write_nodes(nodes: dict, out: np.ndarray) -> None:
+    """A walked row's nodes (`walk_nodes`) into its bitmask rows `out` [N, W] (the others left as they are)."""
+    for node, allowed in nodes.items():
+        row = out[node].view(np.uint32)
+        if isinstance(allowed, np.ndarray):
+            row[:] = allowed
+            continue
+        row[:] = 0
+        for t in allowed:
+            row[t >> 5] |= np.uint32(1 << (t & 31))
+
+
+def compact(nodes: dict) -> bool:
+    """Whether a walked row's masks are token lists only (`walk_nodes`): the accept can take them as ids."""
+    return all(not isinstance(a, np.ndarray) for a in nodes.values())
+
+
 # Why `walk_masks` left rows to full tree masks (counts in this process; the engines' info reports them).
 UNDECIDED: collections.Counter = collections.Counter()
 
 
-def _undecided(reason: str) -> bool:
+def _undecided(reason: str) -> None:
     UNDECIDED[reason] += 1
-    return False
 
 
 def _advance(ll, token: int) -> int:

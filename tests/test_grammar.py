@@ -149,6 +149,7 @@ def test_eagle_equals_the_reference(tok, target, head, workload, expected, tier,
         if e is not None:
             assert o.token_ids == e
     assert eng.last_stats.to_dict()["accept_length"] > 1.0
+    assert eng.decoder.grammar_compact_rounds > 0  # rounds whose rows were all walked: masks as token ids
     assert kv_idle(eng)[0] == eng.pool.num_slots - 1
 
 
@@ -284,9 +285,11 @@ def test_walk_masks_give_the_full_masks_walk(tok, backend):
     ties, trees that follow the grammar's own choices, and every position of valid documents (EOS
     and nodes where no candidate is allowed decided by the node's own mask); where it cannot decide
     (several tokens allowed, none a candidate; a tie at the last candidate) it says so."""
-    from jeagle.grammar_walk import CANDIDATES, walk_masks
+    from jeagle.grammar import masks_from_ids
+    from jeagle.grammar_walk import CANDIDATES, compact, walk_masks, walk_nodes
 
     rng = np.random.default_rng(1)
+    as_ids, as_bits = [], []  # compact rows: their masks as token ids, and as the walk's bitmasks
     docs = [json.dumps({"name": "rex", "kind": "dog"}, separators=(",", ":")),
             json.dumps({"id": 42, "tags": ["a", "ccc"], "owner": {"ok": True, "level": 2}}, separators=(",", ":"))]
     decided = undecided = 0
@@ -332,12 +335,22 @@ def test_walk_masks_give_the_full_masks_walk(tok, backend):
         if walk_masks(m, tokens, parents, top_ids, top_vals, out):
             decided += 1
             assert _greedy_walk(logits, out, tokens, parents) == want, trial
+            nodes = walk_nodes(m, tokens, parents, top_ids, top_vals, out.shape[1])
+            if compact(nodes):
+                ids = np.full((n, CANDIDATES), -1, np.int32)
+                for node, allowed in nodes.items():
+                    ids[node, :len(allowed)] = allowed
+                as_ids.append(ids)
+                as_bits.append(out.copy())
         else:
             undecided += 1
         np.testing.assert_array_equal(m.mask(), before)  # the matcher did not move
     from jeagle.grammar_walk import UNDECIDED
-    print("decided", decided, "undecided", undecided, dict(UNDECIDED))
+    print("decided", decided, "undecided", undecided, dict(UNDECIDED), "compact", len(as_ids))
     assert decided > 200 and undecided > 10, (decided, undecided)
+    # The accept's compact form (`masks_from_ids` on the device) gives the same bitmasks.
+    assert len(as_ids) > 150
+    np.testing.assert_array_equal(np.asarray(masks_from_ids(np.stack(as_ids), out.shape[1])), np.stack(as_bits))
 
 
 def test_walk_masks_leave_a_tie_at_the_last_candidate_undecided(tok, backend):

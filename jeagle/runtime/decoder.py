@@ -141,13 +141,15 @@ class GrammarMasks:
     grammar_mask_s = 0.0
     grammar_rows_walked = 0  # speculative rows whose masks came from `walk_masks` ...
     grammar_rows_masked = 0  # ... and from a mask per tree node
+    grammar_compact_rounds = 0  # grammar rounds whose masks went to the device as token ids (all rows walked)
 
     def grammar_rows(self) -> dict:
-        """Speculative grammar rows so far: walked, masked, and why the walk left rows undecided (in
-        this process: `jeagle.grammar.UNDECIDED`)."""
+        """Speculative grammar rows so far: walked, masked, the rounds whose masks went as token ids,
+        and why the walk left rows undecided (in this process: `jeagle.grammar_walk.UNDECIDED`)."""
         from jeagle.grammar_walk import UNDECIDED
 
-        return {"walked": self.grammar_rows_walked, "masked": self.grammar_rows_masked, "undecided": dict(UNDECIDED)}
+        return {"walked": self.grammar_rows_walked, "masked": self.grammar_rows_masked,
+                "compact_rounds": self.grammar_compact_rounds, "undecided": dict(UNDECIDED)}
 
     def token_masks(self, reqs, b: int) -> np.ndarray:
         """Each request's next-token mask [b, W] (its grammar's, else every token allowed), padded to b."""
@@ -159,36 +161,47 @@ class GrammarMasks:
             self.grammar_mask_s += time.perf_counter() - t0
         return out
 
-    def tree_masks(self, reqs, b: int, tree, fwd=None, walk=None) -> np.ndarray:
-        """Each draft-tree node's grammar mask [b, N, W], from the tree read back to the host: rows
-        with `walk` True from the verify forward's best tokens `fwd` (`jeagle.grammar_walk.walk_masks`,
-        greedy rows; those it cannot decide, and the other rows, with `jeagle.grammar.tree_masks`)."""
-        from jeagle.grammar import tree_masks
-        from jeagle.grammar_walk import walk_masks
+    def tree_masks(self, reqs, b: int, tree, fwd=None, walk=None, compact_ok: bool = False):
+        """Each draft-tree node's grammar mask, from the tree read back to the host: rows with `walk`
+        True from the verify forward's best tokens `fwd` (`jeagle.grammar_walk.walk_nodes`, greedy
+        rows; those it cannot decide, and the other rows, with `jeagle.grammar.tree_masks`). Returns
+        (masks, compact): bitmasks [b, N, W], or with `compact_ok` where every grammar row was walked
+        to token lists, their ids [b, N, CANDIDATES] (-1 padded; a node of -1s allows every token) —
+        C ids a node to fill and copy to the device instead of W words."""
+        from jeagle.grammar import mask_words, tree_masks
+        from jeagle.grammar_walk import CANDIDATES, compact, walk_nodes, write_nodes
 
         tokens, parents = np.asarray(tree.tokens), np.asarray(tree.parent)  # their copies started with the call
         walk, walked = walk or [False] * len(reqs), 0
         t0 = time.perf_counter()
         full = [r.matcher if not (w or r.done) else None for r, w in zip(reqs, walk)]
-        out = tree_masks(full + [None] * (b - len(reqs)), tokens, parents, self.model_cfg.vocab_size)
+        nodes = [None] * b
         if any(walk):
-            self.grammar_mask_s += time.perf_counter() - t0
             ids, vals = np.asarray(fwd.top_ids), np.asarray(fwd.top_vals)  # waits for the forward
             t0 = time.perf_counter()
-            undecided = [None] * b
+            words = mask_words(self.model_cfg.vocab_size)
             for i, (r, w) in enumerate(zip(reqs, walk)):
-                if w and not walk_masks(r.matcher, tokens[i], parents[i], ids[i], vals[i], out[i], cleared=True):
-                    undecided[i] = r.matcher
-            walked = sum(walk) - sum(m is not None for m in undecided)
+                if w:
+                    nodes[i] = walk_nodes(r.matcher, tokens[i], parents[i], ids[i], vals[i], words)
+                    if nodes[i] is None:
+                        full[i] = r.matcher  # undecided: every node's mask
+            walked = sum(n is not None for n in nodes)
             self.grammar_rows_walked += walked
-            if any(m is not None for m in undecided):
-                rest = tree_masks(undecided, tokens, parents, self.model_cfg.vocab_size)
-                for i, m in enumerate(undecided):
-                    if m is not None:
-                        out[i] = rest[i]
+        self.grammar_rows_masked += sum(m is not None for m in full)
+        if compact_ok and walked and not any(m is not None for m in full) and all(compact(n) for n in nodes if n):
+            out = np.full((b, tokens.shape[1], CANDIDATES), -1, np.int32)
+            for i, n in enumerate(nodes):
+                for node, allowed in (n or {}).items():
+                    out[i, node, :len(allowed)] = allowed
+            self.grammar_mask_s += time.perf_counter() - t0
+            self.grammar_compact_rounds += 1
+            return out, True
+        out = tree_masks(full + [None] * (b - len(reqs)), tokens, parents, self.model_cfg.vocab_size)
+        for i, n in enumerate(nodes):
+            if n is not None:
+                write_nodes(n, out[i])
         self.grammar_mask_s += time.perf_counter() - t0
-        self.grammar_rows_masked += sum(r.matcher is not None and not r.done for r in reqs) - walked
-        return out
+        return out, False
 
 
 def prefill_batch(reqs, b: int, t: int, max_ctx: int):

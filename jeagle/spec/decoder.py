@@ -173,8 +173,8 @@ class SpecDecoder(SlotTables, GrammarMasks, FlatParams, Dispatching):
         """Prefill keys for the (b, t) pairs (every prefill applies penalties and masks), then every
         tier's fused rounds for the (b, kv) pairs in each mode of `greedy` and `penalties`; each in
         each mode of `logprobs`. With `grammar` True, the rounds grammar batches run too (the draft
-        and the verify's forward, then its masked accept). (The split round without grammar is a
-        measurement mode: compiled on first use.)"""
+        and the verify's forward, then its masked accept, greedy ones also with the masks as token
+        ids). (The split round without grammar is a measurement mode: compiled on first use.)"""
         keys = [self.prefill_key(b, t, lp, context=c) for lp in logprobs for b, t, c in prefill]
         for lp, pen, tier, g, (b, kv) in itertools.product(logprobs, penalties, self.tiers, greedy, decode):
             if False in grammar:
@@ -183,6 +183,8 @@ class SpecDecoder(SlotTables, GrammarMasks, FlatParams, Dispatching):
                 accept = dataclasses.replace(self.round_key(tier, b, kv, g, lp, pen), phase="accept", rounds=1,
                                              unrolled=False, grammar=True, nested=(), width=0)
                 keys += [accept.forward_key(), accept]
+                if g and not pen:  # the host walked every grammar row: the masks go as token ids
+                    keys.append(dataclasses.replace(accept, compact=True))
         return list(dict.fromkeys(keys))  # the forward keys repeat across modes
 
     def prefix_bound(self, prompt_len: int, max_new: int, overlap: bool) -> int:
@@ -311,7 +313,8 @@ class SpecDecoder(SlotTables, GrammarMasks, FlatParams, Dispatching):
         # Greedy rows without penalties check the forward's best tokens (`grammar_walk.walk_masks`); the
         # others get a mask per tree node (those that finished in the round just read: none).
         walk = [r.matcher is not None and not r.done and r.params.greedy and not pen for r in reqs]
-        masks = self.tree_masks(reqs, b, tree, fwd, walk)
+        masks, compact = self.tree_masks(reqs, b, tree, fwd, walk, compact_ok=greedy and not pen)
+        accept = dataclasses.replace(accept, compact=compact)
         return self.dispatch(self.executables.get(accept), (row_ids, tree, fwd, masks))
 
     def calibrate(self, b: int, kv: int, greedy: bool, runs: int = 5, warm: int = 2) -> None:

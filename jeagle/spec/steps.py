@@ -26,7 +26,7 @@ from flax import nnx
 from jeagle.cache import KVCache, assign_rows, init_cache, init_pools
 from jeagle.config import DraftConfig, ModelConfig
 from jeagle.kernels.settings import KernelSettings
-from jeagle.grammar import apply_token_mask, mask_words
+from jeagle.grammar import apply_token_mask, mask_words, masks_from_ids
 from jeagle.grammar_walk import CANDIDATES
 from jeagle.logprobs import pack, prompt_logprobs, token_logprobs, top_k_blocked
 from jeagle.models.llama import ForwardOut
@@ -177,6 +177,9 @@ class RoundKey(_SpecKey):
     logprobs: bool = False  # the emitted tokens' logprobs appended to the result
     penalties: bool = False  # the rows' penalties applied in the verify (jeagle/penalties.py)
     grammar: bool = False  # accept only: token masks among the inputs (jeagle/grammar.py)
+    # accept only: the masks as token ids [B, N, CANDIDATES] (-1 padded; a node of -1s allows every token)
+    # instead of bitmasks [B, N, W]: batches whose grammar rows the host walked (`grammar_walk.walk_nodes`)
+    compact: bool = False
     # Fused rounds: (S', N') of tiers nested in this one (same K, S' <= S) whose would-be accept
     # lengths the result carries (`round.nested_accepts`; the adaptive throughput policy reads them).
     nested: tuple[tuple[int, int], ...] = ()
@@ -200,12 +203,15 @@ class RoundKey(_SpecKey):
             raise ValueError("unrolled rounds need rounds > 1")
         if self.grammar != (self.phase == "accept"):
             raise ValueError("grammar masks come between the verify's forward and its accept (phase 'accept')")
+        if self.compact and not self.grammar:
+            raise ValueError("compact masks are a grammar accept's")
 
     @property
     def label(self) -> str:
         s, k, n = self.tier.shape
         r = f"-r{self.rounds}{'u' if self.unrolled else ''}" if self.rounds > 1 else ""
         lp = ("-lp" if self.logprobs else "") + ("-pen" if self.penalties else "") + ("-gram" if self.grammar else "")
+        lp += "-ids" if self.compact else ""
         lp += "".join(f"-in{s_j}n{n_j}" for s_j, n_j in self.nested) + (f"-w{self.width}" if self.width else "")
         return f"{self.phase}-b{self.batch}-kv{self.kv_len}-{'greedy' if self.greedy else 'sampled'}-s{s}k{k}n{n}{r}{lp}"
 
@@ -222,7 +228,8 @@ class RoundKey(_SpecKey):
             return self._build(verify_step, shapes, (rows, tree))
         tree, fwd = jax.eval_shape(functools.partial(verify_forward_step, self.forward_key(), *shapes.graphdefs),
                                    shapes.params, shapes.state, rows)[0]
-        masks = _abstract((self.batch, self.tier.num_draft_tokens, mask_words(self.static.model.vocab_size)))
+        width = CANDIDATES if self.compact else mask_words(self.static.model.vocab_size)
+        masks = _abstract((self.batch, self.tier.num_draft_tokens, width))
         return self._build(accept_step, shapes, (rows, tree, fwd, masks))
 
     def forward_key(self) -> "RoundKey":
@@ -397,4 +404,6 @@ def verify_forward_step(key: RoundKey, graphdef, draft_graphdef, params, state: 
 def accept_step(key: RoundKey, graphdef, draft_graphdef, params, state: SpecState, inputs):
     """The verify's second half after `verify_forward_step`: masks, accept, finish, draft extend, commit."""
     row_ids, tree, fwd, masks = inputs
+    if key.compact:  # token ids per node → bitmasks (a few thousand words; the host sent C ids a node)
+        masks = masks_from_ids(masks, mask_words(key.static.model.vocab_size))
     return verify_step(key, graphdef, draft_graphdef, params, state, (row_ids, tree), fwd, masks)
