@@ -349,6 +349,7 @@ def main(argv=None):
                 return now
             und = {k: v - before["undecided"].get(k, 0) for k, v in now["undecided"].items()}
             return {"walked": now["walked"] - before["walked"], "masked": now["masked"] - before["masked"],
+                    "compact_rounds": now.get("compact_rounds", 0) - before.get("compact_rounds", 0),
                     "undecided": {k: v for k, v in und.items() if v}}
         for c in levels:
             compiled = num_compiled()
