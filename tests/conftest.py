@@ -100,6 +100,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
         if item.nodeid in SLOW_ON_CPU:
             item.add_marker(pytest.mark.slow)
+    # A renamed test or parameter would move its slow case into the default run unnoticed: every name above
+    # must exist among the tests of the files collected whole (not when single tests are asked for).
+    if not any("::" in arg for arg in config.args):
+        seen = {item.nodeid for item in items}
+        files = {nodeid.split("::")[0] for nodeid in seen}
+        stale = sorted(n for n in SLOW_ON_CPU if n.split("::")[0] in files and n not in seen)
+        if stale:
+            raise pytest.UsageError(f"tests/conftest.py SLOW_ON_CPU names tests that do not exist: {stale}")
 
 
 @pytest.fixture(scope="session")
