@@ -14,7 +14,7 @@ bitmask per position to decode from ([W] int32, bit v % 32 of word v // 32 allow
     speculative     one executable drafts and runs the verify's forward; the tree's tokens and the
                     forward's best tokens come to the host: each tree node gets the mask after its
                     path (root excluded: emitted already: `tree_masks`), or for a greedy row the
-                    mask of the one path the accept walks (`grammar_walk.walk_masks`), so the accept
+                    mask of the one path the accept walks (`grammar_walk.walk_nodes`), so the accept
                     takes only tokens the grammar allows and emits what constrained target-only
                     decoding emits
 
@@ -209,12 +209,12 @@ class Matcher:
     H100 host's 16 cores, 48 requests' tree masks took 23.6 ms batched on llguidance's threads from
     copies against 8.0 ms from matchers of their own (bench/probes/grammar_masks.py, bench/RESULTS.md).
     So copies serve the rows whose masks the engine's thread computes one request at a time (the
-    greedy rows of a speculative engine, `walk_masks`), own matchers the rows whose masks come in
+    greedy rows of a speculative engine, `grammar_walk.walk_nodes`), own matchers the rows whose masks come in
     parallel batches (`next_masks`, `tree_masks`).
 
     Building one's own parses the grammar's text (~1 ms for a small JSON schema), with the GIL
     released: `background=True` builds it on a worker thread (`_build_soon`), and `ready` says whether
-    it is built; `_ll` waits for it (a build that failed raises its GrammarError there)."""
+    it is built; `ll` waits for it (a build that failed raises its GrammarError there)."""
 
     def __init__(self, grammar: Grammar, background: bool = False, shared: bool = False):
         self.words = mask_words(grammar.backend.vocab_size)
@@ -228,24 +228,25 @@ class Matcher:
             self._built = _build(grammar)
 
     @property
-    def _ll(self):
+    def ll(self):
+        """The llguidance matcher (waits for its build)."""
         if self._built is None:
             self._built, self._future = self._future.result(), None
         return self._built
 
     @property
     def ready(self) -> bool:
-        """Built (or its build failed: `_ll` raises)."""
+        """Built (or its build failed: `ll` raises)."""
         return self._built is not None or self._future.done()
 
     def consume(self, token: int) -> None:
-        if not self._ll.consume_token(int(token)):
-            raise AssertionError(f"the grammar refused token {token} that the masks allowed: {self._ll.get_error()}")
+        if not self.ll.consume_token(int(token)):
+            raise AssertionError(f"the grammar refused token {token} that the masks allowed: {self.ll.get_error()}")
 
     def mask(self) -> np.ndarray:
         """[W] int32: the tokens allowed next."""
         out = np.zeros(self.words, np.int32)
-        self._ll.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
+        self.ll.unsafe_compute_mask_ptr(out.ctypes.data, out.nbytes)
         return out
 
     def tree_masks(self, tokens: np.ndarray, parents: np.ndarray) -> np.ndarray:
@@ -262,22 +263,22 @@ class Matcher:
         for i, path in enumerate(paths):
             if path is None:
                 continue
-            took = self._ll.try_consume_tokens(path) if path else 0
+            took = self.ll.try_consume_tokens(path) if path else 0
             if took == len(path):
-                self._ll.unsafe_compute_mask_ptr(out[i].ctypes.data, out[i].nbytes)
+                self.ll.unsafe_compute_mask_ptr(out[i].ctypes.data, out[i].nbytes)
             if took:
-                self._ll.rollback(took)
+                self.ll.rollback(took)
         return out
 
     def copy(self) -> "Matcher":
         """A matcher in this one's state, sharing its lexer cache (behind a lock: the class docstring)."""
         twin = object.__new__(Matcher)
-        twin._built, twin._future, twin.words, twin.eos = self._ll.deep_copy(), None, self.words, self.eos
+        twin._built, twin._future, twin.words, twin.eos = self.ll.deep_copy(), None, self.words, self.eos
         return twin
 
     @property
     def stopped(self) -> bool:
-        return self._ll.is_stopped()
+        return self.ll.is_stopped()
 
 
 def _build(grammar: Grammar):
@@ -332,7 +333,7 @@ def next_masks(matchers, rows: int, vocab: int) -> np.ndarray:
     """[rows, W]: row i the mask after matchers[i]'s tokens so far (None, and rows past the list:
     every token allowed)."""
     out = allow_all(rows, vocab)
-    pairs = [(m._ll, i) for i, m in enumerate(matchers) if m is not None]
+    pairs = [(m.ll, i) for i, m in enumerate(matchers) if m is not None]
     if pairs:
         _executor().unsafe_compute_mask_ptr(pairs, out.ctypes.data, out.shape[1] * 4, rows)
     return out
@@ -384,7 +385,7 @@ def tree_masks(matchers, tokens: np.ndarray, parents: np.ndarray, vocab: int) ->
         for i, c in enumerate(chains):
             if wave >= len(c):
                 continue
-            (head, new), ll = c[wave], matchers[i]._ll
+            (head, new), ll = c[wave], matchers[i].ll
             if len(head) > 1:  # to the branch node (the root's token is emitted already)
                 prefix = [int(t) for t in tokens[i, head[1:]]]
                 took = ll.try_consume_tokens(prefix)

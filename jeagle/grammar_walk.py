@@ -1,5 +1,5 @@
 """Greedy grammar rows of a speculative round (jeagle/grammar.py): the host checks the target's best
-tokens along the path the accept walks instead of computing a mask per tree node (`walk_masks`)."""
+tokens along the path the accept walks instead of computing a mask per tree node (`walk_nodes`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import numpy as np
 if TYPE_CHECKING:
     from jeagle.grammar import Matcher
 
-CANDIDATES = 8  # the verify's top tokens per tree node the host checks (`walk_masks`)
+CANDIDATES = 8  # the verify's top tokens per tree node the host checks (`walk_nodes`)
 
 
 def walk_nodes(matcher: "Matcher", tokens: np.ndarray, parents: np.ndarray, top_ids: np.ndarray,
@@ -42,7 +42,7 @@ def walk_nodes(matcher: "Matcher", tokens: np.ndarray, parents: np.ndarray, top_
 
     The matcher moves along the walked path (a token consumed per step: each check is then one
     token's) and is rolled back before this returns."""
-    ll, eos, last = matcher._ll, matcher.eos, top_vals.shape[1] - 1
+    ll, eos, last = matcher.ll, matcher.eos, top_vals.shape[1] - 1
     if matcher.stopped:  # the grammar is complete: EOS alone may follow (the row ends at the root)
         return _undecided("error") if ll.is_error() else {0: [eos]}
     toks, pars = tokens.tolist(), parents.tolist()  # Python scalars: the walk reads them one by one
@@ -106,14 +106,13 @@ def walk_nodes(matcher: "Matcher", tokens: np.ndarray, parents: np.ndarray, top_
 
 
 def walk_masks(matcher: "Matcher", tokens: np.ndarray, parents: np.ndarray, top_ids: np.ndarray,
-               top_vals: np.ndarray, out: np.ndarray, cleared: bool = False) -> bool:
-    """`walk_nodes` as bitmasks: the row's masks [N, W] in `out` (`cleared`: `out` allows every token
-    already); False where the walk cannot decide."""
+               top_vals: np.ndarray, out: np.ndarray) -> bool:
+    """`walk_nodes` as bitmasks, one row (the engine assembles a batch's from `walk_nodes` itself): the
+    row's masks [N, W] in `out`; False where the walk cannot decide."""
     nodes = walk_nodes(matcher, tokens, parents, top_ids, top_vals, out.shape[1])
     if nodes is None:
         return False
-    if not cleared:
-        out[:] = -1
+    out[:] = -1
     write_nodes(nodes, out)
     return True
 
@@ -135,7 +134,7 @@ def compact(nodes: dict) -> bool:
     return all(not isinstance(a, np.ndarray) for a in nodes.values())
 
 
-# Why `walk_masks` left rows to full tree masks (counts in this process; the engines' info reports them).
+# Why `walk_nodes` left rows to full tree masks (counts in this process; the engines' info reports them).
 UNDECIDED: collections.Counter = collections.Counter()
 
 

@@ -143,6 +143,7 @@ def test_eagle_equals_the_reference(tok, target, head, workload, expected, tier,
     prompts, params = workload
     eng = speculative(target, head, EngineConfig(max_batch_size=4, max_context=MAX_CONTEXT, batch_buckets=(1, 2, 4),
                                                  rounds_per_dispatch=2, dispatch_thread=threaded), SpecConfig(*tier))
+    assert eng.decoder.threaded == threaded
     outs = eng.generate(prompts, params)
     check_outputs(tok, outs, params)
     for o, e in zip(outs, expected):

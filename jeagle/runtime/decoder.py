@@ -139,7 +139,7 @@ class GrammarMasks:
     `grammar_mask_s` sums the host time they took (the stats' `grammar_mask_ms`)."""
 
     grammar_mask_s = 0.0
-    grammar_rows_walked = 0  # speculative rows whose masks came from `walk_masks` ...
+    grammar_rows_walked = 0  # speculative rows whose masks came from `walk_nodes` ...
     grammar_rows_masked = 0  # ... and from a mask per tree node
     grammar_compact_rounds = 0  # grammar rounds whose masks went to the device as token ids (all rows walked)
 

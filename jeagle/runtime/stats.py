@@ -29,7 +29,7 @@ class SpecStats:
     tier_switches: int = 0
     rounds_per_dispatch: int = 1  # rounds one dispatch runs (all of them unrolled; the loop stops once all rows finish)
     # Grammar rows' rounds whose tree masks came from checking the verify's best tokens (greedy rows,
-    # `jeagle.grammar_walk.walk_masks`) and from a mask per tree node (the rest, and what the walk left undecided).
+    # `jeagle.grammar_walk.walk_nodes`) and from a mask per tree node (the rest, and what the walk left undecided).
     grammar_rows_walked: int = 0
     grammar_rows_masked: int = 0
     # Adaptive: the policy's view at the end of the window (`AdaptiveController.report`): policy, active

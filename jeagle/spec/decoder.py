@@ -256,8 +256,9 @@ class SpecDecoder(SlotTables, GrammarMasks, FlatParams, Dispatching):
         jax.block_until_ready((resolve(out), self.state))
 
     def walks(self, params) -> bool:
-        """Whether a request's grammar rows are walked on the host (`grammar_walk.walk_masks`): greedy ones
-        without penalties (their matchers are copies of the grammar's template: `grammar.Matcher`)."""
+        """Whether a request's grammar rows are walked on the host (`grammar_walk.walk_nodes`): greedy ones
+        without penalties, in batches without penalties (their matchers are copies of the grammar's
+        template: `grammar.Matcher`)."""
         return params.greedy and not params.penalized
 
     def wants_step(self, r) -> bool:
@@ -310,9 +311,9 @@ class SpecDecoder(SlotTables, GrammarMasks, FlatParams, Dispatching):
         if drain is not None:  # the last round's tokens, read while this one's draft and forward run
             drain()
         tree, fwd = resolve(first)
-        # Greedy rows without penalties check the forward's best tokens (`grammar_walk.walk_masks`); the
-        # others get a mask per tree node (those that finished in the round just read: none).
-        walk = [r.matcher is not None and not r.done and r.params.greedy and not pen for r in reqs]
+        # Rows the host walks check the forward's best tokens (`walks`); the others get a mask per tree
+        # node (those that finished in the round just read: none).
+        walk = [r.matcher is not None and not r.done and self.walks(r.params) and not pen for r in reqs]
         masks, compact = self.tree_masks(reqs, b, tree, fwd, walk, compact_ok=greedy and not pen)
         accept = dataclasses.replace(accept, compact=compact)
         return self.dispatch(self.executables.get(accept), (row_ids, tree, fwd, masks))

@@ -376,7 +376,7 @@ def verify_step(key: RoundKey, graphdef, draft_graphdef, params, state: SpecStat
 class VerifyForward:
     """What the verify's forward hands its accept: the target's logits at the tree nodes and the
     draft's features (the final hidden for EAGLE-1, the aux layers' for EAGLE-3; the other None);
-    and for the host, each node's best tokens (`jeagle.grammar_walk.walk_masks`: greedy grammar rows)."""
+    and for the host, each node's best tokens (`jeagle.grammar_walk.walk_nodes`: greedy grammar rows)."""
     logits: jax.Array  # [B, N, V] fp32
     hidden: jax.Array | None
     aux_hidden: jax.Array | None
@@ -386,8 +386,9 @@ class VerifyForward:
 
 def verify_forward_step(key: RoundKey, graphdef, draft_graphdef, params, state: SpecState, row_ids):
     """A grammar round's first half: the draft and the target's forward over its tree, in one
-    executable (one call's host time less than two: the host needs the forward's best tokens anyway,
-    `jeagle.grammar_walk.walk_masks`). Returns ((tree, VerifyForward), state)."""
+    executable (the host needs the forward's best tokens anyway, `jeagle.grammar_walk.walk_nodes`; one
+    call costs the host about what the two did: bench/HISTORY.md session 32). Returns ((tree,
+    VerifyForward), state)."""
     tree, state = draft_step(DraftKey(key.static, key.tier, key.batch, key.kv_len), graphdef, draft_graphdef,
                              params, state, row_ids)
     target, head = nnx.merge(graphdef, params[0]), nnx.merge(draft_graphdef, params[1])
