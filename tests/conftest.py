@@ -67,7 +67,7 @@ SLOW_ON_CPU = {
     "tests/test_deterministic.py::test_first_token_equal_in_bf16_without_deterministic_mode",
     "tests/test_grammar.py::test_server_features_under_32_concurrent_requests",
     "tests/test_grammar.py::test_warmup_compiles_the_grammar_executables[True]",
-    "tests/test_grammar.py::test_eagle_equals_the_reference[tier2-False]",
+    "tests/test_grammar.py::test_eagle_equals_the_reference[tier2-False-True]",
     "tests/test_prefix_cache.py::test_prefix_cache_and_retraction_leave_output_unchanged[eagle]",
     "tests/test_dispatch_thread.py::test_speculative_tokens_and_logprobs_are_the_calling_threads[2]",
     "tests/test_rounds_per_dispatch.py::test_greedy_tokens_equal_for_every_rounds_per_dispatch[tier0]",

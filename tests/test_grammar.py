@@ -136,13 +136,15 @@ def test_target_only_equals_the_reference(tok, target, workload, expected):
     assert kv_idle(eng)[0] == eng.pool.num_slots - 1
 
 
-@pytest.mark.parametrize("tier,threaded", [((3, 2, 5), False), ((2, 1, 3), False), ((4, 3, 8), False),
-                                           ((3, 2, 5), True)])
-def test_eagle_equals_the_reference(tok, target, head, workload, expected, tier, threaded):
-    """(threaded: the executables called on the dispatch thread, `EngineConfig.dispatch_thread`.)"""
+@pytest.mark.parametrize("tier,threaded,ids", [((3, 2, 5), False, True), ((2, 1, 3), False, False),
+                                               ((4, 3, 8), False, True), ((3, 2, 5), True, True)])
+def test_eagle_equals_the_reference(tok, target, head, workload, expected, tier, threaded, ids):
+    """(threaded: the executables called on the dispatch thread, `EngineConfig.dispatch_thread`; ids:
+    `EngineConfig.grammar_token_ids`, walked rounds' masks sent as token ids, else always bitmasks.)"""
     prompts, params = workload
     eng = speculative(target, head, EngineConfig(max_batch_size=4, max_context=MAX_CONTEXT, batch_buckets=(1, 2, 4),
-                                                 rounds_per_dispatch=2, dispatch_thread=threaded), SpecConfig(*tier))
+                                                 rounds_per_dispatch=2, dispatch_thread=threaded,
+                                                 grammar_token_ids=ids), SpecConfig(*tier))
     assert eng.decoder.threaded == threaded
     outs = eng.generate(prompts, params)
     check_outputs(tok, outs, params)
@@ -150,7 +152,8 @@ def test_eagle_equals_the_reference(tok, target, head, workload, expected, tier,
         if e is not None:
             assert o.token_ids == e
     assert eng.last_stats.to_dict()["accept_length"] > 1.0
-    assert eng.decoder.grammar_compact_rounds > 0  # rounds whose rows were all walked: masks as token ids
+    # rounds whose rows were all walked: masks as token ids (none with the option off)
+    assert (eng.decoder.grammar_compact_rounds > 0) == ids
     assert kv_idle(eng)[0] == eng.pool.num_slots - 1
 
 

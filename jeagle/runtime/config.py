@@ -51,6 +51,10 @@ class EngineConfig:
     # the free slots cover the prompt plus this times the expected share of every running request's
     # remaining tokens (`KVFlow._expected_room`); 0: admit whatever fits now (and retract later).
     schedule_conservativeness: float = 1.0
+    # A grammar round whose rows the host all walked (greedy, no penalties) sends each tree node's allowed
+    # token ids [B, N, C] to the accept instead of vocabulary bitmasks [B, N, W] (jeagle/grammar_walk.py);
+    # False: always bitmasks (an A/B switch: `bench/gpu_session.sh run serveab` with '{"grammar_token_ids":false}').
+    grammar_token_ids: bool = True
     verify_done_wait: str | None = None  # "sync" | "dataflow"; None: JEAGLE_VERIFY_DONE_STREAM_WAIT, else dataflow
     min_kv_bucket: int = 128
     executable_cache_dir: str | None = None  # ExecutableStore root (store.py); None: no store

@@ -183,7 +183,7 @@ class SpecDecoder(SlotTables, GrammarMasks, FlatParams, Dispatching):
                 accept = dataclasses.replace(self.round_key(tier, b, kv, g, lp, pen), phase="accept", rounds=1,
                                              unrolled=False, grammar=True, nested=(), width=0)
                 keys += [accept.forward_key(), accept]
-                if g and not pen:  # the host walked every grammar row: the masks go as token ids
+                if g and not pen and self.config.grammar_token_ids:  # the host walked every row: masks as ids
                     keys.append(dataclasses.replace(accept, compact=True))
         return list(dict.fromkeys(keys))  # the forward keys repeat across modes
 
@@ -314,7 +314,8 @@ class SpecDecoder(SlotTables, GrammarMasks, FlatParams, Dispatching):
         # Rows the host walks check the forward's best tokens (`walks`); the others get a mask per tree
         # node (those that finished in the round just read: none).
         walk = [r.matcher is not None and not r.done and self.walks(r.params) and not pen for r in reqs]
-        masks, compact = self.tree_masks(reqs, b, tree, fwd, walk, compact_ok=greedy and not pen)
+        masks, compact = self.tree_masks(reqs, b, tree, fwd, walk,
+                                         compact_ok=greedy and not pen and self.config.grammar_token_ids)
         accept = dataclasses.replace(accept, compact=compact)
         return self.dispatch(self.executables.get(accept), (row_ids, tree, fwd, masks))
 
