@@ -4,12 +4,14 @@
 # stacks included, raw folded stacks, without pausing it) for SPY_S seconds.
 # Needs py-spy (its wheel in .whl: `pip download --no-deps py-spy`) and the staged model, as gpu_session.sh
 # `run features` has them. Usage (from the repository root, in gpu_session.sh's environment):
-#   SPY_CONFIG=eagle SPY_CONC=48 [SPY_NATIVE=1] [SPY_WHO=server] bash bench/probes/serve_spy.sh   → $OUT/spy.txt, $OUT/spy_serve.log
+#   SPY_CONFIG=eagle SPY_CONC=48 [SPY_NATIVE=1] [SPY_WHO=server|both] [SPY_TAG=x] bash bench/probes/serve_spy.sh
+#   → $OUT/spy${SPY_TAG}.txt (the engine's or the server's process), with SPY_WHO=both the server's in
+#   $OUT/spy${SPY_TAG}_server.txt (both recorded at once), and $OUT/spy${SPY_TAG}_serve.log
 set -u
 spy="${PY_SPY:-$HOME/site/bin/py-spy}"
 python3 bench/serve.py --model smollm2 --prompts .data/mtbench.jsonl --configs "${SPY_CONFIG:-eagle}" \
   --concurrency "${SPY_CONC:-48}" --requests-per-client "${SPY_PER_CLIENT:-16}" --max-tokens 256 \
-  ${SPY_EXTRA:+--extra "$SPY_EXTRA"} > "$OUT/spy_serve.log" 2>&1 &
+  ${SPY_EXTRA:+--extra "$SPY_EXTRA"} > "$OUT/spy${SPY_TAG:-}_serve.log" 2>&1 &
 bench=$!
 pid=""
 for _ in $(seq 1 300); do  # the engine's process: the one using the GPU
@@ -24,8 +26,9 @@ if [ -n "$pid" ]; then
   # SPY_NATIVE=1: native frames too (what XLA does inside an executable's call); py-spy then pauses the
   # process at each sample (no --nonblocking), so its throughput reads lower.
   mode=(--nonblocking); [ -n "${SPY_NATIVE:-}" ] && mode=(--native)
-  "$spy" record --pid "$pid" --duration "${SPY_S:-8}" --rate "${SPY_RATE:-250}" --threads --idle "${mode[@]}" \
-    --format raw -o "$OUT/spy.txt"
+  rec=("$spy" record --duration "${SPY_S:-8}" --rate "${SPY_RATE:-250}" --threads --idle "${mode[@]}" --format raw)
+  [ "${SPY_WHO:-engine}" = both ] && { "${rec[@]}" --pid "$bench" -o "$OUT/spy${SPY_TAG:-}_server.txt" & }
+  "${rec[@]}" --pid "$pid" -o "$OUT/spy${SPY_TAG:-}.txt"
 fi
-wait "$bench"
-grep -v '^{"bench\|Delay kernel' "$OUT/spy_serve.log" | tail -4
+wait "$bench"; wait
+grep -v '^{"bench\|Delay kernel' "$OUT/spy${SPY_TAG:-}_serve.log" | tail -4
