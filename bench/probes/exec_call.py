@@ -11,10 +11,11 @@ and the wall ms per call:
     device      the same device array of row ids every call, results read one call late
     device-sync the same device array, each result read before the next call (no result in flight)
 
-    python bench/probes/exec_call.py --batch-sizes 1,16 [--unroll 3,all] [--modes device]
+    python bench/probes/exec_call.py --batch-sizes 1,16 [--unroll 3,all] [--modes device] [--logprobs 0,1]
 
 `--unroll` compares the round executable's layer loop (EngineConfig.unroll_layers: `auto` the engine's
-default, `all` every layer inline, k layers per iteration), each in its own engine.
+default, `all` every layer inline, k layers per iteration), each in its own engine; `--logprobs 0,1`
+the round without and with the emitted tokens' logprobs (`jeagle/logprobs.py`) in one engine.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def main(argv=None):
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--unroll", default="auto", help="comma list of auto | all | loop | k (layers per iteration)")
     p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--logprobs", default="0", help="comma list of 0 | 1: the round executable with logprobs")
     p.add_argument("--hlo-out", default=None, metavar="DIR",
                    help="write each round executable's optimized HLO there and print what its entry runs outside "
                         "XLA's command buffers (the thunks the host launches one by one)")
@@ -74,14 +76,17 @@ def main(argv=None):
                           SpecConfig(*map(int, args.tier.split(","))), simulate_accept=3.2)
         dec = eng.decoder
         kv = max(k.kv_len for k in eng.warmup_plan(batch_sizes=[b], greedy=(True,)) if k.phase == "round")
-        exe = dec.executables.get(dec.round_key(dec.spec, b, kv, True))
-        build_s = round(time.perf_counter() - t_build, 1)  # the engine and its round executable's compile
+        exes = {lp: dec.executables.get(dec.round_key(dec.spec, b, kv, True, lp))
+                for lp in [bool(int(x)) for x in args.logprobs.split(",")]}
+        build_s = round(time.perf_counter() - t_build, 1)  # the engine and its round executables' compile
         if args.hlo_out:
-            print(json.dumps({"batch": b, "unroll": unroll, "entry": hlo_summary(exe.as_text(), Path(args.hlo_out)
-                                                                                 / f"round_b{b}_{unroll}.hlo")}))
+            for lp, exe in exes.items():
+                print(json.dumps({"batch": b, "unroll": unroll, "logprobs": lp, "entry": hlo_summary(
+                    exe.as_text(), Path(args.hlo_out) / f"round_b{b}_{unroll}{'_lp' if lp else ''}.hlo")}))
         rows_np = pad([], b, dec.scratch_row, np.int32)
         rows_dev = jax.device_put(rows_np)
-        for mode in modes + modes:  # twice, alternating: the spread between the two is the noise
+        for mode, lp in [(m, lp) for m in modes for lp in exes] * 2:  # twice, alternating: the spread is the noise
+            exe = exes[lp]
             inflight = collections.deque()
             call_ms = []
             jax.block_until_ready(dec.state)
@@ -98,7 +103,7 @@ def main(argv=None):
             while inflight:
                 np.asarray(inflight.popleft())
             wall = (time.perf_counter() - t_start) * 1e3 / args.calls
-            row = {"batch": b, "unroll": unroll, "kv": kv, "mode": mode, "build_s": build_s, "call_ms_p50": round(statistics.median(call_ms), 3),
+            row = {"batch": b, "unroll": unroll, "logprobs": lp, "kv": kv, "mode": mode, "build_s": build_s, "call_ms_p50": round(statistics.median(call_ms), 3),
                    "call_ms_p90": round(float(np.percentile(call_ms, 90)), 3), "wall_ms_per_call": round(wall, 3)}
             rows_out.append(row)
             print(json.dumps(row), flush=True)
