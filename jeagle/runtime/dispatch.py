@@ -64,8 +64,13 @@ class Dispatching:
     _pool: ThreadPoolExecutor | None = None
     _in_flight: Future | None = None
 
-    def use_dispatch_thread(self, threaded: bool) -> None:
-        """Calls on a dispatch thread or not (again: a probe switching modes; nothing may be in flight)."""
+    def use_dispatch_thread(self, threaded: bool, switch_interval: float | None = None) -> None:
+        """Calls on a dispatch thread or not (again: a probe switching modes; nothing may be in flight);
+        with the thread, `switch_interval` (seconds) sets the process's GIL switch interval."""
+        if threaded and switch_interval is not None:
+            import sys
+
+            sys.setswitchinterval(switch_interval)
         if self._pool is not None:
             self._pool.shutdown()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="jeagle-dispatch") if threaded else None

@@ -32,7 +32,7 @@ class TargetDecoder(SlotTables, GrammarMasks, FlatParams, Dispatching):
 
     def __init__(self, model, config, *, mesh=None):
         self.config, self.model_cfg, self.mesh = config, model.cfg, mesh
-        self.use_dispatch_thread(config.dispatch_thread)
+        self.use_dispatch_thread(config.dispatch_thread, config.dispatch_switch_interval)
         if mesh is not None:
             from jeagle.sharding import shard_target
 

@@ -60,7 +60,7 @@ class SpecDecoder(SlotTables, GrammarMasks, FlatParams, Dispatching):
         bench only, a forced mean accept length (the output is then not the target's)."""
         draft.cfg.check_target(model.cfg)
         self.config, self.model_cfg, self.draft_cfg, self.mesh = config, model.cfg, draft.cfg, mesh
-        self.use_dispatch_thread(config.dispatch_thread)
+        self.use_dispatch_thread(config.dispatch_thread, config.dispatch_switch_interval)
         self.base_spec, self.adaptive_config = spec, adaptive
         self.tiers = ((spec,) if adaptive is None else
                       tuple(_tier(spec, t, adaptive) for t in adaptive.tiers(*spec.shape)))
