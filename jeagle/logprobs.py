@@ -35,17 +35,20 @@ def top_k_blocked(x, k: int):
     others), so a top-k of the block maxima, a gather of those blocks and a top-k of k·TOPK_BLOCK
     candidates give the same values (ties may pick other, equal entries). XLA's GPU top-k over a
     whole 49k vocabulary is a sort: at batch 48 it cost target-only decoding 22% of its throughput
-    (bench/HISTORY.md session 13)."""
+    (bench/HISTORY.md session 13). Both small top-ks go through `jeagle.kernels.topk.top_k` (the
+    one-pass kernel where it applies: XLA sorts whole rows for k > 16)."""
+    from jeagle.kernels.topk import top_k
+
     v = x.shape[-1]
     nb = -(-v // TOPK_BLOCK)
     if nb <= 2 * k:
-        return jax.lax.top_k(x, k)
+        return top_k(x, k)
     lead = x.shape[:-1]
     xp = jnp.pad(x, [(0, 0)] * len(lead) + [(0, nb * TOPK_BLOCK - v)], constant_values=-jnp.inf)
     blocks = xp.reshape(lead + (nb, TOPK_BLOCK))
-    _, best = jax.lax.top_k(blocks.max(-1), k)  # [..., k] block ids
+    _, best = top_k(blocks.max(-1), k)  # [..., k] block ids
     cand = jnp.take_along_axis(blocks, best[..., None], -2).reshape(lead + (k * TOPK_BLOCK,))
-    vals, j = jax.lax.top_k(cand, k)
+    vals, j = top_k(cand, k)
     ids = jnp.take_along_axis(best, j // TOPK_BLOCK, -1) * TOPK_BLOCK + j % TOPK_BLOCK
     return vals, ids
 

@@ -32,7 +32,7 @@ from jax.experimental.pallas import triton as plgpu
 from jeagle.kernels.backend import backend
 from jeagle.kernels.settings import current
 
-__all__ = ["softmax_topk", "softmax_topk_reference", "MAX_K", "MAX_VOCAB"]
+__all__ = ["softmax_topk", "softmax_topk_reference", "top_k", "MAX_K", "MAX_VOCAB"]
 
 # Entries a row may have for the kernel (one program holds the row: 8 warps, 32 fp32 registers a thread).
 # Larger vocabularies (32k-entry EAGLE-3 heads, EAGLE-1 heads over the target's vocabulary) take the
@@ -90,14 +90,36 @@ def _pallas(x, k: int, *, interpret: bool):
     return p[:, :k], idx[:, :k]
 
 
+def _applies(x, k: int) -> bool:
+    """Whether the kernel takes a top-k of k over x [..., V] (else the reference's XLA ops)."""
+    return not (backend() == "reference" or not current().topk or k > MAX_K or x.shape[-1] > MAX_VOCAB
+                or not jnp.issubdtype(x.dtype, jnp.floating))
+
+
+def top_k(x, k: int):
+    """`jax.lax.top_k(x, k)` over the last axis — (values, indices int32) [..., k], the largest first,
+    ties to the lower index — with the indices from the kernel where it applies (as `softmax_topk`;
+    its probabilities unused) and the values gathered at them. XLA's GPU top-k sorts every whole row
+    when k > 16: the logprobs' top 20 (jeagle/logprobs.py `top_k_blocked`) were two sorts, of [R, 384]
+    and [R, 2,560] entries, in every logprobs round (the H100's round HLO, bench/HISTORY.md session 33)."""
+    if x.ndim < 1 or not 1 <= k <= x.shape[-1]:
+        raise ValueError(f"k must be in [1, V] for x [..., V], got k={k}, x {x.shape}")
+    if not _applies(x, k):
+        vals, idx = jax.lax.top_k(x, k)
+        return vals, idx.astype(jnp.int32)
+    lead, v = x.shape[:-1], x.shape[-1]
+    _, idx = _pallas(x.reshape(-1, v), k, interpret=backend() == "interpret")
+    idx = idx.reshape(*lead, k)
+    return jnp.take_along_axis(x, idx, -1), idx
+
+
 def softmax_topk(logits, k: int):
     """Top-k softmax probabilities and indices over the last axis of `logits` [..., V]: the kernel on
     the pallas / interpret backends (k <= MAX_K) unless `KernelSettings.topk` is off (`JEAGLE_TOPK=0`),
     else the reference. Returns (p fp32, indices int32), each [..., k]."""
     if logits.ndim < 1 or not 1 <= k <= logits.shape[-1]:
         raise ValueError(f"k must be in [1, V] for logits [..., V], got k={k}, logits {logits.shape}")
-    if (backend() == "reference" or not current().topk or k > MAX_K or logits.shape[-1] > MAX_VOCAB
-            or not jnp.issubdtype(logits.dtype, jnp.floating)):
+    if not _applies(logits, k):
         return softmax_topk_reference(logits, k)
     lead, v = logits.shape[:-1], logits.shape[-1]
     p, idx = _pallas(logits.reshape(-1, v), k, interpret=backend() == "interpret")

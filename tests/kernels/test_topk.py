@@ -2,7 +2,8 @@
 with -m gpu, against `jax.lax.top_k(jax.nn.softmax(x), k)`. Cases: the shipped head's 8,192-entry draft
 vocabulary, rows padded to a power of two, k from 1 to the adaptive tiers' 10; ties and -inf logits;
 longer vocabularies (32k-entry EAGLE-3 heads, EAGLE-1 heads over the target's) and the switch taking
-the reference; the draft's top-K going through it inside a round."""
+the reference; the draft's top-K going through it inside a round. `top_k` (the kernel's indices, the
+values gathered) against `jax.lax.top_k`, and the logprobs' blocked top-20 going through it."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 from jeagle.kernels.settings import KernelSettings, use
-from jeagle.kernels.topk import MAX_VOCAB, softmax_topk, softmax_topk_reference
+from jeagle.kernels.topk import MAX_VOCAB, softmax_topk, softmax_topk_reference, top_k
 from tests.kernels.lowering import lower_for_h100
 
 # (rows, vocabulary, k): batch 1 / batch 4 of a (5,4,8) draft step, padded rows, k = 1 and 10.
@@ -102,10 +103,69 @@ def test_rounds_take_the_draft_topk_through_the_kernel(monkeypatch):
     np.testing.assert_array_equal(np.asarray(ids).reshape(6, 4), np.asarray(want_ids) + 100)
 
 
+# top_k: the logprobs' block maxima and candidates at batch 32 x 6 emitted tokens (k = 20), the grammar
+# walk's 8 candidates, leading axes, a row padded to a power of two.
+TOP_K_SHAPES = [((192, 384), 20), ((7, 2560), 20), ((2, 3, 384), 20), ((5, 1024), 8), ((3, 1000), 20)]
+
+
+def check_top_k(mode, shape, k, seed):
+    x = jnp.asarray(np.random.default_rng(seed).normal(size=shape), jnp.float32)
+    with use(KernelSettings(backend=mode)):
+        vals, idx = jax.jit(lambda a: top_k(a, k))(x)
+    want_v, want_i = jax.lax.top_k(x, k)
+    assert vals.shape == idx.shape == shape[:-1] + (k,) and vals.dtype == x.dtype and idx.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(want_i))
+    np.testing.assert_array_equal(np.asarray(vals), np.asarray(want_v))
+
+
+@pytest.mark.parametrize("shape,k", TOP_K_SHAPES)
+def test_top_k_equals_lax_top_k(shape, k):
+    check_top_k("interpret", shape, k, seed=sum(shape) + k)
+
+
+def test_top_k_ties_switch_and_validation(monkeypatch):
+    import jeagle.kernels.topk as topk
+
+    inf = float("inf")
+    x = jnp.asarray([[1.0, 3.0, 3.0, -inf, 3.0, -inf, 0.5, 3.0]])
+    with use(KernelSettings(backend="interpret")):
+        vals, idx = top_k(x, 5)
+    np.testing.assert_array_equal(np.asarray(idx), [[1, 2, 4, 7, 0]])  # equal values in index order
+    np.testing.assert_array_equal(np.asarray(vals), [[3.0, 3.0, 3.0, 3.0, 1.0]])
+    calls = []
+    monkeypatch.setattr(topk, "_pallas", lambda *a, **kw: calls.append(1) or (_ for _ in ()).throw(AssertionError))
+    for settings in (KernelSettings(backend="interpret", topk=False), KernelSettings(backend="reference")):
+        with use(settings):
+            np.testing.assert_array_equal(np.asarray(top_k(x, 5)[1]), [[1, 2, 4, 7, 0]])  # XLA's top-k
+    assert not calls
+    with pytest.raises(ValueError, match="k must be in"):
+        top_k(x, 9)
+
+
+def test_logprobs_top_k_goes_through_the_kernel(monkeypatch):
+    """`jeagle.logprobs.top_k_blocked` over a 49,152-entry vocabulary: the block maxima's and the
+    candidates' top 20 both through the kernel, the result equal to `jax.lax.top_k`'s."""
+    import jeagle.kernels.topk as topk
+    from jeagle.logprobs import LOGPROB_TOP, top_k_blocked
+
+    seen = []
+    real = topk._pallas
+    monkeypatch.setattr(topk, "_pallas", lambda x, k, **kw: seen.append((x.shape, k)) or real(x, k, **kw))
+    x = jax.random.normal(jax.random.key(3), (3, 49152))
+    with use(KernelSettings(backend="interpret")):
+        vals, ids = top_k_blocked(x, LOGPROB_TOP)
+    assert seen == [((3, 384), LOGPROB_TOP), ((3, 2560), LOGPROB_TOP)]
+    want_v, want_i = jax.lax.top_k(x, LOGPROB_TOP)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_i))
+    np.testing.assert_array_equal(np.asarray(vals), np.asarray(want_v))
+
+
 def test_lowers_for_h100():
     with use(KernelSettings(backend="pallas")):
         for r, v, k in [(4, 8192, 4), (192, 8192, 4), (10, 5000, 10)]:
             lower_for_h100(lambda a: softmax_topk(a, k), logits(r, v, 0))
+        for r, v, k in [(192, 384, 20), (192, 2560, 20), (256, 1024, 8)]:
+            lower_for_h100(lambda a: top_k(a, k), logits(r, v, 0))
 
 
 @pytest.mark.gpu
@@ -113,3 +173,9 @@ def test_lowers_for_h100():
 def test_compiled_kernel_matches_reference(r, v, k):
     check("pallas", r, v, k, seed=r + k)
     check("pallas", r, v, k, seed=r + k + 1, dtype=jnp.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("shape,k", TOP_K_SHAPES)
+def test_compiled_top_k_equals_lax_top_k(shape, k):
+    check_top_k("pallas", shape, k, seed=sum(shape) + k + 1)
