@@ -10,7 +10,7 @@ import pytest
 from jeagle.cache import SCRATCH_SLOT
 from jeagle.runtime.buckets import Buckets, batch_buckets, pad, pick_bucket, prefill_batch_buckets, unpad
 from jeagle.runtime.config import EngineConfig
-from jeagle.runtime.slots import OutOfSlots, SlotLayout, SlotPool, flat_slots
+from jeagle.runtime.slots import OutOfSlots, SlotLayout, SlotPool, flat_slots, pool_size
 
 
 def test_layout_parts_are_disjoint_and_capped_at_the_context():
@@ -46,6 +46,39 @@ def test_pool_hands_out_rows_and_slots_and_takes_them_back():
         pool.allocator.alloc(3)
     with pytest.raises(ValueError, match="invalid slot"):
         pool.allocator.free([SCRATCH_SLOT])
+
+
+def test_a_cpu_pool_fits_the_hosts_memory(monkeypatch, caplog):
+    """With no --max-total-tokens a CPU pool takes at most HOST_KV_FRACTION of the host's available
+    memory (target and draft pools), never less than one full request, and says so; a GPU's and an
+    explicit size are left alone."""
+    import dataclasses
+
+    import jeagle.runtime.slots as slots
+    from jeagle.cache import kv_bytes_per_token
+    from jeagle.config import ModelConfig
+
+    cfg = ModelConfig(arch="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=8, max_position_embeddings=1024, dtype="float32")
+    draft = dataclasses.replace(cfg, num_layers=1)
+    per_slot = kv_bytes_per_token(cfg) + kv_bytes_per_token(draft)
+    layout, ctx = SlotLayout(past_last=6, tree=8, scratch=12), 1024
+    per_request = layout.slots_needed(ctx, 1, ctx)
+    config = EngineConfig(max_batch_size=16, max_context=ctx)
+    full = 16 * per_request
+    monkeypatch.setattr(slots, "host_available_bytes", lambda: int(4 * per_request * per_slot / slots.HOST_KV_FRACTION))
+    with caplog.at_level("WARNING", logger="jeagle.runtime"):
+        assert pool_size(config, cfg, layout, ctx, 0, draft, platform="cpu") == 4 * per_request + 1
+    assert "--max-total-tokens" in caplog.text
+    assert pool_size(config, cfg, layout, ctx, 0, draft, platform="gpu") == full + 1
+    assert pool_size(EngineConfig(max_batch_size=16, max_context=ctx, max_total_tokens=999), cfg, layout, ctx, 0,
+                     draft, platform="cpu") == 1000
+    monkeypatch.setattr(slots, "host_available_bytes", lambda: 1000)  # not even one request fits: one anyway
+    assert pool_size(config, cfg, layout, ctx, 0, draft, platform="cpu") == per_request + 1
+    monkeypatch.setattr(slots, "host_available_bytes", lambda: 10**15)  # room for all: every row's full context
+    assert pool_size(config, cfg, layout, ctx, 0, draft, platform="cpu") == full + 1
+    monkeypatch.undo()
+    assert slots.host_available_bytes() > 0  # this Linux host's MemAvailable
 
 
 def test_flat_slots_pads_with_the_scratch_slot():

@@ -12,11 +12,19 @@ blocks and takes them back; running out raises `OutOfSlots`.
 
 from __future__ import annotations
 
+import logging
+import os
 from dataclasses import dataclass
 
 import numpy as np
 
 from jeagle.cache import SCRATCH_SLOT
+
+log = logging.getLogger("jeagle.runtime")
+
+# By default on a CPU the KV pools take at most this fraction of the host's available memory (a full
+# context for every row of a 48-row server is ~18 GB of fp32 KV for SmolLM2); at least one request's.
+HOST_KV_FRACTION = 0.4
 
 
 class OutOfSlots(RuntimeError):
@@ -131,14 +139,53 @@ def flat_slots(b: int, max_ctx: int, per_request: list) -> tuple[np.ndarray, np.
     return count, flat
 
 
-def pool_size(config, model_cfg, layout: SlotLayout, max_ctx: int, weight_bytes: int) -> int:
+def pool_size(config, model_cfg, layout: SlotLayout, max_ctx: int, weight_bytes: int, draft_cfg=None,
+              platform: str | None = None) -> int:
     """Slots in the pool (slot 0 included): `mem_fraction_static` of the device memory after the
     weights, else `max_total_tokens`, else enough for every row to hold a full context (plus a
-    speculative request's tree and scratch slots)."""
+    speculative request's tree and scratch slots) — on a CPU (`platform`, default: JAX's first
+    device's) at most what fits in HOST_KV_FRACTION of the host's available memory (the target's and
+    the draft's pools), but never less than one full request: requests then wait for room."""
     if config.mem_fraction_static is not None:
         return slots_for_memory_fraction(model_cfg, config.mem_fraction_static, weight_bytes)
     per_request = max(max_ctx, layout.slots_needed(max_ctx, 1, max_ctx))
-    return (config.max_total_tokens or config.max_batch_size * per_request) + 1
+    if config.max_total_tokens:
+        return config.max_total_tokens + 1
+    full = config.max_batch_size * per_request
+    if (platform or _platform()) == "cpu" and (avail := host_available_bytes()):
+        from jeagle.cache import kv_bytes_per_token
+
+        per_slot = kv_bytes_per_token(model_cfg) + (kv_bytes_per_token(draft_cfg) if draft_cfg is not None else 0)
+        cap = int(avail * HOST_KV_FRACTION) // per_slot
+        if full > cap:
+            slots = max(cap, per_request)
+            log.warning("KV pool: %d slots (%.1f GiB) in place of the %d that give every one of the %d rows a "
+                        "full %d-position context (%.1f GiB): %.0f%% of this host's available memory at most; "
+                        "requests wait for room. --max-total-tokens sets it.", slots, slots * per_slot / 2**30,
+                        full, config.max_batch_size, max_ctx, full * per_slot / 2**30, 100 * HOST_KV_FRACTION)
+            return slots + 1
+    return full + 1
+
+
+def _platform() -> str:
+    import jax
+
+    return jax.devices()[0].platform
+
+
+def host_available_bytes() -> int | None:
+    """The host's available memory (Linux's MemAvailable, else free pages), or None where unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 def slots_for_memory_fraction(cfg, fraction: float, weight_bytes: int, device=None) -> int:

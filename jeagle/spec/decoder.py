@@ -96,7 +96,8 @@ class SpecDecoder(SlotTables, GrammarMasks, FlatParams, Dispatching):
         self.params = (params, draft_params)
         mc = self.model_cfg
         self.max_ctx, self.max_reqs = context_size(config, mc), config.max_batch_size
-        self.num_slots = pool_size(config, mc, self.layout, self.max_ctx, weight_bytes(params))
+        self.num_slots = pool_size(config, mc, self.layout, self.max_ctx, weight_bytes(params), draft.cfg,
+                                   platform=None if mesh is None else mesh.devices.flat[0].platform)
         # One executable makes the whole zeroed state (not one per array: each is a compile, or a cache hit).
         state = jax.jit(functools.partial(init_state, mc, draft.cfg, rl, num_slots=self.num_slots,
                                           max_reqs=self.max_reqs, max_ctx=self.max_ctx))()
