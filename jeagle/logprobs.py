@@ -56,9 +56,13 @@ def top_k_blocked(x, k: int):
 def token_logprobs(logits, tokens):
     """logits [..., V], tokens [...] (negative: none) → packed int32 [..., LOGPROB_COLUMNS]."""
     x = whole_vocab(logits.astype(jnp.float32))
-    lse = jax.nn.logsumexp(x, -1)
-    chosen = jnp.take_along_axis(x, jnp.maximum(tokens, 0)[..., None], -1)[..., 0] - lse
     top_v, top_i = top_k_blocked(x, LOGPROB_TOP)
+    # log-sum-exp as jax.nn.logsumexp computes it, its max the top-k's first value (one pass fewer over
+    # the [rows, V] logits than a max of its own)
+    m = top_v[..., 0]
+    m = jax.lax.stop_gradient(jnp.where(jnp.isfinite(m), m, 0.0))
+    lse = jnp.log(jnp.sum(jnp.exp(x - m[..., None]), -1)) + m
+    chosen = jnp.take_along_axis(x, jnp.maximum(tokens, 0)[..., None], -1)[..., 0] - lse
     top_lp = top_v - lse[..., None]
     bits = lambda a: jax.lax.bitcast_convert_type(a, jnp.int32)  # noqa: E731
     return jnp.concatenate([bits(chosen)[..., None], top_i.astype(jnp.int32), bits(top_lp)], -1)
