@@ -127,6 +127,15 @@ if [[ "$steps" == *" tierswitch "* ]]; then  # two tiers' rounds in forced sched
       --tiers "${TS_TIERS:-5,4,8:7,4,11}" --schedules "${TS_SCHEDULES:-A,B,AB,A8B8}" 2>&1 | tee -a "$OUT/tier_switch.log"
   done
 fi
+if [[ "$steps" == *" lpcost "* ]]; then  # issue 24: what logprobs add to a round call (random weights, no staging)
+  # exec_call.py without and with logprobs, the top-K kernel on (default) and off (JEAGLE_TOPK=0: XLA's top-ks,
+  # which sort whole rows for the logprobs' k = 20); the lp - plain gap within each is the logprobs' cost.
+  for t in 1 0; do
+    echo "== JEAGLE_TOPK=$t" | tee -a "$OUT/exec_call_lpcost.log"
+    JEAGLE_TOPK=$t python3 bench/probes/exec_call.py --batch-sizes "${LP_BATCHES:-32,1}" --logprobs 0,1 --modes device \
+      --calls "${LP_CALLS:-400}" 2>&1 | grep -v "Delay kernel" | tee -a "$OUT/exec_call_lpcost.log" | grep -v '^{"bench'
+  done
+fi
 if [[ "$steps" == *" hostcall "* ]]; then  # issue 22: the host's time inside a round executable's call
   # 1. host ms of the call and wall ms per call, layer loop 3 per iteration (auto) vs unrolled (exec_call.py);
   # 2. XLA's command-buffer log for 20 calls at batch 16: how many command buffers a call launches, how many it re-records;

@@ -16,7 +16,7 @@ The seven environment variables `from_env` reads (and nothing else in jeagle doe
     JEAGLE_PAGED_ATTENTION_SPLITS   auto (or unset) | 1 (no split) | a count >= 1
     JEAGLE_PREFILL_ATTENTION        paged (or unset) | gathered
     JEAGLE_LINEAR                   0: the layers' matmuls through XLA's dot, never the `linear` kernel
-    JEAGLE_TOPK                     0: the draft's top-K through XLA's softmax and TopK, never the `topk` kernel
+    JEAGLE_TOPK                     0: the draft's top-K (and the logprobs' top-ks) through XLA's ops, never the `topk` kernel
     JEAGLE_TRITON_GEMM              1: keep XLA's own Triton GEMM fusions in the speculative executables
     JEAGLE_XLA_OPTIONS              a JSON object of XLA option names to values, for every executable
 """
@@ -65,8 +65,8 @@ class KernelSettings:
     # The decoder layers' matmuls of few rows (decode steps, rounds, draft steps) through the skinny-matmul
     # kernel (jeagle/kernels/linear.py), which reads the stacked weights in place; False: XLA's dot.
     linear: bool = True
-    # The draft's softmax + top-K (spec/round.py `draft_topk`) through the one-pass kernel
-    # (jeagle/kernels/topk.py); False: XLA's softmax and TopK.
+    # The draft's softmax + top-K (spec/round.py `draft_topk`) and the logprobs' top-ks
+    # (jeagle/logprobs.py `top_k_blocked`) through the one-pass kernel (jeagle/kernels/topk.py); False: XLA's.
     topk: bool = True
     # XLA's dynamic-slice fusions on a GPU: a GEMM on one layer's slice of the stacked weights reads it in
     # place (less device time). False: XLA copies the slice first; each round call then costs the host about
