@@ -103,7 +103,8 @@ def main(argv=None):
             while inflight:
                 np.asarray(inflight.popleft())
             wall = (time.perf_counter() - t_start) * 1e3 / args.calls
-            row = {"batch": b, "unroll": unroll, "logprobs": lp, "kv": kv, "mode": mode, "build_s": build_s, "call_ms_p50": round(statistics.median(call_ms), 3),
+            row = {"batch": b, "unroll": unroll, "logprobs": lp, "kv": kv, "mode": mode, "build_s": build_s,
+                   "call_ms_p50": round(statistics.median(call_ms), 3),
                    "call_ms_p90": round(float(np.percentile(call_ms, 90)), 3), "wall_ms_per_call": round(wall, 3)}
             rows_out.append(row)
             print(json.dumps(row), flush=True)

@@ -16,7 +16,7 @@ The seven environment variables `from_env` reads (and nothing else in jeagle doe
     JEAGLE_PAGED_ATTENTION_SPLITS   auto (or unset) | 1 (no split) | a count >= 1
     JEAGLE_PREFILL_ATTENTION        paged (or unset) | gathered
     JEAGLE_LINEAR                   0: the layers' matmuls through XLA's dot, never the `linear` kernel
-    JEAGLE_TOPK                     0: the draft's top-K (and the logprobs' top-ks) through XLA's ops, never the `topk` kernel
+    JEAGLE_TOPK                     0: the draft's and the logprobs' top-ks through XLA's ops, never the `topk` kernel
     JEAGLE_TRITON_GEMM              1: keep XLA's own Triton GEMM fusions in the speculative executables
     JEAGLE_XLA_OPTIONS              a JSON object of XLA option names to values, for every executable
 """
