@@ -143,17 +143,13 @@ def test_eagle_equals_the_reference(tok, target, head, workload, expected, tier,
     `EngineConfig.grammar_token_ids`, walked rounds' masks sent as token ids, else always bitmasks.)"""
     prompts, params = workload
     eng = speculative(target, head, EngineConfig(max_batch_size=4, max_context=MAX_CONTEXT, batch_buckets=(1, 2, 4),
-                                                 rounds_per_dispatch=2, dispatch_thread=threaded,
-                                                 grammar_token_ids=ids), SpecConfig(*tier))
+                      rounds_per_dispatch=2, dispatch_thread=threaded, grammar_token_ids=ids), SpecConfig(*tier))
     assert eng.decoder.threaded == threaded
     outs = eng.generate(prompts, params)
     check_outputs(tok, outs, params)
-    for o, e in zip(outs, expected):
-        if e is not None:
-            assert o.token_ids == e
+    assert all(o.token_ids == e for o, e in zip(outs, expected) if e is not None)
     assert eng.last_stats.to_dict()["accept_length"] > 1.0
-    # rounds whose rows were all walked: masks as token ids (none with the option off)
-    assert (eng.decoder.grammar_compact_rounds > 0) == ids
+    assert (eng.decoder.grammar_compact_rounds > 0) == ids  # walked rounds' masks as token ids (none: option off)
     assert kv_idle(eng)[0] == eng.pool.num_slots - 1
 
 
