@@ -129,7 +129,7 @@ if [[ "$steps" == *" tierswitch "* ]]; then  # two tiers' rounds in forced sched
 fi
 if [[ "$steps" == *" lpcost "* ]]; then  # issue 24: what logprobs add to a round call (random weights, no staging)
   # exec_call.py without and with logprobs, the top-K kernel on (default) and off (JEAGLE_TOPK=0: XLA's top-ks,
-  # which sort whole rows for the logprobs' k = 20); the lp - plain gap within each is the logprobs' cost.
+  # which it lowered to sorts of whole rows for the logprobs' k = 20); the lp - plain gap within each is the logprobs' cost.
   for t in 1 0; do
     echo "== JEAGLE_TOPK=$t" | tee -a "$OUT/exec_call_lpcost.log"
     JEAGLE_TOPK=$t python3 bench/probes/exec_call.py --batch-sizes "${LP_BATCHES:-32,1}" --logprobs 0,1 --modes device \
