@@ -172,15 +172,18 @@ def test_a_failing_call_raises_on_the_engines_thread():
 
 def test_the_switch_interval_is_set_with_the_thread_only(target):
     """`EngineConfig.dispatch_switch_interval` sets the process's GIL switch interval when the engine
-    calls on a dispatch thread, and nothing without the thread; a non-positive value is refused."""
+    calls on a dispatch thread (until the thread ends), and nothing without the thread; a non-positive
+    value is refused."""
     import sys
 
     before = sys.getswitchinterval()
     try:
         target_only(target, config(dispatch_switch_interval=0.0007))
         assert sys.getswitchinterval() == before
-        target_only(target, config(dispatch_thread=True, dispatch_switch_interval=0.0007))
+        eng = target_only(target, config(dispatch_thread=True, dispatch_switch_interval=0.0007))
         assert sys.getswitchinterval() == pytest.approx(0.0007)
+        eng.decoder.use_dispatch_thread(False)  # the thread's end puts Python's back
+        assert sys.getswitchinterval() == before
     finally:
         sys.setswitchinterval(before)
     with pytest.raises(ValueError, match="dispatch_switch_interval"):

@@ -50,8 +50,8 @@ def test_pool_hands_out_rows_and_slots_and_takes_them_back():
 
 def test_a_cpu_pool_fits_the_hosts_memory(monkeypatch, caplog):
     """With no --max-total-tokens a CPU pool takes at most HOST_KV_FRACTION of the host's available
-    memory (target and draft pools), never less than one full request, and says so; a GPU's and an
-    explicit size are left alone."""
+    memory (target and draft pools) in full requests, a power of two of them (the same size while free
+    memory moves a little), never less than one, and says so; a GPU's and an explicit size are left alone."""
     import dataclasses
 
     import jeagle.runtime.slots as slots
@@ -66,16 +66,20 @@ def test_a_cpu_pool_fits_the_hosts_memory(monkeypatch, caplog):
     per_request = layout.slots_needed(ctx, 1, ctx)
     config = EngineConfig(max_batch_size=16, max_context=ctx)
     full = 16 * per_request
-    monkeypatch.setattr(slots, "host_available_bytes", lambda: int(4 * per_request * per_slot / slots.HOST_KV_FRACTION))
+    monkeypatch.setattr(slots, "HOST_KV_FRACTION", 0.5)
+    room = lambda n: lambda: 2 * n * per_request * per_slot  # noqa: E731 - memory for n full requests' KV
+    monkeypatch.setattr(slots, "host_available_bytes", room(6.5))  # 6 fit: 4 (a power of two, stable)
     with caplog.at_level("WARNING", logger="jeagle.runtime"):
         assert pool_size(config, cfg, layout, ctx, 0, draft, platform="cpu") == 4 * per_request + 1
     assert "--max-total-tokens" in caplog.text
     assert pool_size(config, cfg, layout, ctx, 0, draft, platform="gpu") == full + 1
     assert pool_size(EngineConfig(max_batch_size=16, max_context=ctx, max_total_tokens=999), cfg, layout, ctx, 0,
                      draft, platform="cpu") == 1000
-    monkeypatch.setattr(slots, "host_available_bytes", lambda: 1000)  # not even one request fits: one anyway
+    monkeypatch.setattr(slots, "host_available_bytes", room(7.9))  # the same pool while free memory moves
+    assert pool_size(config, cfg, layout, ctx, 0, draft, platform="cpu") == 4 * per_request + 1
+    monkeypatch.setattr(slots, "host_available_bytes", room(0.3))  # not even one request fits: one anyway
     assert pool_size(config, cfg, layout, ctx, 0, draft, platform="cpu") == per_request + 1
-    monkeypatch.setattr(slots, "host_available_bytes", lambda: 10**15)  # room for all: every row's full context
+    monkeypatch.setattr(slots, "host_available_bytes", room(16))  # room for all: every row's full context
     assert pool_size(config, cfg, layout, ctx, 0, draft, platform="cpu") == full + 1
     monkeypatch.undo()
     assert slots.host_available_bytes() > 0  # this Linux host's MemAvailable

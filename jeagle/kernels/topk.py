@@ -60,7 +60,7 @@ def _kernel(x_ref, p_ref, i_ref, *, v, k, kp):
     s = jnp.where(m == -jnp.inf, 0.0, jnp.sum(jnp.exp(x - m)))  # exp(-inf - -inf) is NaN: an all -inf row
     bits = jax.lax.bitcast_convert_type(x, jnp.int32)
     key = jnp.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # int order = float order; -inf above _GONE
-    key = jnp.where(real, key, _GONE)
+    key = jnp.where(real, jnp.maximum(key, _GONE + 1), _GONE)  # (one NaN's bits would key as _GONE)
     ti = jnp.zeros((kp,), jnp.int32) + r * 0
     for j in range(k):  # argmax: the lowest index among equal keys, one combined reduction
         a = jnp.argmax(key).astype(jnp.int32)
@@ -93,7 +93,7 @@ def _pallas(x, k: int, *, interpret: bool):
 def _applies(x, k: int) -> bool:
     """Whether the kernel takes a top-k of k over x [..., V] (else the reference's XLA ops)."""
     return not (backend() == "reference" or not current().topk or k > MAX_K or x.shape[-1] > MAX_VOCAB
-                or not jnp.issubdtype(x.dtype, jnp.floating))
+                or not jnp.issubdtype(x.dtype, jnp.floating) or x.size == 0)
 
 
 def top_k(x, k: int):

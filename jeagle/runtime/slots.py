@@ -145,7 +145,9 @@ def pool_size(config, model_cfg, layout: SlotLayout, max_ctx: int, weight_bytes:
     weights, else `max_total_tokens`, else enough for every row to hold a full context (plus a
     speculative request's tree and scratch slots) — on a CPU (`platform`, default: JAX's first
     device's) at most what fits in HOST_KV_FRACTION of the host's available memory (the target's and
-    the draft's pools), but never less than one full request: requests then wait for room."""
+    the draft's pools), in full requests rounded down to a power of two (the pool's size is in every
+    executable's shapes: a size that moved with the host's free memory would recompile at every start),
+    never less than one: requests then wait for room."""
     if config.mem_fraction_static is not None:
         return slots_for_memory_fraction(model_cfg, config.mem_fraction_static, weight_bytes)
     per_request = max(max_ctx, layout.slots_needed(max_ctx, 1, max_ctx))
@@ -156,13 +158,14 @@ def pool_size(config, model_cfg, layout: SlotLayout, max_ctx: int, weight_bytes:
         from jeagle.cache import kv_bytes_per_token
 
         per_slot = kv_bytes_per_token(model_cfg) + (kv_bytes_per_token(draft_cfg) if draft_cfg is not None else 0)
-        cap = int(avail * HOST_KV_FRACTION) // per_slot
-        if full > cap:
-            slots = max(cap, per_request)
-            log.warning("KV pool: %d slots (%.1f GiB) in place of the %d that give every one of the %d rows a "
-                        "full %d-position context (%.1f GiB): %.0f%% of this host's available memory at most; "
-                        "requests wait for room. --max-total-tokens sets it.", slots, slots * per_slot / 2**30,
-                        full, config.max_batch_size, max_ctx, full * per_slot / 2**30, 100 * HOST_KV_FRACTION)
+        fit = int(avail * HOST_KV_FRACTION) // (per_slot * per_request)  # full requests that fit
+        if fit < config.max_batch_size:
+            requests = 1 << (max(fit, 1).bit_length() - 1)
+            slots = requests * per_request
+            log.warning("KV pool: %d slots (%.1f GiB: %d full %d-position contexts) in place of %d (%.1f GiB, one "
+                        "for each of the %d rows): %.0f%% of this host's available memory holds %d; requests wait "
+                        "for room. --max-total-tokens sets it.", slots, slots * per_slot / 2**30, requests, max_ctx,
+                        full, full * per_slot / 2**30, config.max_batch_size, 100 * HOST_KV_FRACTION, fit)
             return slots + 1
     return full + 1
 

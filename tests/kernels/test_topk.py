@@ -132,6 +132,11 @@ def test_top_k_ties_switch_and_validation(monkeypatch):
         vals, idx = top_k(x, 5)
     np.testing.assert_array_equal(np.asarray(idx), [[1, 2, 4, 7, 0]])  # equal values in index order
     np.testing.assert_array_equal(np.asarray(vals), [[3.0, 3.0, 3.0, 3.0, 1.0]])
+    nan = np.array([-1], np.int32).view(np.float32)[0]  # the NaN whose bits are all ones
+    with use(KernelSettings(backend="interpret")):
+        _, idx = top_k(jnp.asarray([[1.0, nan, 2.0, 0.5]]), 4)
+        assert sorted(np.asarray(idx)[0].tolist()) == [0, 1, 2, 3]  # every index once
+        assert top_k(jnp.zeros((0, 40)), 20)[1].shape == (0, 20)  # no rows: XLA's
     calls = []
     monkeypatch.setattr(topk, "_pallas", lambda *a, **kw: calls.append(1) or (_ for _ in ()).throw(AssertionError))
     for settings in (KernelSettings(backend="interpret", topk=False), KernelSettings(backend="reference")):
