@@ -360,8 +360,7 @@ def main(argv=None):
             # The rows of one level interleaved, `--repeats` times: a host that slows down for a while (a
             # shared machine) slows every row of one repeat alike, not one row.
             for rep, extra, where, interval in itertools.product(range(args.repeats), extras, places, intervals):
-                if args.switch_intervals:  # (else the process's own: an engine thread's may have set it)
-                    sys.setswitchinterval(interval)
+                sys.setswitchinterval(interval)
                 httpx.post(f"{url}/flush_cache", timeout=60)  # the timed pass starts with no prefix cached
                 h0, g0 = host_totals(), grammar_rows()
                 res, wall = clients[where](url, prompts, args.max_tokens, c, args.requests_per_client, extra, real)
@@ -370,7 +369,7 @@ def main(argv=None):
                 lat = [r[1] for r in res]
                 n, tokens = len(res), sum(r[2] for r in res)
                 rows.append({"config": name, "concurrency": c, "requests": n, "wall_s": wall, "extra": extra,
-                             "clients": where, "switch_interval": sys.getswitchinterval(), "repeat": rep,
+                             "clients": where, "switch_interval": interval, "repeat": rep,
                              "model": args.model, "output_tokens": tokens, "compiled_in_untimed_pass": warm_compiled,
                              "requests_per_s": n / wall, "output_tokens_per_s": tokens / wall,
                              "ttft_ms": {q: 1e3 * pct(ttft, q) for q in (50, 90, 99)},

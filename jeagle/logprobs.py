@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jeagle.kernels.topk import top_k
 from jeagle.sharding import whole_vocab
 
 LOGPROB_TOP = 20  # OpenAI's largest top_logprobs; a request asks for any k <= this
@@ -37,8 +38,6 @@ def top_k_blocked(x, k: int):
     whole 49k vocabulary is a sort: at batch 48 it cost target-only decoding 22% of its throughput
     (bench/HISTORY.md session 13). Both small top-ks go through `jeagle.kernels.topk.top_k` (the
     one-pass kernel where it applies: XLA lowered them to sorts of whole rows)."""
-    from jeagle.kernels.topk import top_k
-
     v = x.shape[-1]
     nb = -(-v // TOPK_BLOCK)
     if nb <= 2 * k:

@@ -168,23 +168,3 @@ def test_a_failing_call_raises_on_the_engines_thread():
     d3.dispatch(exe, 1)
     d3.settle()  # the abort path: waits, raises nothing, leaves nothing in flight
     assert d3.state == 0
-
-
-def test_the_switch_interval_is_set_with_the_thread_only(target):
-    """`EngineConfig.dispatch_switch_interval` sets the process's GIL switch interval when the engine
-    calls on a dispatch thread (until the thread ends), and nothing without the thread; a non-positive
-    value is refused."""
-    import sys
-
-    before = sys.getswitchinterval()
-    try:
-        target_only(target, config(dispatch_switch_interval=0.0007))
-        assert sys.getswitchinterval() == before
-        eng = target_only(target, config(dispatch_thread=True, dispatch_switch_interval=0.0007))
-        assert sys.getswitchinterval() == pytest.approx(0.0007)
-        eng.decoder.use_dispatch_thread(False)  # the thread's end puts Python's back
-        assert sys.getswitchinterval() == before
-    finally:
-        sys.setswitchinterval(before)
-    with pytest.raises(ValueError, match="dispatch_switch_interval"):
-        config(dispatch_switch_interval=0.0)

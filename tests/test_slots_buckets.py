@@ -54,6 +54,8 @@ def test_a_cpu_pool_fits_the_hosts_memory(monkeypatch, caplog):
     memory moves a little), never less than one, and says so; a GPU's and an explicit size are left alone."""
     import dataclasses
 
+    import jax
+
     import jeagle.runtime.slots as slots
     from jeagle.cache import kv_bytes_per_token
     from jeagle.config import ModelConfig
@@ -66,21 +68,24 @@ def test_a_cpu_pool_fits_the_hosts_memory(monkeypatch, caplog):
     per_request = layout.slots_needed(ctx, 1, ctx)
     config = EngineConfig(max_batch_size=16, max_context=ctx)
     full = 16 * per_request
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
     monkeypatch.setattr(slots, "HOST_KV_FRACTION", 0.5)
     room = lambda n: lambda: 2 * n * per_request * per_slot  # noqa: E731 - memory for n full requests' KV
     monkeypatch.setattr(slots, "host_available_bytes", room(6.5))  # 6 fit: 4 (a power of two, stable)
     with caplog.at_level("WARNING", logger="jeagle.runtime"):
-        assert pool_size(config, cfg, layout, ctx, 0, draft, platform="cpu") == 4 * per_request + 1
+        assert pool_size(config, cfg, layout, ctx, 0, draft) == 4 * per_request + 1
     assert "--max-total-tokens" in caplog.text
-    assert pool_size(config, cfg, layout, ctx, 0, draft, platform="gpu") == full + 1
+    with monkeypatch.context() as gpu:
+        gpu.setattr(jax, "default_backend", lambda: "gpu")
+        assert pool_size(config, cfg, layout, ctx, 0, draft) == full + 1
     assert pool_size(EngineConfig(max_batch_size=16, max_context=ctx, max_total_tokens=999), cfg, layout, ctx, 0,
-                     draft, platform="cpu") == 1000
+                     draft) == 1000
     monkeypatch.setattr(slots, "host_available_bytes", room(7.9))  # the same pool while free memory moves
-    assert pool_size(config, cfg, layout, ctx, 0, draft, platform="cpu") == 4 * per_request + 1
+    assert pool_size(config, cfg, layout, ctx, 0, draft) == 4 * per_request + 1
     monkeypatch.setattr(slots, "host_available_bytes", room(0.3))  # not even one request fits: one anyway
-    assert pool_size(config, cfg, layout, ctx, 0, draft, platform="cpu") == per_request + 1
+    assert pool_size(config, cfg, layout, ctx, 0, draft) == per_request + 1
     monkeypatch.setattr(slots, "host_available_bytes", room(16))  # room for all: every row's full context
-    assert pool_size(config, cfg, layout, ctx, 0, draft, platform="cpu") == full + 1
+    assert pool_size(config, cfg, layout, ctx, 0, draft) == full + 1
     monkeypatch.undo()
     assert slots.host_available_bytes() > 0  # this Linux host's MemAvailable
 

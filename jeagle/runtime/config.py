@@ -44,10 +44,6 @@ class EngineConfig:
     # The executables' calls on a thread of their own, the host processing the last step's results
     # meanwhile (runtime/dispatch.py). Off until the GPU measures it.
     dispatch_thread: bool = False
-    # With the dispatch thread: Python's GIL switch interval for the process, in seconds
-    # (`sys.setswitchinterval`; None: leave it, Python's 5 ms). A call's return waits for the GIL while
-    # the engine's thread runs Python; a shorter interval hands it over sooner (an A/B option: serveab).
-    dispatch_switch_interval: float | None = None
     # Prefix caching (runtime/radix.py): a request reuses the KV of the longest cached prefix of its
     # prompt (prompts and finished requests are cached; LRU eviction when slots run short).
     prefix_cache: bool = True
@@ -84,7 +80,5 @@ class EngineConfig:
             raise ValueError(f"rounds_per_dispatch must be >= 1, got {self.rounds_per_dispatch}")
         if self.schedule_conservativeness < 0:
             raise ValueError(f"schedule_conservativeness must be >= 0, got {self.schedule_conservativeness}")
-        if self.dispatch_switch_interval is not None and not self.dispatch_switch_interval > 0:
-            raise ValueError(f"dispatch_switch_interval must be > 0 seconds, got {self.dispatch_switch_interval}")
         if self.decode_steps < 1:
             raise ValueError(f"decode_steps must be >= 1, got {self.decode_steps}")

@@ -64,21 +64,8 @@ class Dispatching:
     _pool: ThreadPoolExecutor | None = None
     _in_flight: Future | None = None
 
-    _saved_switch_interval: float | None = None
-
-    def use_dispatch_thread(self, threaded: bool, switch_interval: float | None = None) -> None:
-        """Calls on a dispatch thread or not (again: a probe switching modes; nothing may be in flight);
-        with the thread, `switch_interval` (seconds) sets the process's GIL switch interval, which the
-        thread's end (`use_dispatch_thread(False)`) puts back."""
-        import sys
-
-        if threaded and switch_interval is not None:
-            if self._saved_switch_interval is None:
-                self._saved_switch_interval = sys.getswitchinterval()
-            sys.setswitchinterval(switch_interval)
-        elif not threaded and self._saved_switch_interval is not None:
-            sys.setswitchinterval(self._saved_switch_interval)
-            self._saved_switch_interval = None
+    def use_dispatch_thread(self, threaded: bool) -> None:
+        """Calls on a dispatch thread or not (again: a probe switching modes; nothing may be in flight)."""
         if self._pool is not None:
             self._pool.shutdown()
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="jeagle-dispatch") if threaded else None

@@ -139,12 +139,10 @@ def flat_slots(b: int, max_ctx: int, per_request: list) -> tuple[np.ndarray, np.
     return count, flat
 
 
-def pool_size(config, model_cfg, layout: SlotLayout, max_ctx: int, weight_bytes: int, draft_cfg=None,
-              platform: str | None = None) -> int:
+def pool_size(config, model_cfg, layout: SlotLayout, max_ctx: int, weight_bytes: int, draft_cfg=None) -> int:
     """Slots in the pool (slot 0 included): `mem_fraction_static` of the device memory after the
     weights, else `max_total_tokens`, else enough for every row to hold a full context (plus a
-    speculative request's tree and scratch slots) — on a CPU (`platform`, default: JAX's first
-    device's) at most what fits in HOST_KV_FRACTION of the host's available memory (the target's and
+    speculative request's tree and scratch slots) — on a CPU (JAX's default backend) at most what fits in HOST_KV_FRACTION of the host's available memory (the target's and
     the draft's pools), in full requests rounded down to a power of two (the pool's size is in every
     executable's shapes: a size that moved with the host's free memory would recompile at every start),
     never less than one: requests then wait for room."""
@@ -154,7 +152,9 @@ def pool_size(config, model_cfg, layout: SlotLayout, max_ctx: int, weight_bytes:
     if config.max_total_tokens:
         return config.max_total_tokens + 1
     full = config.max_batch_size * per_request
-    if (platform or _platform()) == "cpu" and (avail := host_available_bytes()):
+    import jax
+
+    if jax.default_backend() == "cpu" and (avail := host_available_bytes()):
         from jeagle.cache import kv_bytes_per_token
 
         per_slot = kv_bytes_per_token(model_cfg) + (kv_bytes_per_token(draft_cfg) if draft_cfg is not None else 0)
@@ -168,12 +168,6 @@ def pool_size(config, model_cfg, layout: SlotLayout, max_ctx: int, weight_bytes:
                         full, full * per_slot / 2**30, config.max_batch_size, 100 * HOST_KV_FRACTION, fit)
             return slots + 1
     return full + 1
-
-
-def _platform() -> str:
-    import jax
-
-    return jax.devices()[0].platform
 
 
 def host_available_bytes() -> int | None:

@@ -32,7 +32,7 @@ class TargetDecoder(SlotTables, GrammarMasks, FlatParams, Dispatching):
 
     def __init__(self, model, config, *, mesh=None):
         self.config, self.model_cfg, self.mesh = config, model.cfg, mesh
-        self.use_dispatch_thread(config.dispatch_thread, config.dispatch_switch_interval)
+        self.use_dispatch_thread(config.dispatch_thread)
         if mesh is not None:
             from jeagle.sharding import shard_target
 
@@ -42,8 +42,7 @@ class TargetDecoder(SlotTables, GrammarMasks, FlatParams, Dispatching):
         self.max_ctx, self.max_reqs = context_size(config, mc), config.max_batch_size
         self.layout = SlotLayout(past_last=-1)
         self.context_reserve = self.layout.context_reserve
-        self.num_slots = pool_size(config, mc, self.layout, self.max_ctx, weight_bytes(self.params),
-                                   platform=None if mesh is None else mesh.devices.flat[0].platform)
+        self.num_slots = pool_size(config, mc, self.layout, self.max_ctx, weight_bytes(self.params))
         # One executable makes the whole zeroed state (not one per array: each is a compile, or a cache hit).
         state = jax.jit(functools.partial(init_state, mc, num_slots=self.num_slots, max_reqs=self.max_reqs,
                                           max_ctx=self.max_ctx))()

@@ -60,7 +60,7 @@ class SpecDecoder(SlotTables, GrammarMasks, FlatParams, Dispatching):
         bench only, a forced mean accept length (the output is then not the target's)."""
         draft.cfg.check_target(model.cfg)
         self.config, self.model_cfg, self.draft_cfg, self.mesh = config, model.cfg, draft.cfg, mesh
-        self.use_dispatch_thread(config.dispatch_thread, config.dispatch_switch_interval)
+        self.use_dispatch_thread(config.dispatch_thread)
         self.base_spec, self.adaptive_config = spec, adaptive
         self.tiers = ((spec,) if adaptive is None else
                       tuple(_tier(spec, t, adaptive) for t in adaptive.tiers(*spec.shape)))
@@ -96,8 +96,7 @@ class SpecDecoder(SlotTables, GrammarMasks, FlatParams, Dispatching):
         self.params = (params, draft_params)
         mc = self.model_cfg
         self.max_ctx, self.max_reqs = context_size(config, mc), config.max_batch_size
-        self.num_slots = pool_size(config, mc, self.layout, self.max_ctx, weight_bytes(params), draft.cfg,
-                                   platform=None if mesh is None else mesh.devices.flat[0].platform)
+        self.num_slots = pool_size(config, mc, self.layout, self.max_ctx, weight_bytes(params), draft.cfg)
         # One executable makes the whole zeroed state (not one per array: each is a compile, or a cache hit).
         state = jax.jit(functools.partial(init_state, mc, draft.cfg, rl, num_slots=self.num_slots,
                                           max_reqs=self.max_reqs, max_ctx=self.max_ctx))()
