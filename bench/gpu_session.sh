@@ -11,7 +11,7 @@
 #   carry .stage3 + .whl: `bash bench/gpu_session.sh run STEPS...` (later calls: carry .whl only).
 # startup (issue 27: first and second start of the README command) needs the staged GGUF like bench;
 # so does ttft (issue 25: a prefix-cache hit's time to first token by host phase, with a trace).
-# masks needs the staged GGUF (its tokenizer); so do linearab (decode A/B of JEAGLE_LINEAR=0|1), adaptrounds and serveab. Random-weight steps (trainstep, tp, profile, phases, kerneltests, kernelbench, kernelround, specbench, overhead, warmup, cmdbuf, tierswitch, adaptoverhead, hostcall, graphlaunch, hostopts, adaptive, autotune, dispatchthread) need no staging: `bash bench/gpu_session.sh run kerneltests kernelbench kernelround`.
+# masks needs the staged GGUF (its tokenizer); so do linearab (decode A/B of JEAGLE_LINEAR=0|1), adaptrounds, adaptpaired and serveab. Random-weight steps (trainstep, tp, profile, phases, kerneltests, kernelbench, kernelround, specbench, overhead, warmup, cmdbuf, tierswitch, adaptoverhead, hostcall, graphlaunch, hostopts, adaptive, autotune, dispatchthread) need no staging: `bash bench/gpu_session.sh run kerneltests kernelbench kernelround`.
 set -uo pipefail
 mode="${1:-run}"
 stage_in() {  # whatever staged parts this call carries -> $HOME/stage; unpack the data archives once
@@ -403,6 +403,15 @@ if [[ "$steps" == *" adaptivecmp "* ]]; then  # issue 22: the adaptive policies 
       decode_variant adaptivecmp "batch $b, waves $waves: $sys" --batch-sizes "$b" --waves "$waves" "${args[@]}" ${ACMP_ARGS:-}
     done
   done
+fi
+if [[ "$steps" == *" adaptpaired "* ]]; then  # issue 22: adaptive engines ÷ static, paired run by run in one process
+  # bench/probes/adaptive_paired.py: every system an engine over the same weights, warmed, then APR_RUNS (8)
+  # cycles of one run each (order rotated), at APR_BATCHES (1,16,48); APR_SYSTEMS: the first is the static reference.
+  eval "apr_systems=(${APR_SYSTEMS:-static 'ema={}' 'throughput={\"policy\": \"throughput\"}'})"
+  timeout "${APR_TIMEOUT:-560}" python3 bench/probes/adaptive_paired.py --prompts .data/mtbench.jsonl \
+    --batch-sizes "${APR_BATCHES:-1,16,48}" --runs "${APR_RUNS:-8}" --systems "${apr_systems[@]}" \
+    --engine-config "{\"executable_cache_dir\": \"$JEAGLE_CACHE/exec\"}" --json-out "$OUT/adaptive_paired.json" 2>&1 \
+    | grep -v "Delay kernel\|Converting\|Loading\|^{" | tee "$OUT/adaptive_paired.log"
 fi
 if [[ "$steps" == *" adaptrounds "* ]]; then  # issue 22: static vs adaptive policies, per-run host diagnostics
   # bench/probes/adaptive_rounds.py, MT-bench, one batch (ARD_BATCH, 16), ARD_RUNS runs (8) per process, each

@@ -76,7 +76,7 @@ def instrument(dec, acc: collections.Counter, results: list):
             finally:
                 if key == "step":
                     stepping[0] = False
-            # "call": a round's executable call only (prefills and calibration runs call `_run` too)
+            # "call": a round's executable call only (prefills and calibration runs call `dispatch` too)
             if key != "call" or (stepping[0] and not calibrating[0]):
                 acc[key] += time.perf_counter() - t
             if after is not None:
@@ -85,7 +85,7 @@ def instrument(dec, acc: collections.Counter, results: list):
         setattr(obj, attr, g)
 
     timed(dec, "step", "step")
-    timed(dec, "_run", "call")
+    timed(dec, "dispatch", "call")
     timed(dec, "unpack", "unpack", after=lambda a: results.append(time.perf_counter()) if a[0] == "step" else None)
     if dec.controller is not None:
         timed(dec.controller, "on_verify_complete", "controller")
