@@ -94,12 +94,14 @@ def main(argv=None):
         print(f"{name}: ready in {time.perf_counter() - t0:.1f} s", flush=True)
 
     def one(eng, b):
-        """(tokens/s, mean accept length, round dispatches per tier) of one run at batch b."""
+        """(tokens/s, mean accept length, round dispatches per tier, host ms per step) of one run at batch b:
+        wall per round, and the engine's own per-step host means (busy: not waiting on the device;
+        blocked: waiting; dispatch: inside the round's dispatch)."""
         eng.flush_cache()
         if eng.decoder.controller is not None:
             eng.decoder.reset_tier()
         groups = [[x] for x in ids[:args.b1_questions]] if b == 1 else [ids[:b]]
-        n, wall, acc, tiers = 0, 0.0, [], {}
+        n, wall, acc, tiers, host = 0, 0.0, [], {}, {"round": [], "busy": [], "blocked": [], "dispatch": []}
         for g in groups:
             t0 = time.perf_counter()
             outs = eng.generate(g, sp)
@@ -109,11 +111,14 @@ def main(argv=None):
             if st.compile_s:
                 raise RuntimeError("a timed run compiled")
             acc.append(st.speculative.accept_length)
+            host["round"].append(st.wall_s * 1e3 / max(st.steps, 1))
+            for k, d in (("busy", st.host_busy_ms), ("blocked", st.host_blocked_ms), ("dispatch", st.host_dispatch_ms)):
+                host[k].append((d or {}).get("mean", float("nan")))
             # dispatches per tier, from the tier history (round index -> the tier from then on)
             hist = sorted((int(i), tuple(t)) for i, t in st.speculative.tier_history.items())
             for (i, t), nxt in zip(hist, [h[0] for h in hist[1:]] + [st.speculative.round_dispatches]):
                 tiers[str(list(t))] = tiers.get(str(list(t)), 0) + nxt - i
-        return n / wall, statistics.fmean(acc), tiers
+        return n / wall, statistics.fmean(acc), tiers, {k: statistics.fmean(v) for k, v in host.items()}
 
     rows = []
     names = [s[0] for s in systems]
@@ -121,10 +126,12 @@ def main(argv=None):
         tps = {name: [] for name in names}
         accs = {name: [] for name in names}
         dispatches = {name: {} for name in names}
+        hosts = {name: [] for name in names}
         for cycle in range(args.runs):
             order = names[cycle % len(names):] + names[:cycle % len(names)]
             for name in order:
-                t, a, tiers = one(engines[name], b)
+                t, a, tiers, host = one(engines[name], b)
+                hosts[name].append(host)
                 tps[name].append(t)
                 accs[name].append(a)
                 for k, v in tiers.items():
@@ -139,13 +146,15 @@ def main(argv=None):
                    "paired_ratio": [round(r, 4) for r in ratios],
                    "paired_ratio_median": round(statistics.median(ratios), 4),
                    "dispatches_per_tier": dispatches[name],
+                   "host_ms_median": {k: round(statistics.median(h[k] for h in hosts[name]), 4) for k in hosts[name][0]},
                    "adaptive_state": (engines[name].decoder.adaptive_state()
                                       if engines[name].decoder.controller is not None else None)}
             rows.append(row)
             print(f"batch {b} {name}: median {row['tok_s_median']:,.1f} tok/s, accept {row['accept_length']:.3f}, "
                   f"÷ {ref} paired median {row['paired_ratio_median']:.4f} "
                   f"(range {min(ratios):.3f}-{max(ratios):.3f})"
-                  + f", round dispatches by tier {dispatches[name]}", flush=True)
+                  + f", round dispatches by tier {dispatches[name]}; ms per round / host busy / blocked / dispatch "
+                  + " / ".join(f"{v:.3f}" for v in row["host_ms_median"].values()), flush=True)
     doc = {"bench": "adaptive_paired", "commit": git_commit(), "systems": args.systems, "tier": args.tier,
            "runs": args.runs, "max_new_tokens": args.max_new_tokens, "rows": rows}
     emit(doc, args.json_out)
