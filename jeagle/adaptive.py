@@ -78,6 +78,7 @@ class AdaptiveConfig:
     window_verifies: int = 0  # throughput: ... or at least this many verifies of the running batch size
     switch_margin: float = 0.03  # throughput: leave the active tier only for one this much faster
     min_dwell: int = 0  # throughput: verifies a tier runs after a switch before the policy may leave it
+    observe_every: int = 1  # throughput: the policy sees one verify in this many (module docstring)
 
     def __post_init__(self):
         if self.policy not in POLICIES:
@@ -116,6 +117,7 @@ class AdaptiveConfig:
         _int("window_verifies", self.window_verifies, 0)
         object.__setattr__(self, "switch_margin", _float("switch_margin", self.switch_margin, 0.0))
         _int("min_dwell", self.min_dwell, 0)
+        _int("observe_every", self.observe_every, 1)
 
     @classmethod
     def from_dict(cls, d: dict) -> "AdaptiveConfig":
@@ -252,13 +254,24 @@ class AdaptiveController:
             return self.policy.nests
         return [()] * len(self.states)
 
+    def observes(self) -> bool:
+        """Whether the policy takes the next verify (`observe_every`: the throughput policy sees one
+        verify in that many, the first of each run of them; the decoder skips the nested columns of
+        the others)."""
+        every = self.cfg.observe_every if isinstance(self.policy, ThroughputPolicy) else 1
+        return self.verifies % every == 0
+
     def on_verify_complete(self, accept_lengths: Sequence[float], ran: int | None = None, bucket=None,
                            nested: Sequence[Sequence[int]] | None = None) -> bool:
         """Accepted draft tokens per request of one verify (bonus excluded), of rounds of tier index `ran`
         (default: the active one) at `bucket` (the throughput policy compares the tiers' round times
         there); nested: per request, what each tier nested in `ran` would have accepted. True if the
-        tier switched; the next dispatch uses `active`."""
+        tier switched; the next dispatch uses `active`. A verify the policy does not observe
+        (`observes`) is only counted."""
+        observed = self.observes()
         self.verifies += 1
+        if not observed:
+            return False
         if isinstance(self.policy, ThroughputPolicy):
             ran = self.policy.index if ran is None else ran
             changed = self.policy.update(accept_lengths, ran, lambda j: self.times.estimate(j, bucket), nested)

@@ -11,7 +11,10 @@ decision and the counts it folds in cost ~0.1 ms of host time, which at batch 16
 critical path; the first rounds' times are noisy) it picks argmax E_j / T_j, E_j the
 tokens per round (bonus included) tier j would emit now and T_j its measured round time at the
 current batch bucket (`RoundTimes`), and leaves the active tier only for one at least
-`switch_margin` faster. Under this policy the base tier (S, K, N) is always one of the tiers (it
+`switch_margin` faster. `observe_every` E > 1: the policy sees one verify in E (the controller counts
+the others and the decoder skips their nested columns), each standing for E in the decay and the
+cadence, for a host that sets the pace of the rounds (at batch 16 and 48 on the H100 the policy's work
+was ~0.1 ms of a ~1.7 ms round, bench/HISTORY.md session 34). Under this policy the base tier (S, K, N) is always one of the tiers (it
 starts there). E_j comes from:
   1. rounds that observed tier j: its own, and those of any tier that nests it (the same K, no more
      steps: `nested_tiers`). A round reports what each nested tier's tree would have accepted
@@ -106,9 +109,11 @@ class ThroughputPolicy:
 
     def keep(self, n: int) -> float:
         """What the decayed counts keep over one verify of n requests: (1 - 1/W)^n, W the window in
-        request-rounds: `accept_window`, or `window_verifies` verifies of this size if that is longer."""
+        request-rounds: `accept_window`, or `window_verifies` verifies of this size if that is longer.
+        With `observe_every` E the policy sees one verify in E and each stands for E: (1 - 1/W)^(n·E),
+        so the window spans the same rounds."""
         w = max(self.cfg.accept_window, self.cfg.window_verifies * n)
-        return (1.0 - 1.0 / w) ** n
+        return (1.0 - 1.0 / w) ** (n * self.cfg.observe_every)
 
     def observe(self, accepted, reach: int, weights=None, keep: float | None = None) -> None:
         """Accepted drafts per request (bonus excluded; a sequence or an int array) of one verify from
@@ -230,10 +235,14 @@ class ThroughputPolicy:
         nest = self._nested_values(nested, a.size, ran, copy=True) if nested is not None and self.nests[ran] else None
         self._pending.append((ran, a, nest))
         self._last_size = a.size
-        self.batches += 1
-        self.since_switch += 1
+        # Counted in verifies, observed or not (`observe_every` E: this one stands for E): a decision is due
+        # at the observed verify that reaches or passes each update_interval-th verify after the warm-up.
+        every = self.cfg.observe_every
+        self.batches += every
+        self.since_switch += every
         past = self.batches - self.cfg.warmup_batches
-        due = past > 0 and past % self.cfg.update_interval == 0 and self.since_switch >= self.cfg.min_dwell
+        due = (past > 0 and past // self.cfg.update_interval > max(past - every, 0) // self.cfg.update_interval
+               and self.since_switch >= self.cfg.min_dwell)
         if not due:
             if len(self._pending) >= MAX_PENDING:
                 self.fold()

@@ -322,7 +322,39 @@ def test_nested_tiers_accept_lengths_equal_running_those_tiers():
     assert any(w[1] > a for w, a in zip(would, ran_big)), "a case where (3,4,5) holds a node (5,4,8) lacks"
 
 
-def test_throughput_policy_with_nested_tiers_is_lossless_and_switches():
+def test_observe_every_feeds_the_policy_one_verify_in_e_each_standing_for_e():
+    """observe_every E: the controller hands the policy verifies 0, E, 2E, ... (the rest only counted);
+    each decays the counts as E verifies of its size do, and decisions keep the cadence of
+    update_interval verifies (observed or not)."""
+    tiers = ((3, 4, 5), (5, 4, 8), (7, 4, 11))
+    cfg = AdaptiveConfig(policy="throughput", candidate_tiers=tiers, warmup_batches=4, update_interval=8,
+                         observe_every=4, accept_window=40)
+    ctl = AdaptiveController(cfg, [TierState(t, t[0]) for t in tiers], 5)
+    seen, decisions = [], []
+    pol = ctl.policy
+    update = pol.update
+    pol.update = lambda acc, ran, times, nested=None: seen.append(np.array(acc)) or update(acc, ran, times, nested)
+    decide = pol._decide
+    pol._decide = lambda times: decisions.append(pol.batches) or decide(times)
+    rng = np.random.default_rng(3)
+    verifies = [rng.integers(0, 5, 6) for _ in range(21)]
+    for v, acc in enumerate(verifies):
+        assert ctl.observes() == (v % 4 == 0)
+        ctl.on_verify_complete(acc, 1, bucket=(6, 512, True), nested=rng.integers(0, 4, (6, 1)))
+    assert [a.tolist() for a in seen] == [verifies[v].tolist() for v in range(0, 21, 4)]
+    assert ctl.verifies == 21 and pol.batches == 24
+    assert decisions == [12, 20]  # past the 4 warm-up verifies: the 8th and the 16th
+    ref = ThroughputPolicy(AdaptiveConfig(policy="throughput", candidate_tiers=tiers, accept_window=40), tiers, 1)
+    for a in seen:  # one verify of 6 requests standing for 4: the decay of 24 request-rounds
+        ref.observe(a, ref.reach[1], keep=(1 - 1 / 40) ** 24)
+    pol.expected_tokens()
+    assert pol.tried == pytest.approx(ref.tried) and pol.passed == pytest.approx(ref.passed)
+    ema = AdaptiveController(AdaptiveConfig(observe_every=4), [TierState(t, t[0]) for t in tiers], 5)
+    assert all(ema.observes() or ema.on_verify_complete([1, 2]) for _ in range(3))  # EMA sees every verify
+
+
+@pytest.mark.parametrize("observe_every", [1, 3])
+def test_throughput_policy_with_nested_tiers_is_lossless_and_switches(observe_every):
     target = bigram_target(target_config())
     head = signed_identity_head(target, +1.0, noise=0.04, seed=2)
     rng = np.random.default_rng(12)
@@ -332,7 +364,8 @@ def test_throughput_policy_with_nested_tiers_is_lossless_and_switches():
     want = [o.token_ids for o in target_only(target, cfg).generate(prompts, params)]
     engine = speculative(target, head, cfg, SpecConfig(5, 4, 8),
                          adaptive=AdaptiveConfig(candidate_tiers=((1, 4, 2), (3, 4, 5), (5, 4, 8)),
-                                                 policy="throughput", warmup_batches=2))
+                                                 policy="throughput", warmup_batches=2,
+                                                 observe_every=observe_every))
     engine.warmup(prefill_lengths=[9], greedy=(True,), progress=False)
     # (5,4,8) takes 3x a shallower round here: the nested tiers' observed accept lengths decide.
     engine.decoder.controller.times.estimate = lambda j, bucket: (1.0, 1.0, 3.0)[j]

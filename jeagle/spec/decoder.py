@@ -428,7 +428,7 @@ class SpecDecoder(SlotTables, GrammarMasks, FlatParams, Dispatching):
             if len(self.accept_lengths) > ACCEPT_HISTORY:
                 del self.accept_lengths[: -ACCEPT_HISTORY // 2]
             if self.controller is not None:
-                would = None if nest is None else nest[live][ran_round]
+                would = None if nest is None or not self.controller.observes() else nest[live][ran_round]
                 self.controller.on_verify_complete(accepted, ran, bucket, would)
                 self._state = self.controller.active  # a reference swap: the next dispatch runs this tier
         return out
