@@ -14,8 +14,9 @@ current batch bucket (`RoundTimes`), and leaves the active tier only for one at 
 `switch_margin` faster. `observe_every` E > 1: the policy sees one verify in E (the controller counts
 the others and the decoder skips their nested columns), each standing for E in the decay and the
 cadence, for a host that sets the pace of the rounds (at batch 16 and 48 on the H100 the policy's work
-was ~0.1 ms of a ~1.7 ms round, bench/HISTORY.md session 34). Under this policy the base tier (S, K, N) is always one of the tiers (it
-starts there). E_j comes from:
+was ~0.1 ms of a ~1.7 ms round, bench/HISTORY.md session 34; with E = 4 it visited losing tiers more
+often, so E = 1 stays the default). Under this policy the base tier (S, K, N) is always one of the
+tiers (it starts there). E_j comes from:
   1. rounds that observed tier j: its own, and those of any tier that nests it (the same K, no more
      steps: `nested_tiers`). A round reports what each nested tier's tree would have accepted
      (`jeagle.spec.round.nested_accepts`: exact for greedy rows but in a rare case, where it is a
