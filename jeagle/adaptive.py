@@ -10,7 +10,7 @@ SGLang's EMA policy: on the H100 it measured ahead of the cost-aware one on the 
 MT-bench at batch 16, medians of 8 runs each (the occasional run at ~0.6 hit static too: the host's,
 not the policy's), where the EMA policy's (3,4,5) ran 0.82-0.90; on the phased workload EMA still
 leads, 1.18 / 1.23 vs 1.01 / 1.10 the best static tier. Session 34, paired run by run against static
-(5,4,8) in one process: throughput 0.99-1.01 / 0.89-0.96 / 0.94-0.97 at batch 1 / 16 / 48, EMA 0.99 /
+(5,4,8) in one process: throughput 0.91-1.01 / 0.89-0.96 / 0.94-0.99 at batch 1 / 16 / 48, EMA 0.99 /
 0.94 / 0.85; `observe_every` 4 cuts the policy's host work in a round, but left free it visits losing
 tiers more often, so it is off by default.)
 
