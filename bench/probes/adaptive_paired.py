@@ -146,7 +146,8 @@ def main(argv=None):
                    "paired_ratio": [round(r, 4) for r in ratios],
                    "paired_ratio_median": round(statistics.median(ratios), 4),
                    "dispatches_per_tier": dispatches[name],
-                   "host_ms_median": {k: round(statistics.median(h[k] for h in hosts[name]), 4) for k in hosts[name][0]},
+                   "host_ms_median": {k: round(statistics.median(h[k] for h in hosts[name]), 4)
+                                      for k in hosts[name][0]},
                    "adaptive_state": (engines[name].decoder.adaptive_state()
                                       if engines[name].decoder.controller is not None else None)}
             rows.append(row)

@@ -2,8 +2,9 @@
 (3,4,5) engines (SmolLM2 + the shipped head, MT-bench first turns, greedy, EOS ignored) give their accept-length
 histograms; the depth model fed (5,4,8)'s rounds gives its estimates of every tier's tokens per round.
 
-    JAX_PLATFORMS=cpu python bench/probes/depth_model_check.py BATCH NEW_TOKENS
+    JAX_PLATFORMS=cpu python bench/probes/depth_model_check.py --batch 16 --max-new-tokens 128
 """
+import argparse
 import sys
 from pathlib import Path
 
@@ -21,10 +22,15 @@ from jeagle.spec.round import SpecConfig  # noqa: E402
 from jeagle.tokenizer import Tokenizer  # noqa: E402
 from decode import chat_ids, read_prompts  # noqa: E402
 
-B, NEW = int(sys.argv[1]), int(sys.argv[2])
+p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+p.add_argument("--prompts", default=str(Path(__file__).resolve().parents[2] / ".data" / "mtbench.jsonl"))
+p.add_argument("--batch", type=int, default=16)
+p.add_argument("--max-new-tokens", type=int, default=128)
+args = p.parse_args()
+B, NEW = args.batch, args.max_new_tokens
 target_dir = resolve_target(None, quiet=True)
 head_dir = resolve_draft(str(default_head_dir()), target_dir, quiet=True)
-ids = chat_ids(Tokenizer.from_dir(target_dir), read_prompts(".data/mtbench.jsonl", ""))[:B]
+ids = chat_ids(Tokenizer.from_dir(target_dir), read_prompts(args.prompts, ""))[:B]
 model = load_model(target_dir)
 head = load_draft(head_dir, target=model.cfg)
 ec = EngineConfig(max_batch_size=B, batch_buckets=(B,), max_context=max(map(len, ids)) + NEW + 32)

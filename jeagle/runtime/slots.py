@@ -142,10 +142,11 @@ def flat_slots(b: int, max_ctx: int, per_request: list) -> tuple[np.ndarray, np.
 def pool_size(config, model_cfg, layout: SlotLayout, max_ctx: int, weight_bytes: int, draft_cfg=None) -> int:
     """Slots in the pool (slot 0 included): `mem_fraction_static` of the device memory after the
     weights, else `max_total_tokens`, else enough for every row to hold a full context (plus a
-    speculative request's tree and scratch slots) — on a CPU (JAX's default backend) at most what fits in HOST_KV_FRACTION of the host's available memory (the target's and
-    the draft's pools), in full requests rounded down to a power of two (the pool's size is in every
-    executable's shapes: a size that moved with the host's free memory would recompile at every start),
-    never less than one: requests then wait for room."""
+    speculative request's tree and scratch slots) — on a CPU (JAX's default backend) at most what fits
+    in HOST_KV_FRACTION of the host's available memory (the target's and the draft's pools), in full
+    requests rounded down to a power of two (the pool's size is in every executable's shapes: a size
+    that moved with the host's free memory would recompile at every start), never less than one:
+    requests then wait for room."""
     if config.mem_fraction_static is not None:
         return slots_for_memory_fraction(model_cfg, config.mem_fraction_static, weight_bytes)
     per_request = max(max_ctx, layout.slots_needed(max_ctx, 1, max_ctx))
