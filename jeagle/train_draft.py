@@ -56,7 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--regenerate-block", type=int, default=4096, help="conversations answered between saves")
     t = p.add_argument_group("head and training")
     t.add_argument("--kind", choices=["eagle3", "eagle1"], default="eagle3")
-    t.add_argument("--num-layers", type=int, default=1)
+    t.add_argument("--num-layers", type=int, default=None,
+                   help="decoder layers (default 1; with --init-from the head's own, and more grows it: each new layer "
+                        "starts as a copy of its last with zero output projections, so training starts from the "
+                        "trained head's predictions)")
     t.add_argument("--draft-vocab-size", type=int, default=8192, help="EAGLE-3 draft vocabulary")
     t.add_argument("--ttt-steps", type=int, default=None, choices=range(1, 17), metavar="1..16",
                    help="training-time-test steps (default 7 EAGLE-3, 1 EAGLE-1)")
@@ -310,7 +313,7 @@ def run(args) -> dict:
     from jeagle.train.records import read_exclude
     from jeagle.train.card import fmt_tau, model_card
     from jeagle.train.evaluate import read_eval_set
-    from jeagle.train.model import export_params, head_module
+    from jeagle.train.model import export_params, grow_layers, head_module
     from jeagle.train.trainer import (TrainConfig, Trainer, checkpoint_steps, draft_config_for, evaluate_accept_length,
                                       train)
     from jeagle.train.vocab import coverage, draft_vocab, remap_lm_head
@@ -332,6 +335,11 @@ def run(args) -> dict:
     if args.init_from and load_draft_config(args.init_from).kind != args.kind:
         raise ValueError(f"--init-from {args.init_from} is an {load_draft_config(args.init_from).kind} head, "
                          f"--kind is {args.kind}")
+    if args.num_layers is not None and args.num_layers < 1:
+        raise ValueError(f"--num-layers {args.num_layers}: at least 1")
+    if args.init_from and args.num_layers is not None and args.num_layers < load_draft_config(args.init_from).num_layers:
+        raise ValueError(f"--init-from {args.init_from} has {load_draft_config(args.init_from).num_layers} layers: "
+                         f"--num-layers {args.num_layers} would drop trained ones")
     if args.regenerate_block < 1:
         raise ValueError("--regenerate-block must be at least 1")
     if args.seq_len < 2:
@@ -379,7 +387,7 @@ def run(args) -> dict:
         train_data = DraftData.concat(extra + [train_data])
         info["data"]["extra"] = [{"path": p, "samples": len(x)} for p, x in zip(args.extra_data, extra)]
         print(f"training on {len(train_data)} samples with --extra-data", flush=True)
-    tc = TrainConfig(kind=args.kind, num_layers=args.num_layers, draft_vocab_size=args.draft_vocab_size,
+    tc = TrainConfig(kind=args.kind, num_layers=args.num_layers or 1, draft_vocab_size=args.draft_vocab_size,
                      ttt_steps=args.ttt_steps or (7 if args.kind == "eagle3" else 1), step_decay=args.step_decay,
                      steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
                      length_buckets=args.length_buckets, lr=args.lr,
@@ -392,6 +400,11 @@ def run(args) -> dict:
         init, d2t = initial_params(args.init_from, model.cfg)
         init_cfg = load_draft_config(args.init_from)
         cfg = init_cfg.replace(dtype=cfg.dtype, name=cfg.name)  # the head's own shape, wholesale
+        if args.num_layers is not None and args.num_layers > init_cfg.num_layers:
+            init, cfg = grow_layers(init, cfg, args.num_layers)
+            info["grown_from_layers"] = init_cfg.num_layers
+            print(f"--init-from head grown from {init_cfg.num_layers} to {args.num_layers} layers", flush=True)
+        tc.num_layers = cfg.num_layers
     vocab_file = out / "d2t.npy"  # the draft vocabulary the checkpoints in OUT/ckpt were trained with
     if args.rebuild_vocab and args.kind != "eagle3":
         raise ValueError("--rebuild-vocab is for EAGLE-3 heads (EAGLE-1 predicts over the target's vocabulary)")

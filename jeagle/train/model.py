@@ -175,6 +175,33 @@ def init_params(cfg: DraftConfig, target_params: dict, *, seed: int = 0, used_id
     return {k: v for k, v in pure.items() if v is not None}, d2t
 
 
+def grow_layers(params: dict, cfg: DraftConfig, num_layers: int) -> tuple[dict, DraftConfig]:
+    """A trained head's parameters with decoder layers appended up to `num_layers`: each new layer is a
+    copy of the last one with its attention output and MLP down projections at zero, so both residual
+    branches add nothing and the grown head predicts exactly as the trained one did; training then
+    grows the new layer out of features that already mean something (EAGLE-3 layers all read the
+    embedding beside the hidden, so a copy's projections fit it). Returns (params, cfg)."""
+    have = cfg.num_layers
+    if num_layers < have:
+        raise ValueError(f"the head has {have} layers: it cannot be shrunk to {num_layers}")
+    if num_layers == have:
+        return params, cfg
+    out = dict(params)
+    extra = num_layers - have
+    for name in LAYER_PARAMS:
+        w = params.get(name)
+        if w is None:
+            continue
+        last = w[-1:]
+        new = jnp.zeros_like(last) if name in ("wo", "w_down") else last
+        out[name] = jnp.concatenate([w] + [new] * extra, axis=0)
+    if cfg.kind == "eagle1":  # EAGLE-1 layers past the first normalise their input: one more norm per layer
+        norms = params.get("attn_norm")
+        ones = jnp.ones((extra, cfg.hidden_size), jnp.float32)
+        out["attn_norm"] = ones if norms is None else jnp.concatenate([norms, ones], axis=0)
+    return out, cfg.replace(num_layers=num_layers)
+
+
 def export_params(params: dict, cfg: DraftConfig, d2t) -> dict[str, np.ndarray]:
     """The checkpoint tensors of a trained head (cfg.dtype floats; d2t as int32)."""
     out = {k: np.asarray(jnp.asarray(v, jnp.dtype(cfg.dtype)).astype(jnp.float32)) for k, v in params.items()}

@@ -50,3 +50,92 @@ def remap_lm_head(lm_head: np.ndarray, old_d2t: np.ndarray, new_d2t: np.ndarray)
         if i is not None:
             out[j] = lm_head[i]
     return out
+
+
+def trim_vocab(lm_head: np.ndarray, d2t: np.ndarray, data, size: int, *, always=()) -> tuple[np.ndarray, np.ndarray]:
+    """A trained EAGLE-3 head's output rows and d2t for the `size` most frequent (in `data`'s responses)
+    of its own draft tokens, `always` (end-of-sequence ids) kept: (lm_head [size,H], d2t [size]). The
+    rows kept are the trained ones, so the head's argmax over the tokens it keeps is unchanged; only the
+    dropped tokens can no longer be drafted. This fits a larger head (more layers) under a size budget
+    without retraining its output layer."""
+    d2t = np.asarray(d2t)
+    used = np.arange(len(d2t)) + d2t
+    if not 0 < size <= len(used):
+        raise ValueError(f"trim size {size} must be in 1..{len(used)} (the head's draft vocabulary)")
+    counts = np.bincount(data.response_tokens().astype(np.int64), minlength=int(used.max()) + 1)[used]
+    always = set(int(t) for t in always)
+    counts = np.where(np.isin(used, list(always)), counts.max() + 1, counts) if always else counts
+    keep = np.sort(np.lexsort((np.arange(len(used)), -counts))[:size])  # draft ids, increasing target id
+    new_used = used[keep]
+    return np.asarray(lm_head)[keep], (new_used - np.arange(size)).astype(np.int32)
+
+
+def trim_head(head_dir, data_path, size: int, out_dir) -> dict:
+    """`python -m jeagle.train.vocab trim`: the head in `head_dir` with its draft vocabulary cut to the
+    `size` tokens most frequent in the dataset's responses (trim_vocab), written to `out_dir` with its
+    card and training record, which say so. Returns the trim's record."""
+    import json
+    import shutil
+    from pathlib import Path
+
+    from safetensors.numpy import load_file
+
+    from jeagle.checkpoint import SAFETENSORS, save_checkpoint
+    from jeagle.config import DraftConfig
+    from jeagle.train.data import DraftData
+
+    head_dir, out_dir = Path(head_dir), Path(out_dir)
+    cfg = DraftConfig.load(head_dir / "config.json")
+    if cfg.kind != "eagle3":
+        raise ValueError(f"{head_dir} is an {cfg.kind} head: only EAGLE-3 heads have a draft vocabulary")
+    if out_dir.resolve() == head_dir.resolve():
+        raise ValueError("trim writes a new head: --out must be another directory")
+    tensors = {k: np.asarray(v) for k, v in load_file(str(head_dir / SAFETENSORS)).items()}
+    data = DraftData.load(data_path)
+    # End-of-sequence tokens close every regenerated answer: the counts keep them.
+    lm_head, d2t = trim_vocab(tensors["lm_head"].astype(np.float32), tensors["d2t"], data, size)
+    before = np.zeros(cfg.vocab_size, bool)
+    before[np.arange(len(tensors["d2t"])) + tensors["d2t"]] = True
+    after = np.zeros(cfg.vocab_size, bool)
+    after[np.arange(size) + d2t] = True
+    tensors.update(lm_head=lm_head, d2t=d2t)
+    save_checkpoint(out_dir, cfg.replace(draft_vocab_size=size), tensors, metadata={"trimmed_from": str(head_dir)})
+    record = {"from_head": str(head_dir), "from_size": int(len(before.nonzero()[0])), "size": size,
+              "data": str(data_path), "coverage_before": coverage(data, before), "coverage_after": coverage(data, after)}
+    info = json.loads((head_dir / "training.json").read_text()) if (head_dir / "training.json").exists() else {}
+    info["vocab_trim"] = record
+    (out_dir / "training.json").write_text(json.dumps(info, indent=1, default=str))
+    card = (head_dir / "README.md").read_text() if (head_dir / "README.md").exists() else f"# {cfg.name}\n"
+    card += (f"\n## Draft vocabulary trimmed\n- cut from {record['from_size']} to {size} tokens (the most frequent "
+             f"in `{data_path}`'s responses; the rows kept are the trained ones): coverage of those responses "
+             f"{record['coverage_before']:.1%} → {record['coverage_after']:.1%}\n")
+    (out_dir / "README.md").write_text(card)
+    for extra in ("tokenizer.json",):
+        if (head_dir / extra).exists():
+            shutil.copy(head_dir / extra, out_dir / extra)
+    return record
+
+
+def main(argv=None) -> int:
+    import argparse
+    import json
+
+    p = argparse.ArgumentParser(prog="python -m jeagle.train.vocab", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("trim", help="cut a trained EAGLE-3 head's draft vocabulary to its N most frequent tokens")
+    t.add_argument("head", help="the head's directory")
+    t.add_argument("--data", required=True, help="a dataset of train_draft (data.npz): the token counts")
+    t.add_argument("--size", type=int, required=True)
+    t.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    from jeagle.errors import USER_ERRORS, report
+
+    try:
+        print(json.dumps(trim_head(args.head, args.data, args.size, args.out), indent=1))
+    except USER_ERRORS as e:
+        return report(e)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
