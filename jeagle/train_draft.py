@@ -60,7 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="decoder layers (default 1; with --init-from the head's own, and more grows it: each new layer "
                         "starts as a copy of its last with zero output projections, so training starts from the "
                         "trained head's predictions)")
-    t.add_argument("--draft-vocab-size", type=int, default=8192, help="EAGLE-3 draft vocabulary")
+    t.add_argument("--draft-vocab-size", type=int, default=None,
+                   help="EAGLE-3 draft vocabulary (default 8192; with --init-from the head's own, and with "
+                        "--rebuild-vocab any size: a wider one covers more of the responses)")
     t.add_argument("--ttt-steps", type=int, default=None, choices=range(1, 17), metavar="1..16",
                    help="training-time-test steps (default 7 EAGLE-3, 1 EAGLE-1)")
     t.add_argument("--step-decay", type=float, default=0.8)
@@ -340,6 +342,13 @@ def run(args) -> dict:
     if args.init_from and args.num_layers is not None and args.num_layers < load_draft_config(args.init_from).num_layers:
         raise ValueError(f"--init-from {args.init_from} has {load_draft_config(args.init_from).num_layers} layers: "
                          f"--num-layers {args.num_layers} would drop trained ones")
+    if args.draft_vocab_size is not None and args.draft_vocab_size < 1:
+        raise ValueError(f"--draft-vocab-size {args.draft_vocab_size}: at least 1")
+    if (args.init_from and not args.rebuild_vocab and args.draft_vocab_size is not None
+            and args.draft_vocab_size != load_draft_config(args.init_from).draft_vocab_size):
+        raise ValueError(f"--init-from {args.init_from} has a draft vocabulary of "
+                         f"{load_draft_config(args.init_from).draft_vocab_size}: another --draft-vocab-size needs "
+                         "--rebuild-vocab")
     if args.regenerate_block < 1:
         raise ValueError("--regenerate-block must be at least 1")
     if args.seq_len < 2:
@@ -387,7 +396,7 @@ def run(args) -> dict:
         train_data = DraftData.concat(extra + [train_data])
         info["data"]["extra"] = [{"path": p, "samples": len(x)} for p, x in zip(args.extra_data, extra)]
         print(f"training on {len(train_data)} samples with --extra-data", flush=True)
-    tc = TrainConfig(kind=args.kind, num_layers=args.num_layers or 1, draft_vocab_size=args.draft_vocab_size,
+    tc = TrainConfig(kind=args.kind, num_layers=args.num_layers or 1, draft_vocab_size=args.draft_vocab_size or 8192,
                      ttt_steps=args.ttt_steps or (7 if args.kind == "eagle3" else 1), step_decay=args.step_decay,
                      steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
                      length_buckets=args.length_buckets, lr=args.lr,
@@ -398,6 +407,7 @@ def run(args) -> dict:
     used_ids = init = d2t = None
     if args.init_from:
         init, d2t = initial_params(args.init_from, model.cfg)
+        init_d2t = d2t
         init_cfg = load_draft_config(args.init_from)
         cfg = init_cfg.replace(dtype=cfg.dtype, name=cfg.name)  # the head's own shape, wholesale
         if args.num_layers is not None and args.num_layers > init_cfg.num_layers:
@@ -412,13 +422,15 @@ def run(args) -> dict:
         if args.resume and vocab_file.exists() and (ckpt_step is not None or portable_step is not None):
             d2t = np.load(vocab_file)  # the checkpoints' vocabulary
         elif init is None or args.rebuild_vocab:
-            old_d2t = d2t if init is not None else None
             d2t, t2d = draft_vocab(train_data, model.cfg.vocab_size,
-                                   args.draft_vocab_size if old_d2t is None else len(old_d2t),
+                                   args.draft_vocab_size or (8192 if init is None else len(init_d2t)),
                                    always=model.cfg.eos_token_ids)
-            if old_d2t is not None:  # the trained rows follow their tokens into the new vocabulary
-                init["lm_head"] = jnp.asarray(remap_lm_head(np.asarray(init["lm_head"]), old_d2t, d2t))
+        if init is not None and not np.array_equal(d2t, init_d2t):
+            # The trained rows follow their tokens into the new vocabulary (its size may differ: --draft-vocab-size).
+            init["lm_head"] = jnp.asarray(remap_lm_head(np.asarray(init["lm_head"]), init_d2t, d2t))
+            cfg = cfg.replace(draft_vocab_size=len(d2t))
         np.save(vocab_file, d2t)
+        tc.draft_vocab_size = len(d2t)
         used_ids = np.arange(len(d2t)) + d2t
         t2d = np.zeros(model.cfg.vocab_size, bool)
         t2d[used_ids] = True

@@ -136,3 +136,48 @@ def test_grow_train_trim_end_to_end(tiny_target_dir, tmp_path):
                        "--out", str(tmp_path / "bad")]) == 2
     assert main(["--out", str(tmp_path / "d"), *common, "--steps", "0", "--init-from", str(tmp_path / "c" / "head"),
                  "--num-layers", "1"]) == 2
+
+
+def test_rebuild_vocab_to_a_wider_vocabulary_trains_and_resumes(tiny_target_dir, tmp_path):
+    """--init-from HEAD --rebuild-vocab --draft-vocab-size N (N > the head's): the trained rows follow their
+    tokens, the new ones start at zero; a run stopped by its time limit resumes over the same vocabulary;
+    another size without --rebuild-vocab is a clear error."""
+    from safetensors.numpy import load_file
+
+    from jeagle.checkpoint import load_draft, load_model
+    from jeagle.train.trainer import checkpoint_steps
+    from jeagle.train_draft import main
+
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"turns": [f"{w} {i}?"]}) + "\n"
+                               for i, w in enumerate(["alpha", "beta", "gamma", "delta"] * 3)))
+    common = ["--target", str(tiny_target_dir), "--prompts", str(prompts), "--max-new-tokens", "12", "--gen-batch", "8",
+              "--target-dtype", "float32", "--compute-dtype", "float32", "--eval-prompts", "0", "--no-progress",
+              "--batch-size", "4", "--seq-len", "32", "--length-buckets", "2", "--lr", "3e-2", "--warmup-steps", "1"]
+    assert main(["--out", str(tmp_path / "a"), *common, "--steps", "3", "--draft-vocab-size", "16"]) == 0
+    a = tmp_path / "a" / "head"
+    wide = ["--init-from", str(a), "--rebuild-vocab", "--draft-vocab-size", "32"]
+    assert main(["--out", str(tmp_path / "w0"), *common, *wide, "--steps", "0"]) == 0
+    ta, tw = load_file(str(a / "model.safetensors")), load_file(str(tmp_path / "w0" / "head" / "model.safetensors"))
+    used_a, used_w = list(np.arange(16) + ta["d2t"]), np.arange(32) + tw["d2t"]
+    assert tw["lm_head"].shape[0] == 32 and json.loads((tmp_path / "w0" / "head" / "config.json").read_text())[
+        "draft_vocab_size"] == 32
+    for j, t in enumerate(used_w):
+        if t in used_a:
+            np.testing.assert_array_equal(tw["lm_head"][j], ta["lm_head"][used_a.index(t)])
+        else:
+            assert not tw["lm_head"][j].any()
+
+    run = ["--out", str(tmp_path / "w1"), *common, *wide, "--steps", "3", "--save-every", "1"]
+    assert main([*run, "--time-limit", "0"]) == 0
+    assert checkpoint_steps(tmp_path / "w1" / "ckpt", tmp_path / "w1" / "portable")[0] == 1  # stopped after step 1
+    assert main([*run, "--resume"]) == 0
+    assert checkpoint_steps(tmp_path / "w1" / "ckpt", tmp_path / "w1" / "portable")[0] == 3
+    info = json.loads((tmp_path / "w1" / "head" / "training.json").read_text())
+    assert info["train_config"]["draft_vocab_size"] == 32 and info["final_metrics"]
+    head = load_draft(tmp_path / "w1" / "head", target=load_model(tiny_target_dir).cfg, dtype="float32")
+    assert head.lm_head[...].shape[0] == 32
+    np.testing.assert_array_equal(np.load(tmp_path / "w1" / "d2t.npy"), tw["d2t"])
+
+    assert main(["--out", str(tmp_path / "bad"), *common, "--init-from", str(a), "--draft-vocab-size", "32",
+                 "--steps", "0"]) == 2
