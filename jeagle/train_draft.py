@@ -467,6 +467,17 @@ def run(args) -> dict:
     info["first_metrics"] = history[0] if history else {}
 
     head_cfg = cfg.replace(dtype="bfloat16")
+    head_dir = out / "head"
+    info["train_config"] = {f.name: getattr(tc, f.name) for f in fields(tc) if f.name != "extra"}
+
+    def write_head():
+        (head_dir / "README.md").write_text(model_card(head_cfg, tc, info))
+        (head_dir / "training.json").write_text(json.dumps(info, indent=1, default=str))
+
+    # The head first, its held-out evaluation after: a run cut off while evaluating still leaves the head.
+    save_checkpoint(head_dir, head_cfg, export_params(trainer.params, head_cfg, trainer.d2t),
+                    metadata={"target": target_name, "trained_with": "jeagle.train_draft"})
+    write_head()
     if eval_data is not None:
         head = head_module(trainer.params, head_cfg.replace(dtype=model.cfg.dtype), trainer.d2t)
         prompts = [eval_data.sample(i)[:int(eval_data.prompt_lens[i])].astype(int).tolist() for i in range(len(eval_data))]
@@ -475,12 +486,7 @@ def run(args) -> dict:
         info["eval"] = ev
         print(f"eval: accept length {fmt_tau(ev['accept_length'])} at (S,K,N) = {spec} on {ev['prompts']} held-out "
               "prompts", flush=True)
-    head_dir = out / "head"
-    save_checkpoint(head_dir, head_cfg, export_params(trainer.params, head_cfg, trainer.d2t),
-                     metadata={"target": target_name, "trained_with": "jeagle.train_draft"})
-    info["train_config"] = {f.name: getattr(tc, f.name) for f in fields(tc) if f.name != "extra"}
-    (head_dir / "README.md").write_text(model_card(head_cfg, tc, info))
-    (head_dir / "training.json").write_text(json.dumps(info, indent=1, default=str))
+        write_head()
     print(f"head written to {head_dir}", flush=True)
     return info
 
