@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--rebuild-vocab", action="store_true",
                    help="with --init-from: choose the draft vocabulary afresh from this data (EAGLE-3); tokens in both "
                         "keep their trained output rows, new ones start at zero")
+    t.add_argument("--new-rows", choices=["mapped", "zero"], default="mapped",
+                   help="--rebuild-vocab: a token new to the head starts as its target output row carried by the "
+                        "linear map that best fits the head's trained rows to theirs (mapped), or at zero")
     t.add_argument("--time-limit", type=float, default=None,
                    help="stop training after this many seconds (checkpoint saved; --resume finishes the schedule)")
     t.add_argument("--portable", default=None,
@@ -427,7 +430,10 @@ def run(args) -> dict:
                                    always=model.cfg.eos_token_ids)
         if init is not None and not np.array_equal(d2t, init_d2t):
             # The trained rows follow their tokens into the new vocabulary (its size may differ: --draft-vocab-size).
-            init["lm_head"] = jnp.asarray(remap_lm_head(np.asarray(init["lm_head"]), init_d2t, d2t))
+            rows = model.lm_head if getattr(model, "lm_head", None) is not None else model.embed  # tied: the embedding
+            init["lm_head"] = jnp.asarray(remap_lm_head(np.asarray(init["lm_head"]), init_d2t, d2t,
+                                                        np.asarray(rows[...], np.float32) if args.new_rows == "mapped"
+                                                        else None))
             cfg = cfg.replace(draft_vocab_size=len(d2t))
         np.save(vocab_file, d2t)
         tc.draft_vocab_size = len(d2t)

@@ -13,7 +13,7 @@ from flax import nnx
 
 from jeagle.train.data import DraftData
 from jeagle.train.model import draft_unrolled, grow_layers, target_outputs
-from jeagle.train.vocab import trim_vocab
+from jeagle.train.vocab import fit_row_map, trim_vocab
 from tests.spec_models import draft_config, target_config
 
 
@@ -140,7 +140,7 @@ def test_grow_train_trim_end_to_end(tiny_target_dir, tmp_path):
 
 def test_rebuild_vocab_to_a_wider_vocabulary_trains_and_resumes(tiny_target_dir, tmp_path):
     """--init-from HEAD --rebuild-vocab --draft-vocab-size N (N > the head's): the trained rows follow their
-    tokens, the new ones start at zero; a run stopped by its time limit resumes over the same vocabulary;
+    tokens, the new ones start as their target rows carried by the map fitted on the shared tokens; a run stopped by its time limit resumes over the same vocabulary;
     another size without --rebuild-vocab is a clear error."""
     from safetensors.numpy import load_file
 
@@ -162,11 +162,17 @@ def test_rebuild_vocab_to_a_wider_vocabulary_trains_and_resumes(tiny_target_dir,
     used_a, used_w = list(np.arange(16) + ta["d2t"]), np.arange(32) + tw["d2t"]
     assert tw["lm_head"].shape[0] == 32 and json.loads((tmp_path / "w0" / "head" / "config.json").read_text())[
         "draft_vocab_size"] == 32
+    model = load_model(tiny_target_dir, dtype="float32")
+    target_rows = np.asarray(model.embed[...] if model.lm_head is None else model.lm_head[...], np.float32)
+    shared = [t for t in used_w if t in used_a]
+    a_map = fit_row_map(target_rows[shared], ta["lm_head"].astype(np.float32)[[used_a.index(t) for t in shared]])
     for j, t in enumerate(used_w):
-        if t in used_a:
+        if t in used_a:  # the trained row, exactly
             np.testing.assert_array_equal(tw["lm_head"][j], ta["lm_head"][used_a.index(t)])
-        else:
-            assert not tw["lm_head"][j].any()
+        else:  # the target's row carried by the map fitted on the shared tokens (bf16)
+            want = target_rows[t] @ a_map
+            assert np.abs(want).max() > 0
+            np.testing.assert_allclose(tw["lm_head"][j].astype(np.float32), want, rtol=2e-2, atol=2e-2)
 
     run = ["--out", str(tmp_path / "w1"), *common, *wide, "--steps", "3", "--save-every", "1"]
     assert main([*run, "--time-limit", "0"]) == 0
@@ -175,9 +181,27 @@ def test_rebuild_vocab_to_a_wider_vocabulary_trains_and_resumes(tiny_target_dir,
     assert checkpoint_steps(tmp_path / "w1" / "ckpt", tmp_path / "w1" / "portable")[0] == 3
     info = json.loads((tmp_path / "w1" / "head" / "training.json").read_text())
     assert info["train_config"]["draft_vocab_size"] == 32 and info["final_metrics"]
-    head = load_draft(tmp_path / "w1" / "head", target=load_model(tiny_target_dir).cfg, dtype="float32")
+    head = load_draft(tmp_path / "w1" / "head", target=model.cfg, dtype="float32")
     assert head.lm_head[...].shape[0] == 32
     np.testing.assert_array_equal(np.load(tmp_path / "w1" / "d2t.npy"), tw["d2t"])
 
     assert main(["--out", str(tmp_path / "bad"), *common, "--init-from", str(a), "--draft-vocab-size", "32",
                  "--steps", "0"]) == 2
+
+
+def test_row_map_recovers_a_linear_relation():
+    """fit_row_map finds A where trained rows are the target's carried linearly; remap_lm_head uses it for
+    new tokens only, and keeps zero rows without a target head."""
+    from jeagle.train.vocab import remap_lm_head
+
+    rng = np.random.default_rng(3)
+    target = rng.normal(size=(200, 6)).astype(np.float32)
+    a = rng.normal(size=(6, 6)).astype(np.float32)
+    old_d2t = np.zeros(160, np.int32)  # target ids 0..159
+    trained = target[:160] @ a
+    np.testing.assert_allclose(fit_row_map(target[:160], trained, ridge=1e-6), a, rtol=1e-3, atol=1e-3)
+    new_d2t = (np.arange(40, 200) - np.arange(160)).astype(np.int32)  # target ids 40..199: 120 shared, 40 new
+    out = remap_lm_head(trained, old_d2t, new_d2t, target)
+    np.testing.assert_array_equal(out[:120], trained[40:])
+    np.testing.assert_allclose(out[120:], target[160:] @ a, rtol=0.05, atol=0.05)  # ridge 1 over 120 rows: ~1 % shrink
+    assert not remap_lm_head(trained, old_d2t, new_d2t)[120:].any()

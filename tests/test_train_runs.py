@@ -180,7 +180,7 @@ def test_rebuild_vocab_keeps_the_trained_rows(tiny_target_dir, tmp_path):
     assert main(["--out", str(tmp_path / "a"), "--prompts", prompts("a.jsonl", ["alpha", "beta"]), *common,
                  *trained]) == 0
     assert main(["--out", str(tmp_path / "b"), "--prompts", prompts("b.jsonl", ["omega", "kappa", "beta"]),
-                 "--init-from", str(tmp_path / "a" / "head"), "--rebuild-vocab", *common]) == 0
+                 "--init-from", str(tmp_path / "a" / "head"), "--rebuild-vocab", "--new-rows", "zero", *common]) == 0
     (head_a, d2t_a), (head_b, d2t_b) = head_of("a"), head_of("b")
     used_a, used_b = np.arange(24) + d2t_a, np.arange(24) + d2t_b
     assert set(used_a) != set(used_b) and set(used_a) & set(used_b)
