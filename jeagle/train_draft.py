@@ -275,25 +275,6 @@ def evaluate_sets(args, model, tokenizer, trainer, cfg, eval_sets, temperatures,
     return rows
 
 
-def load_draft_config(path):
-    from jeagle.config import DraftConfig
-
-    return DraftConfig.load(Path(path) / "config.json")
-
-
-def initial_params(path, target_cfg):
-    """fp32 trainable parameters and d2t of a trained head dir (--init-from)."""
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from jeagle.checkpoint import load_draft
-
-    head = load_draft(path, target=target_cfg, dtype="float32")
-    pure = nnx.to_pure_dict(nnx.split(head)[1])
-    d2t = pure.pop("d2t", None)
-    return {k: jnp.asarray(v, jnp.float32) for k, v in pure.items()}, (None if d2t is None else d2t.__array__())
-
-
 def compile_cache(args) -> None:
     """JAX's persistent compilation cache, on GPUs (as the engine has it; CPU runs compile afresh)."""
     import jax
@@ -308,7 +289,6 @@ def compile_cache(args) -> None:
 
 def run(args) -> dict:
     import jax
-    import jax.numpy as jnp
     import numpy as np
 
     from jeagle.checkpoint import load_model, save_checkpoint
@@ -318,10 +298,10 @@ def run(args) -> dict:
     from jeagle.train.records import read_exclude
     from jeagle.train.card import fmt_tau, model_card
     from jeagle.train.evaluate import read_eval_set
-    from jeagle.train.model import export_params, grow_layers, head_module
+    from jeagle.train.model import export_params, head_module
     from jeagle.train.trainer import (TrainConfig, Trainer, checkpoint_steps, draft_config_for, evaluate_accept_length,
                                       train)
-    from jeagle.train.vocab import coverage, draft_vocab, remap_lm_head
+    from jeagle.train.start import check_start_args, head_start
 
     out = Path(args.out)
     portable = Path(args.portable) if args.portable else out / "portable"
@@ -335,23 +315,7 @@ def run(args) -> dict:
     spec = tuple(int(x) for x in args.eval_spec.split(","))
     if len(spec) != 3 or min(spec) < 1:
         raise ValueError(f"--eval-spec {args.eval_spec}: expected S,K,N (positive)")
-    if args.rebuild_vocab and not args.init_from:
-        raise ValueError("--rebuild-vocab goes with --init-from an EAGLE-3 head")
-    if args.init_from and load_draft_config(args.init_from).kind != args.kind:
-        raise ValueError(f"--init-from {args.init_from} is an {load_draft_config(args.init_from).kind} head, "
-                         f"--kind is {args.kind}")
-    if args.num_layers is not None and args.num_layers < 1:
-        raise ValueError(f"--num-layers {args.num_layers}: at least 1")
-    if args.init_from and args.num_layers is not None and args.num_layers < load_draft_config(args.init_from).num_layers:
-        raise ValueError(f"--init-from {args.init_from} has {load_draft_config(args.init_from).num_layers} layers: "
-                         f"--num-layers {args.num_layers} would drop trained ones")
-    if args.draft_vocab_size is not None and args.draft_vocab_size < 1:
-        raise ValueError(f"--draft-vocab-size {args.draft_vocab_size}: at least 1")
-    if (args.init_from and not args.rebuild_vocab and args.draft_vocab_size is not None
-            and args.draft_vocab_size != load_draft_config(args.init_from).draft_vocab_size):
-        raise ValueError(f"--init-from {args.init_from} has a draft vocabulary of "
-                         f"{load_draft_config(args.init_from).draft_vocab_size}: another --draft-vocab-size needs "
-                         "--rebuild-vocab")
+    check_start_args(args)
     if args.regenerate_block < 1:
         raise ValueError("--regenerate-block must be at least 1")
     if args.seq_len < 2:
@@ -407,41 +371,9 @@ def run(args) -> dict:
                      compute_dtype=args.compute_dtype, seed=args.seed, log_every=args.log_every,
                      save_every=args.save_every)
     cfg = draft_config_for(model.cfg, tc, name=args.name or f"{target_name}-{args.kind}")
-    used_ids = init = d2t = None
-    if args.init_from:
-        init, d2t = initial_params(args.init_from, model.cfg)
-        init_d2t = d2t
-        init_cfg = load_draft_config(args.init_from)
-        cfg = init_cfg.replace(dtype=cfg.dtype, name=cfg.name)  # the head's own shape, wholesale
-        if args.num_layers is not None and args.num_layers > init_cfg.num_layers:
-            init, cfg = grow_layers(init, cfg, args.num_layers)
-            info["grown_from_layers"] = init_cfg.num_layers
-            print(f"--init-from head grown from {init_cfg.num_layers} to {args.num_layers} layers", flush=True)
-        tc.num_layers = cfg.num_layers
     vocab_file = out / "d2t.npy"  # the draft vocabulary the checkpoints in OUT/ckpt were trained with
-    if args.rebuild_vocab and args.kind != "eagle3":
-        raise ValueError("--rebuild-vocab is for EAGLE-3 heads (EAGLE-1 predicts over the target's vocabulary)")
-    if args.kind == "eagle3":
-        if args.resume and vocab_file.exists() and (ckpt_step is not None or portable_step is not None):
-            d2t = np.load(vocab_file)  # the checkpoints' vocabulary
-        elif init is None or args.rebuild_vocab:
-            d2t, t2d = draft_vocab(train_data, model.cfg.vocab_size,
-                                   args.draft_vocab_size or (8192 if init is None else len(init_d2t)),
-                                   always=model.cfg.eos_token_ids)
-        if init is not None and not np.array_equal(d2t, init_d2t):
-            # The trained rows follow their tokens into the new vocabulary (its size may differ: --draft-vocab-size).
-            rows = model.lm_head if getattr(model, "lm_head", None) is not None else model.embed  # tied: the embedding
-            init["lm_head"] = jnp.asarray(remap_lm_head(np.asarray(init["lm_head"]), init_d2t, d2t,
-                                                        np.asarray(rows[...], np.float32) if args.new_rows == "mapped"
-                                                        else None))
-            cfg = cfg.replace(draft_vocab_size=len(d2t))
-        np.save(vocab_file, d2t)
-        tc.draft_vocab_size = len(d2t)
-        used_ids = np.arange(len(d2t)) + d2t
-        t2d = np.zeros(model.cfg.vocab_size, bool)
-        t2d[used_ids] = True
-        info["vocab_coverage"] = coverage(train_data, t2d)
-        print(f"draft vocabulary: {len(d2t)} tokens covering {info['vocab_coverage']:.1%} of response tokens", flush=True)
+    resuming = args.resume and (ckpt_step is not None or portable_step is not None)
+    cfg, init, d2t, used_ids = head_start(args, model, cfg, tc, train_data, vocab_file, resuming, info)
     trainer = Trainer(model, cfg, tc, used_ids=used_ids, params=init, d2t=d2t if init is not None else None)
     if args.kind == "eagle3" and trainer.d2t is not None and not np.array_equal(trainer.d2t, d2t):
         raise ValueError("internal: the trainer's draft vocabulary differs from OUT/d2t.npy")
