@@ -234,6 +234,10 @@ def test_throughput_policy_in_the_engine_is_lossless_times_every_tier_and_follow
     state = up.speculative.adaptive_state
     assert state["policy"] == "throughput" and state["active_tier"] == [4, 2, 6]
     assert state["round_ms"] == {"[1, 2, 3]": 1.0, "[2, 1, 3]": 1.2, "[4, 2, 6]": 1.5}
+    # The round times are the bucket's that ran the most of this call's rounds, not the last (batch 1).
+    by_batch = state["rounds_by_batch"]
+    assert sum(by_batch.values()) == up.speculative.round_dispatches and len(by_batch) > 1
+    assert by_batch[str(state["bucket"]["batch"])] == max(by_batch.values())
     assert state["expected_accept_length"]["[4, 2, 6]"] > 4.0
     assert times.online, "steady-state rounds give online samples"
     assert engine.info()["adaptive"]["active_tier"] == [4, 2, 6]

@@ -24,7 +24,7 @@ import dataclasses
 import functools
 import itertools
 import time
-from collections import deque
+from collections import Counter, deque
 
 import jax
 import numpy as np
@@ -129,6 +129,7 @@ class SpecDecoder(SlotTables, GrammarMasks, FlatParams, Dispatching):
         self._prefill_since = False
         self._last_read: float | None = None
         self._last_bucket: tuple | None = None  # (b, kv, greedy) of the last round dispatched
+        self.bucket_rounds: Counter = Counter()  # rounds dispatched per (b, kv, greedy)
         self._rows_on_device: tuple | None = None  # (row ids, their device array) of the last dispatch
 
     @property
@@ -293,6 +294,7 @@ class SpecDecoder(SlotTables, GrammarMasks, FlatParams, Dispatching):
         state = self.tier_states[index]
         tier = state.tier
         self._last_bucket = (b, kv, greedy)
+        self.bucket_rounds[self._last_bucket] += 1
         nested = len(self.controller.nests[index]) if fused and self.timed else 0
         self._dispatches.append((index, self._last_bucket, time.perf_counter(), self._prefill_since, nested))
         self._prefill_since = False
@@ -437,10 +439,10 @@ class SpecDecoder(SlotTables, GrammarMasks, FlatParams, Dispatching):
     def stats_window(self):
         """Where a stats window starts."""
         return (len(self.accept_lengths), self.rounds_dispatched, len(self.tier_log), self.spec,
-                self.grammar_rows_walked, self.grammar_rows_masked)
+                self.grammar_rows_walked, self.grammar_rows_masked, Counter(self.bucket_rounds))
 
     def stats(self, window) -> SpecStats:
-        acc0, round0, log0, start_tier, walked0, masked0 = window
+        acc0, round0, log0, start_tier, walked0, masked0, buckets0 = window
         acc = self.accept_lengths[acc0:]
         history = {0: start_tier} | {i - round0: t for i, t in self.tier_log[log0:]}
         return SpecStats(rounds=len(acc), round_dispatches=self.rounds_dispatched - round0,
@@ -451,19 +453,27 @@ class SpecDecoder(SlotTables, GrammarMasks, FlatParams, Dispatching):
                          tier_switches=len(history) - 1, rounds_per_dispatch=self.rounds_per_dispatch,
                          grammar_rows_walked=self.grammar_rows_walked - walked0,
                          grammar_rows_masked=self.grammar_rows_masked - masked0,
-                         adaptive_state=self.adaptive_state())
+                         adaptive_state=self.adaptive_state(self.bucket_rounds - buckets0))
 
-    def adaptive_state(self) -> dict | None:
-        """The controller's report, with each tier's round time (ms) at the last dispatched bucket."""
+    def adaptive_state(self, bucket_rounds: Counter | None = None) -> dict | None:
+        """The controller's report, with each tier's round time (ms) at the bucket that ran the most rounds
+        (of `bucket_rounds`, a window's; default all): a batch that drains ends at batch 1, which says
+        little of where its rounds went. `rounds_by_batch` counts them per batch bucket."""
         if self.controller is None:
             return None
         out = self.controller.report()
-        if self.timed and self._last_bucket is not None:
-            b, kv, greedy = self._last_bucket
+        bucket_rounds = self.bucket_rounds if bucket_rounds is None else bucket_rounds
+        if self.timed and bucket_rounds:
+            main = max(bucket_rounds, key=lambda k: (bucket_rounds[k], k == self._last_bucket))
+            b, kv, greedy = main
             out["bucket"] = {"batch": b, "kv": kv, "greedy": greedy}
-            out["round_ms"] = {str(list(t.shape)): _round(self.controller.times.estimate(j, self._last_bucket))
+            by_batch = Counter()
+            for (bb, _, _), n in bucket_rounds.items():
+                by_batch[bb] += n
+            out["rounds_by_batch"] = {str(bb): n for bb, n in sorted(by_batch.items())}
+            out["round_ms"] = {str(list(t.shape)): _round(self.controller.times.estimate(j, main))
                                for j, t in enumerate(self.tiers)}
-            seen = self.controller.times.report(len(self.tiers), self._last_bucket)
+            seen = self.controller.times.report(len(self.tiers), main)
             for what, ms in seen.items():
                 out[f"round_ms_{what}"] = {str(list(t.shape)): m for t, m in zip(self.tiers, ms)}
         return out
