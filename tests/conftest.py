@@ -88,6 +88,7 @@ SLOW_ON_CPU = {
     "tests/test_spec.py::test_simulated_accept_length_has_the_asked_mean",
     "tests/test_train_runs.py::test_regeneration_continues_where_it_stopped",
     "tests/test_train_runs.py::test_rebuild_vocab_keeps_the_trained_rows",
+    "tests/test_train_grow.py::test_grow_train_trim_end_to_end",
 }
 
 
