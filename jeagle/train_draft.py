@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "unless --rebuild-vocab)")
     t.add_argument("--rebuild-vocab", action="store_true",
                    help="with --init-from: choose the draft vocabulary afresh from this data (EAGLE-3); tokens in both "
-                        "keep their trained output rows, new ones start at zero")
+                        "keep their trained output rows, new ones start as --new-rows says")
     t.add_argument("--new-rows", choices=["mapped", "zero"], default="mapped",
                    help="--rebuild-vocab: a token new to the head starts as its target output row carried by the "
                         "linear map that best fits the head's trained rows to theirs (mapped), or at zero")

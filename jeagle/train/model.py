@@ -175,6 +175,17 @@ def init_params(cfg: DraftConfig, target_params: dict, *, seed: int = 0, used_id
     return {k: v for k, v in pure.items() if v is not None}, d2t
 
 
+def load_params(path, target_cfg=None) -> tuple[dict, np.ndarray | None]:
+    """fp32 trainable parameters and d2t (None for EAGLE-1) of a trained head dir (jeagle's loader: its
+    format and, with `target_cfg`, its fit to the target are checked)."""
+    from jeagle.checkpoint import load_draft
+
+    head = load_draft(path, target=target_cfg, dtype="float32")
+    pure = nnx.to_pure_dict(nnx.split(head)[1])
+    d2t = pure.pop("d2t", None)
+    return {k: jnp.asarray(v, jnp.float32) for k, v in pure.items()}, (None if d2t is None else np.asarray(d2t))
+
+
 def grow_layers(params: dict, cfg: DraftConfig, num_layers: int) -> tuple[dict, DraftConfig]:
     """A trained head's parameters with decoder layers appended up to `num_layers`: each new layer is a
     copy of the last one with its attention output and MLP down projections at zero, so both residual

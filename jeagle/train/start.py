@@ -15,19 +15,6 @@ def load_draft_config(path):
     return DraftConfig.load(Path(path) / "config.json")
 
 
-def initial_params(path, target_cfg):
-    """fp32 trainable parameters and d2t of a trained head dir (--init-from)."""
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from jeagle.checkpoint import load_draft
-
-    head = load_draft(path, target=target_cfg, dtype="float32")
-    pure = nnx.to_pure_dict(nnx.split(head)[1])
-    d2t = pure.pop("d2t", None)
-    return {k: jnp.asarray(v, jnp.float32) for k, v in pure.items()}, (None if d2t is None else d2t.__array__())
-
-
 def check_start_args(args) -> None:
     """The head options' errors, before minutes of regeneration."""
     init = load_draft_config(args.init_from) if args.init_from else None
@@ -55,12 +42,12 @@ def head_start(args, model, cfg, tc, train_data, vocab_file: Path, resuming: boo
     vocabulary; the vocabulary is saved to `vocab_file` (a resumed run reads it back from there)."""
     import jax.numpy as jnp
 
-    from jeagle.train.model import grow_layers
-    from jeagle.train.vocab import coverage, draft_vocab, remap_lm_head
+    from jeagle.train.model import grow_layers, load_params
+    from jeagle.train.vocab import coverage, draft_vocab, remap_lm_head, vocab_mask
 
     init = d2t = init_d2t = used_ids = None
     if args.init_from:
-        init, init_d2t = initial_params(args.init_from, model.cfg)
+        init, init_d2t = load_params(args.init_from, model.cfg)
         d2t = init_d2t
         init_cfg = load_draft_config(args.init_from)
         cfg = init_cfg.replace(dtype=cfg.dtype, name=cfg.name)  # the head's own shape, wholesale
@@ -86,8 +73,6 @@ def head_start(args, model, cfg, tc, train_data, vocab_file: Path, resuming: boo
     np.save(vocab_file, d2t)
     tc.draft_vocab_size = len(d2t)
     used_ids = np.arange(len(d2t)) + d2t
-    t2d = np.zeros(model.cfg.vocab_size, bool)
-    t2d[used_ids] = True
-    info["vocab_coverage"] = coverage(train_data, t2d)
+    info["vocab_coverage"] = coverage(train_data, vocab_mask(d2t, model.cfg.vocab_size))
     print(f"draft vocabulary: {len(d2t)} tokens covering {info['vocab_coverage']:.1%} of response tokens", flush=True)
     return cfg, init, d2t, used_ids

@@ -22,9 +22,14 @@ def draft_vocab(data, vocab_size: int, draft_vocab_size: int, *, always=()) -> t
     order = np.lexsort((np.arange(vocab_size), -counts))
     used = np.sort(order[:draft_vocab_size])
     d2t = (used - np.arange(draft_vocab_size)).astype(np.int32)
+    return d2t, vocab_mask(d2t, vocab_size)
+
+
+def vocab_mask(d2t: np.ndarray, vocab_size: int) -> np.ndarray:
+    """t2d [V] bool: the target ids that draft vocabulary `d2t` can express."""
     t2d = np.zeros(vocab_size, bool)
-    t2d[used] = True
-    return d2t, t2d
+    t2d[np.arange(len(d2t)) + np.asarray(d2t)] = True
+    return t2d
 
 
 def coverage(data, t2d: np.ndarray) -> float:
@@ -52,8 +57,8 @@ def remap_lm_head(lm_head: np.ndarray, old_d2t: np.ndarray, new_d2t: np.ndarray,
     at cosine 0.93 (R² 0.76). Its accept length rebuilt to 12,288 tokens before training (CPU fp32, 16
     MT-bench prompts, 128 tokens): 2.857 with mapped new rows, 2.620 with zero rows, 2.783 unwidened;
     rebuilt at 8,192 on 80 prompts × 256 tokens 3.176 vs 3.162 (bench/RESULTS.md, 2026-11-28): a start
-    no worse than the head's, which training then takes further. The target's raw rows are worse than zero: next to trained rows they
-    win the argmax far too often (1,000 of 8,192 tokens swapped: accept length 1.00 with target rows,
+    no worse than the head's, which training then takes further. The target's raw rows are worse than
+    zero: next to trained rows they win the argmax far too often (1,000 of 8,192 tokens swapped: accept length 1.00 with target rows,
     1.31 at half their norm, 1.74 with zero rows, 2.31 unswapped; bench/probes/vocab_swap.py)."""
     old_used = np.arange(len(old_d2t)) + np.asarray(old_d2t)
     new_used = np.arange(len(new_d2t)) + np.asarray(new_d2t)
@@ -94,14 +99,12 @@ def trim_head(head_dir, data_path, size: int, out_dir) -> dict:
     `size` tokens most frequent in the dataset's responses (trim_vocab), written to `out_dir` with its
     card and training record, which say so. Returns the trim's record."""
     import json
-    import shutil
     from pathlib import Path
 
-    from safetensors.numpy import load_file
-
-    from jeagle.checkpoint import SAFETENSORS, save_checkpoint
+    from jeagle.checkpoint import save_checkpoint
     from jeagle.config import DraftConfig
     from jeagle.train.data import DraftData
+    from jeagle.train.model import load_params
 
     head_dir, out_dir = Path(head_dir), Path(out_dir)
     cfg = DraftConfig.load(head_dir / "config.json")
@@ -109,18 +112,15 @@ def trim_head(head_dir, data_path, size: int, out_dir) -> dict:
         raise ValueError(f"{head_dir} is an {cfg.kind} head: only EAGLE-3 heads have a draft vocabulary")
     if out_dir.resolve() == head_dir.resolve():
         raise ValueError("trim writes a new head: --out must be another directory")
-    tensors = {k: np.asarray(v) for k, v in load_file(str(head_dir / SAFETENSORS)).items()}
+    params, old_d2t = load_params(head_dir)
     data = DraftData.load(data_path)
     # End-of-sequence tokens close every regenerated answer: the counts keep them.
-    lm_head, d2t = trim_vocab(tensors["lm_head"].astype(np.float32), tensors["d2t"], data, size)
-    before = np.zeros(cfg.vocab_size, bool)
-    before[np.arange(len(tensors["d2t"])) + tensors["d2t"]] = True
-    after = np.zeros(cfg.vocab_size, bool)
-    after[np.arange(size) + d2t] = True
-    tensors.update(lm_head=lm_head, d2t=d2t)
+    lm_head, d2t = trim_vocab(np.asarray(params["lm_head"]), old_d2t, data, size)
+    tensors = {k: np.asarray(v) for k, v in params.items()} | {"lm_head": lm_head, "d2t": d2t}
     save_checkpoint(out_dir, cfg.replace(draft_vocab_size=size), tensors, metadata={"trimmed_from": str(head_dir)})
-    record = {"from_head": str(head_dir), "from_size": int(len(before.nonzero()[0])), "size": size,
-              "data": str(data_path), "coverage_before": coverage(data, before), "coverage_after": coverage(data, after)}
+    record = {"from_head": str(head_dir), "from_size": len(old_d2t), "size": size, "data": str(data_path),
+              "coverage_before": coverage(data, vocab_mask(old_d2t, cfg.vocab_size)),
+              "coverage_after": coverage(data, vocab_mask(d2t, cfg.vocab_size))}
     info = json.loads((head_dir / "training.json").read_text()) if (head_dir / "training.json").exists() else {}
     info["vocab_trim"] = record
     (out_dir / "training.json").write_text(json.dumps(info, indent=1, default=str))
@@ -129,9 +129,6 @@ def trim_head(head_dir, data_path, size: int, out_dir) -> dict:
              f"in `{data_path}`'s responses; the rows kept are the trained ones): coverage of those responses "
              f"{record['coverage_before']:.1%} → {record['coverage_after']:.1%}\n")
     (out_dir / "README.md").write_text(card)
-    for extra in ("tokenizer.json",):
-        if (head_dir / extra).exists():
-            shutil.copy(head_dir / extra, out_dir / extra)
     return record
 
 
