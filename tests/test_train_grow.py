@@ -205,3 +205,24 @@ def test_row_map_recovers_a_linear_relation():
     np.testing.assert_array_equal(out[:120], trained[40:])
     np.testing.assert_allclose(out[120:], target[160:] @ a, rtol=0.05, atol=0.05)  # ridge 1 over 120 rows: ~1 % shrink
     assert not remap_lm_head(trained, old_d2t, new_d2t)[120:].any()
+
+
+def test_memory_analysis_sees_the_second_layer():
+    """Trainer.memory_analysis (bench/probes/train_step.py --memory-only: does a batch shape fit the GPU?)
+    compiles the step without running it; a second layer needs more temporaries than one."""
+    from jeagle.models.llama import random_model
+    from jeagle.train.trainer import TrainConfig, Trainer, draft_config_for
+
+    tcfg = target_config()
+    target = random_model(tcfg, 1)
+    used = np.arange(24) + 4
+    batch = {"tokens": jnp.zeros((4, 32), jnp.int32), "lengths": jnp.full((4,), 32, jnp.int32),
+             "loss_mask": jnp.ones((4, 32), bool)}
+    temps = []
+    for layers in (1, 2):
+        tc = TrainConfig(kind="eagle3", num_layers=layers, draft_vocab_size=24, ttt_steps=3, batch_size=4, seq_len=32,
+                         compute_dtype="float32")
+        tr = Trainer(target, draft_config_for(tcfg, tc), tc, used_ids=used)
+        temps.append(tr.memory_analysis(batch).temp_size_in_bytes)
+        assert tr.step == 0  # nothing ran
+    assert 0 < temps[0] < temps[1]

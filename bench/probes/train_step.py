@@ -58,6 +58,10 @@ def main(argv=None) -> None:
                    "it at the last --ttt-steps, rows all seq-len long against --length-buckets")
     p.add_argument("--length-buckets", type=int, default=8)
     p.add_argument("--data-steps", type=int, default=24, help="timed steps per batching (after every shape is warm)")
+    p.add_argument("--num-layers", type=int, default=1, help="the head's decoder layers")
+    p.add_argument("--memory-only", action="store_true",
+                   help="only compile each step and report its temporaries (XLA's memory analysis; on a CPU an "
+                        "estimate of whether a shape fits the GPU), no timing")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
 
@@ -85,12 +89,15 @@ def main(argv=None) -> None:
     rows = []
     aux = draft_config_for(cfg, TrainConfig()).aux_layer_ids  # the layers an EAGLE-3 head reads
     fwd = jax.jit(lambda t, b: target_outputs(t, b["tokens"], b["lengths"], aux_layers=aux))
+    if args.memory_only:
+        return memory_rows(args, target, cfg, used, dev)
     s = timed(lambda: jax.block_until_ready(fwd(target, dev)), args.steps)
     rows.append({"what": "target forward", "ttt_steps": 0, "step_ms": round(s * 1e3, 2),
                  "loss_tokens_per_s": round(loss_tokens / s), "tflops": round(target_flop / s / 1e12, 1)})
     for k in (int(x) for x in args.ttt_steps.split(",")):
         tc = TrainConfig(kind="eagle3", ttt_steps=k, batch_size=args.batch, seq_len=args.seq_len,
-                         draft_vocab_size=len(used), compute_dtype=args.compute_dtype, steps=10**6)
+                         draft_vocab_size=len(used), compute_dtype=args.compute_dtype, steps=10**6,
+                         num_layers=args.num_layers)
         trainer = Trainer(target, draft_config_for(cfg, tc), tc, used_ids=used)
         s = timed(lambda: jax.block_until_ready(trainer.train_step(batch)), args.steps)
         rows.append({"what": "train step", "ttt_steps": k, "step_ms": round(s * 1e3, 2),
@@ -112,6 +119,25 @@ def main(argv=None) -> None:
     emit({"bench": "train_step", "shape": args.shape, "batch": args.batch, "seq_len": args.seq_len,
           "loss_tokens": loss_tokens, "dtype": args.compute_dtype, "device": device_kind(), "commit": git_commit(),
           "rows": rows}, args.json_out)
+
+
+def memory_rows(args, target, cfg, used, batch) -> None:
+    """--memory-only: each configuration's step compiled, its temporaries and arguments (GB) printed."""
+    from jeagle.train.trainer import TrainConfig, Trainer, draft_config_for
+
+    rows = []
+    for k in (int(x) for x in args.ttt_steps.split(",")):
+        tc = TrainConfig(kind="eagle3", ttt_steps=k, batch_size=args.batch, seq_len=args.seq_len,
+                         draft_vocab_size=len(used), compute_dtype=args.compute_dtype, steps=10**6,
+                         num_layers=args.num_layers)
+        tr = Trainer(target, draft_config_for(cfg, tc), tc, used_ids=used)
+        m = tr.memory_analysis(batch)
+        rows.append({"what": "train step memory", "ttt_steps": k, "num_layers": args.num_layers,
+                     "temp_gb": round(m.temp_size_in_bytes / 1e9, 2), "args_gb": round(m.argument_size_in_bytes / 1e9, 2)})
+        print(f"{args.shape}, batch {args.batch} x {args.seq_len}, {args.num_layers} layer(s), TTT {k}: "
+              f"temporaries {rows[-1]['temp_gb']} GB, arguments {rows[-1]['args_gb']} GB ({device_kind()})", flush=True)
+    emit({"bench": "train_step_memory", "shape": args.shape, "batch": args.batch, "seq_len": args.seq_len,
+          "dtype": args.compute_dtype, "device": device_kind(), "commit": git_commit(), "rows": rows}, args.json_out)
 
 
 def data_rows(args, trainer) -> list[dict]:

@@ -109,6 +109,11 @@ class Trainer:
         updates, opt_state = self.optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, metrics
 
+    def memory_analysis(self, batch: dict):
+        """XLA's memory analysis of the training step compiled for `batch`'s shapes (nothing runs): on a
+        CPU an estimate of whether a batch shape fits a GPU."""
+        return self._train_step.lower(self.params, self.opt_state, self.target_state, batch).compile().memory_analysis()
+
     def train_step(self, batch: dict) -> dict:
         batch = {k: jnp.asarray(v) for k, v in batch.items()}
         self.params, self.opt_state, metrics = self._train_step(self.params, self.opt_state, self.target_state, batch)
