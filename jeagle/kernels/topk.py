@@ -12,7 +12,8 @@ reads its logits once into registers, takes the softmax's max and sum, and picks
 argmax passes (one combined value-and-lowest-index reduction each) over order-preserving int32 keys
 of the logits, a taken entry's key set below every other; only the k winners' probabilities are
 computed: 4.2 / 6.9 us a call at 4 / 192 rows of 8,192 entries against XLA's 15.6 / 31.2. Rows of
-up to MAX_VOCAB entries (the shipped head's draft vocabulary); longer ones take the reference.
+up to MAX_VOCAB (16,384) entries: the shipped head's 8,192-token draft vocabulary and wider EAGLE-3
+heads' (12,288 tokens fill a 16,384-entry row); longer ones take the reference.
 
 Semantics (the reference is the specification): the probabilities are exp(x - max) / sum(exp(x - max))
 in fp32; the sum's order differs from XLA's, so p may differ from the reference by a few ulps; the
@@ -34,11 +35,11 @@ from jeagle.kernels.settings import current
 
 __all__ = ["softmax_topk", "softmax_topk_reference", "top_k", "MAX_K", "MAX_VOCAB"]
 
-# Entries a row may have for the kernel (one program holds the row: 8 warps, 32 fp32 registers a thread).
-# Larger vocabularies (32k-entry EAGLE-3 heads, EAGLE-1 heads over the target's vocabulary) take the
+# Entries a row may have for the kernel (one program holds the row: 8 warps for 8,192 entries, 16 for 16,384
+# (a 12,288-token EAGLE-3 head, padded), 32 fp32 registers a thread either way). Larger vocabularies (32k-entry EAGLE-3 heads, EAGLE-1 heads over the target's vocabulary) take the
 # reference: a chunked form with a running top-k list measured no faster than XLA's TopK (21 us a call
 # at 4 rows of 32,000; bench/HISTORY.md session 24).
-MAX_VOCAB = 8192
+MAX_VOCAB = 16384
 MAX_K = 64  # k passes: the kernel is for the draft's small K; larger k takes the reference
 _GONE = -(2**31)  # the key of a taken or padded entry: below every real logit's (-inf's included)
 
@@ -83,7 +84,7 @@ def _pallas(x, k: int, *, interpret: bool):
         in_specs=[pl.no_block_spec],
         out_specs=[pl.BlockSpec((1, kp), lambda i: (i, 0)), pl.BlockSpec((1, kp), lambda i: (i, 0))],
         out_shape=[jax.ShapeDtypeStruct((r, kp), jnp.float32), jax.ShapeDtypeStruct((r, kp), jnp.int32)],
-        compiler_params=plgpu.CompilerParams(num_warps=8 if bv >= 4096 else 4, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=16 if bv >= 16384 else 8 if bv >= 4096 else 4, num_stages=1),
         interpret=interpret,
         name="softmax_topk",
     )(x)

@@ -16,8 +16,9 @@ from jeagle.kernels.settings import KernelSettings, use
 from jeagle.kernels.topk import MAX_VOCAB, softmax_topk, softmax_topk_reference, top_k
 from tests.kernels.lowering import lower_for_h100
 
-# (rows, vocabulary, k): batch 1 / batch 4 of a (5,4,8) draft step, padded rows, k = 1 and 10.
-SHAPES = [(1, 8192, 4), (16, 8192, 4), (5, 1000, 4), (3, 5000, 10), (4, 64, 1), (2, 4096, 8)]
+# (rows, vocabulary, k): batch 1 / batch 4 of a (5,4,8) draft step, a 12,288-token head (16 warps), padded
+# rows, k = 1 and 10.
+SHAPES = [(1, 8192, 4), (16, 8192, 4), (2, 12288, 4), (1, 16384, 8), (5, 1000, 4), (3, 5000, 10), (4, 64, 1), (2, 4096, 8)]
 
 
 def logits(r, v, seed, dtype=jnp.float32):
@@ -167,7 +168,7 @@ def test_logprobs_top_k_goes_through_the_kernel(monkeypatch):
 
 def test_lowers_for_h100():
     with use(KernelSettings(backend="pallas")):
-        for r, v, k in [(4, 8192, 4), (192, 8192, 4), (10, 5000, 10)]:
+        for r, v, k in [(4, 8192, 4), (192, 8192, 4), (10, 5000, 10), (4, 12288, 4), (192, 12288, 4)]:
             lower_for_h100(lambda a: softmax_topk(a, k), logits(r, v, 0))
         for r, v, k in [(192, 384, 20), (192, 2560, 20), (256, 1024, 8)]:
             lower_for_h100(lambda a: top_k(a, k), logits(r, v, 0))
