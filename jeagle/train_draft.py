@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import time
@@ -119,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _git_commit() -> str:
+    """JEAGLE_COMMIT where set (a GPU runner's copy of the tree has no .git of its own), else git's HEAD."""
+    if os.environ.get("JEAGLE_COMMIT"):
+        return os.environ["JEAGLE_COMMIT"]
     try:
         return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               cwd=Path(__file__).parent, timeout=5).stdout.strip() or "unknown"

@@ -138,10 +138,11 @@ def test_grow_train_trim_end_to_end(tiny_target_dir, tmp_path):
                  "--num-layers", "1"]) == 2
 
 
-def test_rebuild_vocab_to_a_wider_vocabulary_trains_and_resumes(tiny_target_dir, tmp_path):
+def test_rebuild_vocab_to_a_wider_vocabulary_trains_and_resumes(tiny_target_dir, tmp_path, monkeypatch):
     """--init-from HEAD --rebuild-vocab --draft-vocab-size N (N > the head's): the trained rows follow their
     tokens, the new ones start as their target rows carried by the map fitted on the shared tokens; a run stopped by its time limit resumes over the same vocabulary;
-    another size without --rebuild-vocab is a clear error."""
+    another size without --rebuild-vocab is a clear error. The card of a run without held-out prompts says
+    so, and the commit recorded is JEAGLE_COMMIT's (a GPU runner's copy of the tree has no .git)."""
     from safetensors.numpy import load_file
 
     from jeagle.checkpoint import load_draft, load_model
@@ -177,10 +178,13 @@ def test_rebuild_vocab_to_a_wider_vocabulary_trains_and_resumes(tiny_target_dir,
     run = ["--out", str(tmp_path / "w1"), *common, *wide, "--steps", "3", "--save-every", "1"]
     assert main([*run, "--time-limit", "0"]) == 0
     assert checkpoint_steps(tmp_path / "w1" / "ckpt", tmp_path / "w1" / "portable")[0] == 1  # stopped after step 1
+    monkeypatch.setenv("JEAGLE_COMMIT", "c0ffee1")
     assert main([*run, "--resume"]) == 0
     assert checkpoint_steps(tmp_path / "w1" / "ckpt", tmp_path / "w1" / "portable")[0] == 3
     info = json.loads((tmp_path / "w1" / "head" / "training.json").read_text())
-    assert info["train_config"]["draft_vocab_size"] == 32 and info["final_metrics"]
+    assert info["train_config"]["draft_vocab_size"] == 32 and info["final_metrics"] and info["commit"] == "c0ffee1"
+    card = (tmp_path / "w1" / "head" / "README.md").read_text()
+    assert "not run (--eval-prompts 0)" in card and "n/a" not in card and "jeagle commit c0ffee1" in card
     head = load_draft(tmp_path / "w1" / "head", target=model.cfg, dtype="float32")
     assert head.lm_head[...].shape[0] == 32
     np.testing.assert_array_equal(np.load(tmp_path / "w1" / "d2t.npy"), tw["d2t"])

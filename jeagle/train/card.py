@@ -83,9 +83,10 @@ def model_card(cfg, tc, info: dict) -> str:
         f"top-1 agreement with the target per step {acc}",
         "",
         "## Evaluation (jeagle engine, greedy, held-out prompts of the training data)",
-        f"- accept length {fmt_tau(ev.get('accept_length'))} tokens per round (bonus included) at "
-        f"(S,K,N) = {tuple(ev.get('spec', ()))} over {ev.get('prompts', '?')} prompts; benchmark numbers "
-        "(MT-bench, GSM8K) are in jeagle's bench/RESULTS.md and bench/HISTORY.md",
+        (f"- accept length {fmt_tau(ev.get('accept_length'))} tokens per round (bonus included) at "
+         f"(S,K,N) = {tuple(ev.get('spec', ()))} over {ev.get('prompts', '?')} prompts; " if ev else
+         "- not run (--eval-prompts 0); ") + "benchmark numbers (MT-bench, GSM8K) are in jeagle's "
+        "bench/RESULTS.md and bench/HISTORY.md",
         "",
     ] + eval_table(info.get("eval_sets", [])) + [
         "## Command",
