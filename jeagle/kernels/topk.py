@@ -35,10 +35,11 @@ from jeagle.kernels.settings import current
 
 __all__ = ["softmax_topk", "softmax_topk_reference", "top_k", "MAX_K", "MAX_VOCAB"]
 
-# Entries a row may have for the kernel (one program holds the row: 8 warps for 8,192 entries, 16 for 16,384
-# (a 12,288-token EAGLE-3 head, padded), 32 fp32 registers a thread either way). Larger vocabularies (32k-entry EAGLE-3 heads, EAGLE-1 heads over the target's vocabulary) take the
-# reference: a chunked form with a running top-k list measured no faster than XLA's TopK (21 us a call
-# at 4 rows of 32,000; bench/HISTORY.md session 24).
+# Entries a row may have for the kernel (one program holds the row: 8 warps for 8,192 entries, 16 for
+# 16,384 (a 12,288-token EAGLE-3 head, padded), 32 fp32 registers a thread either way). Larger
+# vocabularies (32k-entry EAGLE-3 heads, EAGLE-1 heads over the target's vocabulary) take the reference:
+# a chunked form with a running top-k list measured no faster than XLA's TopK (21 us a call at 4 rows of
+# 32,000; bench/HISTORY.md session 24).
 MAX_VOCAB = 16384
 MAX_K = 64  # k passes: the kernel is for the draft's small K; larger k takes the reference
 _GONE = -(2**31)  # the key of a taken or padded entry: below every real logit's (-inf's included)

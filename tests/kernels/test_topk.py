@@ -18,7 +18,8 @@ from tests.kernels.lowering import lower_for_h100
 
 # (rows, vocabulary, k): batch 1 / batch 4 of a (5,4,8) draft step, a 12,288-token head (16 warps), padded
 # rows, k = 1 and 10.
-SHAPES = [(1, 8192, 4), (16, 8192, 4), (2, 12288, 4), (1, 16384, 8), (5, 1000, 4), (3, 5000, 10), (4, 64, 1), (2, 4096, 8)]
+SHAPES = [(1, 8192, 4), (16, 8192, 4), (2, 12288, 4), (1, 16384, 8), (5, 1000, 4), (3, 5000, 10), (4, 64, 1),
+          (2, 4096, 8)]
 
 
 def logits(r, v, seed, dtype=jnp.float32):
