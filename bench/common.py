@@ -13,7 +13,6 @@ import gzip
 import json
 import os
 import re
-import subprocess
 import sys
 import time
 from collections import Counter, defaultdict
@@ -22,6 +21,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
+
+from jeagle import git_commit  # noqa: E402,F401  (re-exported: the commit every bench records)
 
 SHAPES = {
     # SmolLM2-135M-Instruct
@@ -40,17 +41,6 @@ SHAPES = {
 
 
 # ---- the run's identity and output ----------------------------------------------------------------------
-def git_commit() -> str:
-    """JEAGLE_COMMIT (the GPU runner gets a copy of the tree without .git), else git's HEAD, else "unknown"."""
-    if os.environ.get("JEAGLE_COMMIT"):
-        return os.environ["JEAGLE_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
-
-
 def device_kind() -> str:
     """The first JAX device's kind ("NVIDIA H100 80GB HBM3"; on CPU the platform)."""
     import jax

@@ -17,13 +17,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import subprocess
 import sys
 import time
 from dataclasses import fields
 from pathlib import Path
 
+from jeagle import git_commit
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -117,17 +116,6 @@ def build_parser() -> argparse.ArgumentParser:
                         "resumed on the same machine loads the training step and the engine instead of compiling")
     p.add_argument("--no-compile-cache", action="store_true")
     return p
-
-
-def _git_commit() -> str:
-    """JEAGLE_COMMIT where set (a GPU runner's copy of the tree has no .git of its own), else git's HEAD."""
-    if os.environ.get("JEAGLE_COMMIT"):
-        return os.environ["JEAGLE_COMMIT"]
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent, timeout=5).stdout.strip() or "unknown"
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
 
 
 def read_training_records(args, excluded: list[str]):
@@ -333,7 +321,7 @@ def run(args) -> dict:
     tokenizer = Tokenizer.from_dir(target_dir)
     target_name = model.cfg.name or Path(target_dir).name
     info: dict = {"target": target_name, "command": "python -m jeagle.train_draft " + " ".join(sys.argv[1:]),
-                  "commit": _git_commit(), "date": time.strftime("%Y-%m-%d"), "device": str(jax.devices()[0].device_kind)}
+                  "commit": git_commit(), "date": time.strftime("%Y-%m-%d"), "device": str(jax.devices()[0].device_kind)}
 
     data_path = Path(args.data) if args.data else out / "data.npz"
     meta_path = data_path.with_suffix(".json")

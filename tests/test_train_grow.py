@@ -140,8 +140,9 @@ def test_grow_train_trim_end_to_end(tiny_target_dir, tmp_path):
 
 def test_rebuild_vocab_to_a_wider_vocabulary_trains_and_resumes(tiny_target_dir, tmp_path, monkeypatch):
     """--init-from HEAD --rebuild-vocab --draft-vocab-size N (N > the head's): the trained rows follow their
-    tokens, the new ones start as their target rows carried by the map fitted on the shared tokens; a run stopped by its time limit resumes over the same vocabulary;
-    another size without --rebuild-vocab is a clear error. The card of a run without held-out prompts says
+    tokens, the new ones start as their target rows carried by the map fitted on the shared tokens; a run
+    stopped by its time limit resumes over the same vocabulary; another size without --rebuild-vocab is a
+    clear error. The card of a run without held-out prompts says
     so, and the commit recorded is JEAGLE_COMMIT's (a GPU runner's copy of the tree has no .git)."""
     from safetensors.numpy import load_file
 

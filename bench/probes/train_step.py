@@ -95,9 +95,7 @@ def main(argv=None) -> None:
     rows.append({"what": "target forward", "ttt_steps": 0, "step_ms": round(s * 1e3, 2),
                  "loss_tokens_per_s": round(loss_tokens / s), "tflops": round(target_flop / s / 1e12, 1)})
     for k in (int(x) for x in args.ttt_steps.split(",")):
-        tc = TrainConfig(kind="eagle3", ttt_steps=k, batch_size=args.batch, seq_len=args.seq_len,
-                         draft_vocab_size=len(used), compute_dtype=args.compute_dtype, steps=10**6,
-                         num_layers=args.num_layers)
+        tc = train_config(args, used, k)
         trainer = Trainer(target, draft_config_for(cfg, tc), tc, used_ids=used)
         s = timed(lambda: jax.block_until_ready(trainer.train_step(batch)), args.steps)
         rows.append({"what": "train step", "ttt_steps": k, "step_ms": round(s * 1e3, 2),
@@ -121,15 +119,22 @@ def main(argv=None) -> None:
           "rows": rows}, args.json_out)
 
 
+def train_config(args, used, ttt_steps: int):
+    """The EAGLE-3 training configuration timed (or compiled) at `ttt_steps`."""
+    from jeagle.train.trainer import TrainConfig
+
+    return TrainConfig(kind="eagle3", ttt_steps=ttt_steps, batch_size=args.batch, seq_len=args.seq_len,
+                       draft_vocab_size=len(used), compute_dtype=args.compute_dtype, steps=10**6,
+                       num_layers=args.num_layers)
+
+
 def memory_rows(args, target, cfg, used, batch) -> None:
     """--memory-only: each configuration's step compiled, its temporaries and arguments (GB) printed."""
-    from jeagle.train.trainer import TrainConfig, Trainer, draft_config_for
+    from jeagle.train.trainer import Trainer, draft_config_for
 
     rows = []
     for k in (int(x) for x in args.ttt_steps.split(",")):
-        tc = TrainConfig(kind="eagle3", ttt_steps=k, batch_size=args.batch, seq_len=args.seq_len,
-                         draft_vocab_size=len(used), compute_dtype=args.compute_dtype, steps=10**6,
-                         num_layers=args.num_layers)
+        tc = train_config(args, used, k)
         tr = Trainer(target, draft_config_for(cfg, tc), tc, used_ids=used)
         m = tr.memory_analysis(batch)
         rows.append({"what": "train step memory", "ttt_steps": k, "num_layers": args.num_layers,

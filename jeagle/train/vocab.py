@@ -57,9 +57,10 @@ def remap_lm_head(lm_head: np.ndarray, old_d2t: np.ndarray, new_d2t: np.ndarray,
     at cosine 0.93 (R² 0.76). Its accept length rebuilt to 12,288 tokens before training (CPU fp32, 16
     MT-bench prompts, 128 tokens): 2.857 with mapped new rows, 2.620 with zero rows, 2.783 unwidened;
     rebuilt at 8,192 on 80 prompts × 256 tokens 3.176 vs 3.162 (bench/RESULTS.md, 2026-11-28): a start
-    no worse than the head's, which training then takes further. The target's raw rows are worse than
-    zero: next to trained rows they win the argmax far too often (1,000 of 8,192 tokens swapped: accept length 1.00 with target rows,
-    1.31 at half their norm, 1.74 with zero rows, 2.31 unswapped; bench/probes/vocab_swap.py)."""
+    no worse than the head's, which training then takes further (phase 6 of the shipped head: 12,288
+    tokens, 57 M loss tokens). The target's raw rows are worse than zero: next to trained rows they win
+    the argmax far too often (1,000 of 8,192 tokens swapped: accept length 1.00 with target rows, 1.31 at
+    half their norm, 1.74 with zero rows, 2.31 unswapped; bench/probes/vocab_swap.py)."""
     old_used = np.arange(len(old_d2t)) + np.asarray(old_d2t)
     new_used = np.arange(len(new_d2t)) + np.asarray(new_d2t)
     out = np.zeros((len(new_used), lm_head.shape[1]), np.float32)

@@ -64,6 +64,22 @@ def test_ties_and_minus_infinity():
     np.testing.assert_array_equal(np.asarray(p[1]), [1, 0, 0, 0, 0, 0])
 
 
+def test_wider_draft_vocabularies_take_the_kernel(monkeypatch):
+    """A 12,288-token EAGLE-3 head's rows (padded to 16,384) go through the kernel, not the reference, and
+    the kernel runs them with 16 warps."""
+    import jeagle.kernels.topk as topk
+
+    seen = []
+    real = topk.pl.pallas_call
+    monkeypatch.setattr(topk.pl, "pallas_call", lambda *a, **kw: seen.append(kw["compiler_params"].num_warps)
+                        or real(*a, **kw))
+    x = logits(2, 12288, 3)
+    with use(KernelSettings(backend="interpret")):
+        p, idx = softmax_topk(x, 4)
+    assert seen == [16]
+    np.testing.assert_array_equal(np.asarray(idx), np.asarray(softmax_topk_reference(x, 4)[1]))
+
+
 def test_switch_and_validation(monkeypatch):
     import jeagle.kernels.topk as topk
 
