@@ -33,13 +33,14 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jeagle.kernels.backend import backend
+from jeagle.kernels.settings import KernelSettings, current
 
 __all__ = ["linear", "linear_reference", "linear_serves", "linear_tiles", "MAX_ROWS"]
 
-# Rows (M) up to which `linear_serves`; beyond, XLA's GEMMs, which measured faster from ~128 rows
-# (verifies of 144 and 432 rows through this kernel, in row tiles: a batch-48 round 2.81 vs 2.40 ms
-# busy; bench/HISTORY.md session 23).
-MAX_ROWS = 64
+# Rows (M) up to which `linear_serves` by default (`KernelSettings.linear_max_rows`, JEAGLE_LINEAR_MAX_ROWS);
+# beyond, XLA's GEMMs, which measured faster from ~128 rows in device time (verifies of 144 and 432 rows
+# through this kernel, in row tiles: a batch-48 round 2.81 vs 2.40 ms busy; bench/HISTORY.md session 23).
+MAX_ROWS = KernelSettings.linear_max_rows
 # Weights (K x N elements) up to which `linear_serves`; beyond, XLA's dot. SmolLM2's layer matmuls (<= 1.8 M
 # elements) and its draft head's logits (4.7 M) run faster through the kernel; the Llama-3.1-8B shape's
 # (16.8-117 M) run at 1.0-2.0 TB/s through it, where XLA's dot reads them at ~2.6 (8B target-only at
@@ -71,13 +72,14 @@ def _largest_pow2_divisor(n: int, lo: int, hi: int) -> int | None:
     return None
 
 
-def linear_tiles(m: int, k: int, n: int) -> tuple[int, int, int, int] | None:
+def linear_tiles(m: int, k: int, n: int, max_rows: int | None = None) -> tuple[int, int, int, int] | None:
     """(rows padded, K block, N block, K splits) for an [m, k] x [k, n] product, or None when the kernel
-    does not take it (m over MAX_ROWS, a weight over MAX_WEIGHT elements, or k / n not multiples of 16,
+    does not take it (m over `max_rows`, default the current settings' `linear_max_rows`; a weight over
+    MAX_WEIGHT elements, or k / n not multiples of 16,
     Triton's smallest dot). A vector form for one row (products summed over K instead of a 16-row dot)
     measured slower (1.154 vs 0.990 ms a batch-1 step; session 23): one row is padded to 16 like any
     other count."""
-    if m < 1 or m > MAX_ROWS or k * n > MAX_WEIGHT:
+    if m < 1 or m > (max_rows or current().linear_max_rows) or k * n > MAX_WEIGHT:
         return None
     bk = _largest_pow2_divisor(k, 16, 128)
     if bk is None or n % 16:

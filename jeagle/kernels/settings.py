@@ -10,12 +10,13 @@ trace depends only on values that are part of the executable's key:
 Outside any `use`, `current()` is `KernelSettings()`: the platform's default backend, the `auto` split,
 no options — whatever the environment says.
 
-The seven environment variables `from_env` reads (and nothing else in jeagle does):
+The eight environment variables `from_env` reads (and nothing else in jeagle does):
 
     JEAGLE_KERNELS                  pallas | interpret | reference  (unset: pallas on a GPU, else reference)
     JEAGLE_PAGED_ATTENTION_SPLITS   auto (or unset) | 1 (no split) | a count >= 1
     JEAGLE_PREFILL_ATTENTION        paged (or unset) | gathered
     JEAGLE_LINEAR                   0: the layers' matmuls through XLA's dot, never the `linear` kernel
+    JEAGLE_LINEAR_MAX_ROWS          the most rows (M) the `linear` kernel takes (default 64; 16-512)
     JEAGLE_TOPK                     0: the draft's and the logprobs' top-ks through XLA's ops, never the `topk` kernel
     JEAGLE_TRITON_GEMM              1: keep XLA's own Triton GEMM fusions in the speculative executables
     JEAGLE_XLA_OPTIONS              a JSON object of XLA option names to values, for every executable
@@ -40,6 +41,7 @@ TRITON_GEMM_ENV = "JEAGLE_TRITON_GEMM"
 PREFILL_ATTENTION_ENV = "JEAGLE_PREFILL_ATTENTION"
 PREFILL_ATTENTION = ("paged", "gathered")
 LINEAR_ENV = "JEAGLE_LINEAR"
+LINEAR_MAX_ROWS_ENV = "JEAGLE_LINEAR_MAX_ROWS"
 TOPK_ENV = "JEAGLE_TOPK"
 XLA_OPTIONS_ENV = "JEAGLE_XLA_OPTIONS"
 
@@ -65,6 +67,10 @@ class KernelSettings:
     # The decoder layers' matmuls of few rows (decode steps, rounds, draft steps) through the skinny-matmul
     # kernel (jeagle/kernels/linear.py), which reads the stacked weights in place; False: XLA's dot.
     linear: bool = True
+    # The most rows a product may have to go through that kernel; more go to XLA's GEMMs (cuBLAS, each on a
+    # dynamic-slice fusion of the stacked weight: per-call host work for every one, bench/HISTORY.md session 27).
+    # 64: a batch-16 draft step's 64 rows take the kernel, its 128-row verify XLA's GEMMs.
+    linear_max_rows: int = 64
     # The draft's softmax + top-K (spec/round.py `draft_topk`) and the logprobs' top-ks
     # (jeagle/logprobs.py `top_k_blocked`) through the one-pass kernel (jeagle/kernels/topk.py); False: XLA's.
     topk: bool = True
@@ -88,6 +94,9 @@ class KernelSettings:
             raise ValueError(f"prefill_attention={self.prefill_attention!r}; expected one of {PREFILL_ATTENTION}")
         if not isinstance(self.linear, bool):
             raise ValueError(f"linear must be a bool, got {self.linear!r}")
+        if (not isinstance(self.linear_max_rows, int) or isinstance(self.linear_max_rows, bool)
+                or not 16 <= self.linear_max_rows <= 512):
+            raise ValueError(f"linear_max_rows={self.linear_max_rows!r}: expected a count of rows in 16..512")
         if not isinstance(self.topk, bool):
             raise ValueError(f"topk must be a bool, got {self.topk!r}")
         if not isinstance(self.slice_fusion, bool):
@@ -124,6 +133,7 @@ class KernelSettings:
         return cls(backend=backend, paged_attention_splits=_splits_from_env(environ.get(SPLITS_ENV)),
                    triton_gemm=environ.get(TRITON_GEMM_ENV) == "1", prefill_attention=prefill,
                    linear=_flag_from_env(LINEAR_ENV, environ.get(LINEAR_ENV), default=True),
+                   linear_max_rows=_rows_from_env(environ.get(LINEAR_MAX_ROWS_ENV)),
                    topk=_flag_from_env(TOPK_ENV, environ.get(TOPK_ENV), default=True),
                    xla_options=_xla_options_from_env(environ.get(XLA_OPTIONS_ENV)))
 
@@ -137,6 +147,19 @@ def _flag_from_env(name: str, text: str | None, *, default: bool) -> bool:
     if choice in ("0", "false", "off"):
         return False
     raise ValueError(f"{name}={text!r}: expected 1 or 0")
+
+
+def _rows_from_env(text: str | None) -> int:
+    choice = (text or "").strip()
+    if not choice:
+        return KernelSettings.linear_max_rows
+    try:
+        n = int(choice)
+    except ValueError:
+        raise ValueError(f"{LINEAR_MAX_ROWS_ENV}={text!r}: expected a count of rows in 16..512") from None
+    if not 16 <= n <= 512:
+        raise ValueError(f"{LINEAR_MAX_ROWS_ENV}={text!r}: expected a count of rows in 16..512")
+    return n
 
 
 def _splits_from_env(text: str | None) -> str | int | None:

@@ -26,10 +26,10 @@ def operands(m, k, n, seed, dtype=jnp.float32, layers=3):
     return x, w
 
 
-def check(mode, m, k, n, seed, dtype=jnp.float32, tol=2e-5):
+def check(mode, m, k, n, seed, dtype=jnp.float32, tol=2e-5, max_rows=64):
     x, w = operands(m, k, n, seed, dtype)
     layer = jnp.int32(seed % w.shape[0])
-    with use(KernelSettings(backend=mode)):
+    with use(KernelSettings(backend=mode, linear_max_rows=max_rows)):
         assert linear_serves(m, k, n)
         got = jax.jit(lambda *a: linear(*a))(x, w, layer)
         flat = jax.jit(lambda *a: linear(*a))(x, w[1])
@@ -45,6 +45,12 @@ def test_interpreted_kernel_matches_reference(m, k, n):
     check("interpret", m, k, n, seed=m + k + n)
 
 
+@pytest.mark.parametrize("m", [100, 128])
+def test_interpreted_kernel_takes_a_batch16_verify_when_allowed(m):
+    """JEAGLE_LINEAR_MAX_ROWS=128: a batch-16 (5,4,8) verify's 128 rows (SmolLM2's q|k|v shape) in the kernel."""
+    check("interpret", m, 576, 960, seed=m, max_rows=128)
+
+
 def test_tiles():
     mp, bk, bn, splits = linear_tiles(1, 576, 960)
     assert (mp, bk) == (16, 64) and 960 % bn == 0 and splits >= 2  # few column blocks: K is split too
@@ -54,6 +60,9 @@ def test_tiles():
     assert linear_tiles(1, 40, 960) is None and linear_tiles(1, 576, 40) is None  # Triton's 16-wide dot
     with use(KernelSettings(backend="reference")):
         assert not linear_serves(1, 576, 960)
+    with use(KernelSettings(linear_max_rows=128)):  # a batch-16 verify's 128 rows take the kernel
+        assert linear_tiles(128, 576, 1728) == (128, 64, 32, 2) and linear_tiles(129, 576, 1728) is None
+    assert linear_tiles(128, 576, 1728, max_rows=128)[0] == 128 and linear_tiles(128, 576, 1728) is None
 
 
 def test_tiles_override_matches_reference():
@@ -185,6 +194,10 @@ def test_lowers_for_h100():
         for m, k, n in [(1, 576, 960), (8, 576, 576), (48, 1536, 576)]:
             x, w = operands(m, k, n, 0, jnp.bfloat16)
             lower_for_h100(lambda *a: linear(*a), x, w, jnp.int32(1))
+    with use(KernelSettings(backend="pallas", linear_max_rows=128)):
+        x, w = operands(128, 576, 1728, 0, jnp.bfloat16)
+        lower_for_h100(lambda *a: linear(*a), x, w, jnp.int32(1))
+    with use(KernelSettings(backend="pallas")):
         x, w = operands(4, 576, 8192, 0, jnp.bfloat16, layers=1)
         lower_for_h100(lambda x, w: linear(x, w, transposed=True, out_dtype=jnp.float32), x, w[0].T)
 
@@ -194,6 +207,12 @@ def test_lowers_for_h100():
 def test_compiled_kernel_matches_reference(m, k, n):
     check("pallas", m, k, n, seed=m + n, dtype=jnp.float32, tol=2e-2)  # TF32 dots in the kernel and in XLA
     check("pallas", m, k, n, seed=m + n + 1, dtype=jnp.bfloat16, tol=3e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m,k,n", [(128, 576, 1728), (128, 1536, 576), (96, 576, 3072)])
+def test_compiled_kernel_takes_verify_rows_when_allowed(m, k, n):
+    check("pallas", m, k, n, seed=m + n, dtype=jnp.bfloat16, tol=3e-2, max_rows=128)
 
 
 @pytest.mark.gpu

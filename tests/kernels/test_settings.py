@@ -67,6 +67,17 @@ def test_kernel_switches_refuse_bad_values(env, field):
         KernelSettings(**{field: "yes"})
 
 
+def test_linear_max_rows_from_env_and_validation():
+    assert KernelSettings.from_env({}).linear_max_rows == 64
+    assert KernelSettings.from_env({"JEAGLE_LINEAR_MAX_ROWS": "128"}).linear_max_rows == 128
+    for bad in ("8", "1024", "many"):
+        with pytest.raises(ValueError, match=f"JEAGLE_LINEAR_MAX_ROWS='{bad}': expected a count of rows in 16..512"):
+            KernelSettings.from_env({"JEAGLE_LINEAR_MAX_ROWS": bad})
+    for bad in (8, 513, True, 64.0):
+        with pytest.raises(ValueError, match="linear_max_rows"):
+            KernelSettings(linear_max_rows=bad)
+
+
 def test_from_env_xla_options():
     s = KernelSettings.from_env({"JEAGLE_XLA_OPTIONS": '{"xla_gpu_autotune_level": 0, "xla_a": true}'})
     assert s.xla_options == (("xla_a", True), ("xla_gpu_autotune_level", 0))
