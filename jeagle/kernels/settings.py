@@ -16,7 +16,7 @@ The eight environment variables `from_env` reads (and nothing else in jeagle doe
     JEAGLE_PAGED_ATTENTION_SPLITS   auto (or unset) | 1 (no split) | a count >= 1
     JEAGLE_PREFILL_ATTENTION        paged (or unset) | gathered
     JEAGLE_LINEAR                   0: the layers' matmuls through XLA's dot, never the `linear` kernel
-    JEAGLE_LINEAR_MAX_ROWS          the most rows (M) the `linear` kernel takes (default 64; 16-512)
+    JEAGLE_LINEAR_MAX_ROWS          the most rows (M) the `linear` kernel takes (default 64; 16-128)
     JEAGLE_TOPK                     0: the draft's and the logprobs' top-ks through XLA's ops, never the `topk` kernel
     JEAGLE_TRITON_GEMM              1: keep XLA's own Triton GEMM fusions in the speculative executables
     JEAGLE_XLA_OPTIONS              a JSON object of XLA option names to values, for every executable
@@ -69,7 +69,11 @@ class KernelSettings:
     linear: bool = True
     # The most rows a product may have to go through that kernel; more go to XLA's GEMMs (cuBLAS, each on a
     # dynamic-slice fusion of the stacked weight: per-call host work for every one, bench/HISTORY.md session 27).
-    # 64: a batch-16 draft step's 64 rows take the kernel, its 128-row verify XLA's GEMMs.
+    # 64: a batch-16 draft step's 64 rows take the kernel, its 128-row verify XLA's GEMMs. At most 128: the
+    # kernel holds all rows in one tile, and 512 rows asked for 408 KiB of shared memory (the H200 has 227).
+    # 128 measured a batch-16 round 2 % shorter on the H200 (host_profile --real: 1.620 vs 1.657 ms, the
+    # call's host time 0.74 vs 0.96 ms, the device's 1.45 vs 1.43 ms) and MT-bench tokens/s within noise
+    # (bench/HISTORY.md session 37), so the default stays 64.
     linear_max_rows: int = 64
     # The draft's softmax + top-K (spec/round.py `draft_topk`) and the logprobs' top-ks
     # (jeagle/logprobs.py `top_k_blocked`) through the one-pass kernel (jeagle/kernels/topk.py); False: XLA's.
@@ -95,8 +99,8 @@ class KernelSettings:
         if not isinstance(self.linear, bool):
             raise ValueError(f"linear must be a bool, got {self.linear!r}")
         if (not isinstance(self.linear_max_rows, int) or isinstance(self.linear_max_rows, bool)
-                or not 16 <= self.linear_max_rows <= 512):
-            raise ValueError(f"linear_max_rows={self.linear_max_rows!r}: expected a count of rows in 16..512")
+                or not 16 <= self.linear_max_rows <= 128):
+            raise ValueError(f"linear_max_rows={self.linear_max_rows!r}: expected a count of rows in 16..128")
         if not isinstance(self.topk, bool):
             raise ValueError(f"topk must be a bool, got {self.topk!r}")
         if not isinstance(self.slice_fusion, bool):
@@ -156,9 +160,9 @@ def _rows_from_env(text: str | None) -> int:
     try:
         n = int(choice)
     except ValueError:
-        raise ValueError(f"{LINEAR_MAX_ROWS_ENV}={text!r}: expected a count of rows in 16..512") from None
-    if not 16 <= n <= 512:
-        raise ValueError(f"{LINEAR_MAX_ROWS_ENV}={text!r}: expected a count of rows in 16..512")
+        raise ValueError(f"{LINEAR_MAX_ROWS_ENV}={text!r}: expected a count of rows in 16..128") from None
+    if not 16 <= n <= 128:
+        raise ValueError(f"{LINEAR_MAX_ROWS_ENV}={text!r}: expected a count of rows in 16..128")
     return n
 
 

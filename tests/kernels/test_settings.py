@@ -70,10 +70,10 @@ def test_kernel_switches_refuse_bad_values(env, field):
 def test_linear_max_rows_from_env_and_validation():
     assert KernelSettings.from_env({}).linear_max_rows == 64
     assert KernelSettings.from_env({"JEAGLE_LINEAR_MAX_ROWS": "128"}).linear_max_rows == 128
-    for bad in ("8", "1024", "many"):
-        with pytest.raises(ValueError, match=f"JEAGLE_LINEAR_MAX_ROWS='{bad}': expected a count of rows in 16..512"):
+    for bad in ("8", "256", "many"):
+        with pytest.raises(ValueError, match=f"JEAGLE_LINEAR_MAX_ROWS='{bad}': expected a count of rows in 16..128"):
             KernelSettings.from_env({"JEAGLE_LINEAR_MAX_ROWS": bad})
-    for bad in (8, 513, True, 64.0):
+    for bad in (8, 129, True, 64.0):
         with pytest.raises(ValueError, match="linear_max_rows"):
             KernelSettings(linear_max_rows=bad)
 
