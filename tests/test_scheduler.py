@@ -264,3 +264,31 @@ def test_cold_warmup_in_worker_processes(tmp_path, no_xla_cache):
     assert engine.executables.store.loaded == len(plan) and engine.executables.store.saved == 0  # all compiled by the workers
     assert [o.token_ids for o in engine.generate(prompts, params)] == want
     assert engine.last_stats.compilations_after_warmup == 0
+
+
+def test_request_take_ends_at_the_first_stop_token_or_max_new_like_a_token_by_token_walk():
+    """`Request.take` cuts each delivery with slices and one set test; it must end a request exactly where
+    walking the tokens one by one would: the first stop token (taken, and `stop` even when it is also the
+    max_new-th token), else the max_new-th token (`length`); nothing is taken after either."""
+    from jeagle.runtime.requests import Output, Request
+
+    def walk(max_new, eos, chunks):
+        ids, reason = [], None
+        for chunk in chunks:
+            for tok in chunk:
+                if reason:
+                    break
+                ids.append(int(tok))
+                reason = "stop" if tok in eos else "length" if len(ids) >= max_new else None
+        return ids, reason
+
+    rng = np.random.default_rng(0)
+    for _ in range(2000):
+        max_new, eos = int(rng.integers(1, 12)), frozenset(rng.integers(0, 6, int(rng.integers(0, 3))).tolist())
+        chunks = [rng.integers(0, 8, int(rng.integers(0, 5))).astype(np.int32) for _ in range(6)]
+        r = Request(index=0, prompt=[1], params=SamplingParams(max_new_tokens=max_new), eos=eos, max_new=max_new,
+                    out=Output(prompt_ids=[1]))
+        taken = [r.take(c if i % 2 else c.tolist(), 0.0) for i, c in enumerate(chunks)]  # arrays and lists
+        assert (r.out.token_ids, r.out.finish_reason) == walk(max_new, eos, chunks)
+        assert sum(taken, []) == r.out.token_ids and all(type(t) is int for t in r.out.token_ids)
+        assert r.done == (r.out.finish_reason is not None)

@@ -98,26 +98,37 @@ class Request:
         """Append the tokens that arrived for this request, up to its end (a stop token or max_new),
         with their logprobs when the request asked for them (`logprobs`: packed blocks [n,
         LOGPROB_COLUMNS], one per token, or a list of TokenLogprobs; or None); returns the ones taken.
-        The taken tokens' blocks are kept as one chunk (`LogprobRows.append`: a slice, no per-token object)."""
-        new = []
-        for tok in tokens:
-            if self.done:
-                break
-            tok = int(tok)
-            self.out.token_ids.append(tok)
-            if self.matcher is not None and not self.matcher.stopped:
-                self.matcher.consume(tok)
-            new.append(tok)
-            if self.out.time_to_first_token_s is None:
-                # Compilation (first use of a shape) is not part of serving latency.
-                self.out.time_to_first_token_s = (time.perf_counter() - self.t_submit
-                                                  - (compile_seconds - self.compile_mark))
-            if tok in self.eos:
-                self.finish("stop")
-            elif len(self.out.token_ids) >= self.max_new:
-                self.finish("length")
+        The taken tokens' blocks are kept as one chunk (`LogprobRows.append`: a slice, no per-token object).
+        A stop token ends it before max_new does when both fall on one token. The tokens are cut with
+        list slices and one set test, not a Python step per token (a round's every row comes here: ~1.2 vs
+        3.6 us for 3 tokens on the development machine)."""
+        if self.done or len(tokens) == 0:
+            return []
+        new = tokens.tolist() if isinstance(tokens, np.ndarray) else [int(t) for t in tokens]
+        ids = self.out.token_ids
+        room = max(self.max_new - len(ids), 1)  # not done: at least one token fits
+        reason = None
+        if len(new) >= room:
+            new, reason = new[:room], "length"
+        if not self.eos.isdisjoint(new):
+            for i, tok in enumerate(new):
+                if tok in self.eos:
+                    new, reason = new[: i + 1], "stop"
+                    break
+        ids.extend(new)
+        matcher = self.matcher
+        if matcher is not None:
+            for tok in new:
+                if not matcher.stopped:
+                    matcher.consume(tok)
+        if self.out.time_to_first_token_s is None:
+            # Compilation (first use of a shape) is not part of serving latency.
+            self.out.time_to_first_token_s = (time.perf_counter() - self.t_submit
+                                              - (compile_seconds - self.compile_mark))
+        if reason is not None:
+            self.finish(reason)
         rows = self.out.logprob_rows
-        if rows is not None and new:
+        if rows is not None:
             if logprobs is None:
                 raise AssertionError(f"request {self.index} asked for logprobs; its tokens came without them")
             rows.append(logprobs if len(logprobs) == len(new) else logprobs[:len(new)])
