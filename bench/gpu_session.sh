@@ -11,7 +11,7 @@
 #   carry .stage3 + .whl: `bash bench/gpu_session.sh run STEPS...` (later calls: carry .whl only).
 # startup (issue 27: first and second start of the README command) needs the staged GGUF like bench;
 # so does ttft (issue 25: a prefix-cache hit's time to first token by host phase, with a trace).
-# masks needs the staged GGUF (its tokenizer); so do linearab (decode A/B of JEAGLE_LINEAR=0|1), adaptrounds, adaptpaired and serveab. Random-weight steps (trainstep, tp, profile, phases, kerneltests, kernelbench, kernelround, specbench, overhead, warmup, cmdbuf, tierswitch, adaptoverhead, hostcall, graphlaunch, hostopts, adaptive, autotune, dispatchthread) need no staging: `bash bench/gpu_session.sh run kerneltests kernelbench kernelround`.
+# masks needs the staged GGUF (its tokenizer); so do linearab (decode A/B of JEAGLE_LINEAR=0|1), adaptrounds, adaptpaired and serveab. Random-weight steps (trainstep, tp, profile, phases, kerneltests, kernelbench, kernelround, specbench, overhead, warmup, cmdbuf, tierswitch, adaptoverhead, hostcall, graphlaunch, hostopts, adaptive, autotune, dispatchthread, splitweights) need no staging: `bash bench/gpu_session.sh run kerneltests kernelbench kernelround`.
 set -uo pipefail
 mode="${1:-run}"
 stage_in() {  # whatever staged parts this call carries -> $HOME/stage; unpack the data archives once
@@ -160,6 +160,10 @@ if [[ "$steps" == *" hostcall "* ]]; then  # issue 22: the host's time inside a 
     python3 bench/probes/exec_call.py --batch-sizes "${HC_SPY_BATCH:-16}" --unroll "${HC_SPY_UNROLL:-auto}" --calls 3000 --modes device 2>&1 | tail -3
   [ -f "$OUT/pyspy_exec_call.txt" ] && xz -9 "$OUT/pyspy_exec_call.txt"
   command -v nsys && echo "nsys present" | tee -a "$OUT/cmdbuf_vlog_summary.log"
+fi
+if [[ "$steps" == *" splitweights "* ]]; then  # issue 22: the layers' matmuls on per-layer weight arrays vs slices of stacks
+  python3 bench/probes/split_weights.py --rows "${SW_ROWS:-128,384}" --calls "${SW_CALLS:-300}" \
+    --json-out "$OUT/split_weights.json" 2>&1 | grep -v '^{"bench' | tee "$OUT/split_weights.log"
 fi
 if [[ "$steps" == *" graphlaunch "* ]]; then  # issue 22: a call's host time by the kernels in its command buffer
   for flags in "" "--xla_gpu_enable_command_buffer="; do

@@ -90,9 +90,10 @@ def main(argv=None):
     t0 = time.perf_counter()
     eng.generate(prompts, sp)
     wall = time.perf_counter() - t0
-    rounds = eng.last_stats.speculative.round_dispatches
-    if eng.last_stats.compile_s:
-        print(f"warning: the timed run compiled for {eng.last_stats.compile_s:.2f} s")
+    st = eng.last_stats  # the unprofiled run's
+    rounds = st.speculative.round_dispatches
+    if st.compile_s:
+        print(f"warning: the timed run compiled for {st.compile_s:.2f} s")
     cold()
     prof = cProfile.Profile()
     prof.enable()
@@ -103,8 +104,11 @@ def main(argv=None):
     for (file, line, fn), (cc, nc, tt, ct, _) in stats.stats.items():
         rows.append({"function": f"{Path(file).name}:{line}({fn})", "calls_per_round": nc / rounds,
                      "own_us_per_round": 1e6 * tt / rounds, "cum_us_per_round": 1e6 * ct / rounds})
+    busy, disp = (getattr(st, "host_busy_ms", None) or {}).get("p50"), (getattr(st, "host_dispatch_ms", None) or {}).get("p50")
+    split = ("" if busy is None or disp is None else f"; host per step p50: busy {busy:.3f} ms, of it the dispatch "
+             f"{disp:.3f} ms, the rest (results read, admission, bookkeeping) {busy - disp:.3f} ms")
     print(f"batch {args.batch}: {1e3 * wall / rounds:.3f} ms per round unprofiled ({rounds} rounds, accept length "
-          f"{eng.last_stats.accept_length:.2f})")
+          f"{st.accept_length:.2f}){split}")
     for key in ("own_us_per_round", "cum_us_per_round"):
         print(f"\n{'function':<70} {'calls':>6} {'own us':>8} {'cum us':>8}   (per round, by {key.split('_')[0]})")
         for r in sorted(rows, key=lambda r: -r[key])[: args.top]:
@@ -113,7 +117,8 @@ def main(argv=None):
     device = trace_device(eng, prompts, sp, cold, rounds, args.top) if args.trace else None
     print(json.dumps({"bench": "host_profile", "shape": args.shape, "device": device_kind(),
                       "commit": git_commit(), "batch": args.batch,
-                      "ms_per_round": 1e3 * wall / rounds, "device_trace": device,
+                      "ms_per_round": 1e3 * wall / rounds, "host_busy_ms_p50": busy, "host_dispatch_ms_p50": disp,
+                      "device_trace": device,
                       "top_own": sorted(rows, key=lambda r: -r["own_us_per_round"])[: args.top]}))
 
 
