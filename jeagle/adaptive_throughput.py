@@ -275,14 +275,25 @@ class RoundTimes:
     (or the first dispatch of a bucket), `observed` online in the steady state. A tier observed at a
     bucket `min_samples` times is estimated by the median of its last `window` observations (the
     first rounds after a prefill or a switch, and a round the host kept waiting, are outliers an
-    average would carry for many rounds), one not (yet) by its calibration times the ratio observed /
-    calibrated of the tier observed most at that bucket (online rounds carry host work and real
-    prefixes a calibration run on padding rows lacks, and the tiers carry them alike), else the
-    median ratio of the last `window` observations anywhere."""
+    average would carry for many rounds); one not (yet) by a model scaled to the tier observed most at
+    that bucket, else by its calibration times the median ratio observed / calibrated of the last
+    `window` observations anywhere.
 
-    def __init__(self, window: int = 15, min_samples: int = 8):
-        self.window, self.min_samples = window, min_samples
+    The model: rounds in flight one behind the other take the longer of the host's part and the device's
+    (`modelled`): the call's host time (`calibrated(..., call_ms)`) plus the step's other host work
+    (`host_observed`, online; beside the call instead when it runs on a thread of its own, `threaded`)
+    against the device's, the calibration less the call. Where the host sets the pace (batch 16 and 48
+    on the H200: a round's host work 1.66 ms against 1.43 ms of device time, bench/HISTORY.md session
+    37) a cheaper tier's round is no shorter, which its calibration alone (timed with nothing in flight)
+    would promise. Without the call's time or host samples: the calibration times the ratio observed /
+    calibrated of the tier observed most at the bucket (online rounds carry host work and real
+    prefixes a calibration run on padding rows lacks)."""
+
+    def __init__(self, window: int = 15, min_samples: int = 8, threaded: bool = False):
+        self.window, self.min_samples, self.threaded = window, min_samples, threaded
         self.calibration: dict[tuple, float] = {}
+        self.calls: dict[tuple, float] = {}  # (tier, bucket) -> the call's host ms at calibration
+        self.host: dict[Any, deque] = {}  # bucket -> the steps' host ms besides the call, online
         self.online: dict[tuple, deque] = {}
         self.at_bucket: dict[Any, dict[int, deque]] = {}  # bucket -> tier -> its online samples
         self.ratios: deque = deque(maxlen=window)  # observed / calibrated
@@ -290,8 +301,22 @@ class RoundTimes:
     def has(self, tier: int, bucket) -> bool:
         return (tier, bucket) in self.calibration
 
-    def calibrated(self, tier: int, bucket, ms: float) -> None:
+    def calibrated(self, tier: int, bucket, ms: float, call_ms: float | None = None) -> None:
         self.calibration[tier, bucket] = ms
+        if call_ms is not None:
+            self.calls[tier, bucket] = call_ms
+
+    def host_observed(self, bucket, ms: float) -> None:
+        """A step's host time (ms) at `bucket` outside the round's dispatch, not waiting on the device."""
+        self.host.setdefault(bucket, deque(maxlen=self.window)).append(ms)
+
+    def modelled(self, tier: int, bucket) -> float | None:
+        """The model's round wall (class docstring), or None without the call's time or host samples."""
+        key, host = (tier, bucket), self.host.get(bucket)
+        if key not in self.calls or not host:
+            return None
+        call, rest = self.calls[key], statistics.median(host)
+        return max(max(call, rest) if self.threaded else call + rest, self.calibration[key] - call)
 
     def observed(self, tier: int, bucket, ms: float) -> None:
         key = (tier, bucket)
@@ -305,14 +330,16 @@ class RoundTimes:
     def ratio(self) -> float | None:
         return statistics.median(self.ratios) if self.ratios else None
 
-    def bucket_ratio(self, bucket) -> float | None:
-        """Observed / calibrated at `bucket`, from its most observed calibrated tier (None: none yet)."""
+    def _most_observed(self, bucket) -> int | None:
+        """The calibrated tier with the most online samples (at least `min_samples`) at `bucket`."""
         seen = [(len(d), t) for t, d in self.at_bucket.get(bucket, {}).items()
                 if len(d) >= self.min_samples and (t, bucket) in self.calibration]
-        if not seen:
-            return None
-        t = max(seen)[1]
-        return statistics.median(self.online[t, bucket]) / self.calibration[t, bucket]
+        return max(seen)[1] if seen else None
+
+    def bucket_ratio(self, bucket) -> float | None:
+        """Observed / calibrated at `bucket`, from its most observed calibrated tier (None: none yet)."""
+        t = self._most_observed(bucket)
+        return None if t is None else statistics.median(self.online[t, bucket]) / self.calibration[t, bucket]
 
     def estimate(self, tier: int, bucket) -> float | None:
         key = (tier, bucket)
@@ -320,13 +347,21 @@ class RoundTimes:
         if len(seen) >= self.min_samples or (seen and key not in self.calibration):
             return statistics.median(seen)
         if key in self.calibration:
-            r = self.bucket_ratio(bucket)
-            return self.calibration[key] * (r if r is not None else (self.ratio or 1.0))
+            a = self._most_observed(bucket)
+            if a is not None:
+                mine, theirs = self.modelled(tier, bucket), self.modelled(a, bucket)
+                if mine is not None and theirs:
+                    return mine * statistics.median(self.online[a, bucket]) / theirs
+                return self.calibration[key] * self.bucket_ratio(bucket)
+            return self.calibration[key] * (self.ratio or 1.0)
         return None
 
     def report(self, tiers: int, bucket) -> dict:
-        """Per tier at `bucket`: the calibration and the observed median (ms; None: none)."""
+        """Per tier at `bucket`: the calibration, its call's host time and the observed median (ms; None:
+        none); the steps' median host time besides the call."""
         med = lambda d: round(statistics.median(d), 4) if d else None  # noqa: E731
-        return {"calibrated": [None if (j, bucket) not in self.calibration else round(self.calibration[j, bucket], 4)
-                               for j in range(tiers)],
-                "observed": [med(self.online.get((j, bucket))) for j in range(tiers)]}
+        got = lambda table, j: None if (j, bucket) not in table else round(table[j, bucket], 4)  # noqa: E731
+        return {"calibrated": [got(self.calibration, j) for j in range(tiers)],
+                "call": [got(self.calls, j) for j in range(tiers)],
+                "observed": [med(self.online.get((j, bucket))) for j in range(tiers)],
+                "host_besides_call": med(self.host.get(bucket))}

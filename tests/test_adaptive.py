@@ -234,6 +234,7 @@ def test_throughput_policy_in_the_engine_is_lossless_times_every_tier_and_follow
     state = up.speculative.adaptive_state
     assert state["policy"] == "throughput" and state["active_tier"] == [4, 2, 6]
     assert state["round_ms"] == {"[1, 2, 3]": 1.0, "[2, 1, 3]": 1.2, "[4, 2, 6]": 1.5}
+    assert all(ms > 0 for ms in state["round_ms_call"].values()) and state["host_ms_besides_call"] >= 0
     # The round times are the bucket's that ran the most of this call's rounds, not the last (batch 1).
     by_batch = state["rounds_by_batch"]
     assert sum(by_batch.values()) == up.speculative.round_dispatches and len(by_batch) > 1

@@ -374,6 +374,9 @@ def test_throughput_policy_with_nested_tiers_is_lossless_and_switches(observe_ev
     assert stats.compilations_after_warmup == 0 and stats.speculative.tier_switches >= 1
     pol = engine.decoder.controller.policy
     assert pol.weight[0] > 0 and pol.weight[1] > 0, "(5,4,8)'s rounds observe (1,4,2) and (3,4,5)"
+    times = engine.decoder.controller.times  # the round-time model's inputs: calls timed, steps' host time seen
+    assert times.calls and all(ms > 0 for ms in times.calls.values()) and set(times.calls) == set(times.calibration)
+    assert times.host and all(ms >= 0 for d in times.host.values() for ms in d) and times.threaded is False
 
 
 def test_round_times_scale_calibrations_by_the_bucket_s_own_ratio():
@@ -389,7 +392,52 @@ def test_round_times_scale_calibrations_by_the_bucket_s_own_ratio():
     t.observed(0, "b16", 2.0)
     t.observed(0, "b16", 2.0)
     assert t.estimate(1, "b16") == pytest.approx(3.0) and t.estimate(1, "b1") == pytest.approx(0.75 * 1.1)
-    assert t.report(2, "b16") == {"calibrated": [1.0, 1.5], "observed": [2.0, None]}
+    assert t.report(2, "b16") == {"calibrated": [1.0, 1.5], "call": [None, None], "observed": [2.0, None],
+                                  "host_besides_call": None}
+
+
+@pytest.mark.parametrize("threaded", [False, True])
+def test_round_times_model_where_the_host_sets_the_pace(threaded):
+    """Rounds in flight one behind the other take the longer of the host's part (the call + the step's
+    other host work; beside each other on a dispatch thread) and the device's (calibration - call). At a
+    host-bound bucket (batch 16 on the H200: 0.96 ms call + ~0.7 ms other host work against 1.43 ms of
+    device) a cheaper tier's round is barely shorter; its calibration scaled by the active tier's
+    observed / calibrated ratio promised 0.82x of the active round, which the policy switched for and lost."""
+    t = RoundTimes(window=5, min_samples=2, threaded=threaded)
+    t.calibrated(0, "b16", 1.95, call_ms=0.85)  # (3,4,5): device 1.10 ms
+    t.calibrated(1, "b16", 2.39, call_ms=0.96)  # (5,4,8), the active tier: device 1.43 ms
+    t.calibrated(2, "b16", 2.90, call_ms=1.05)  # (7,4,11): device 1.85 ms
+    old = 1.95 * 1.66 / 2.39  # what the calibration x ratio estimate gave
+    for _ in range(3):
+        t.observed(1, "b16", 1.66)
+        t.host_observed("b16", 0.70)
+    assert t.estimate(1, "b16") == pytest.approx(1.66)  # observed: its own median
+    if threaded:  # host max(call, 0.70) < device everywhere: device-bound, the calibration's device part scales
+        assert t.modelled(1, "b16") == pytest.approx(1.43) and t.estimate(0, "b16") == pytest.approx(1.10 * 1.66 / 1.43)
+    else:
+        assert t.modelled(1, "b16") == pytest.approx(0.96 + 0.70) and t.modelled(0, "b16") == pytest.approx(0.85 + 0.70)
+        assert t.estimate(0, "b16") == pytest.approx(1.55 * 1.66 / 1.66)  # 0.93x of the active round, not 0.82x
+        assert t.estimate(0, "b16") > old + 0.15
+        assert t.estimate(2, "b16") == pytest.approx(1.85)  # the device's part: 1.85 > 1.05 + 0.70
+    assert t.report(3, "b16")["call"] == [0.85, 0.96, 1.05] and t.report(3, "b16")["host_besides_call"] == 0.70
+
+
+def test_round_times_model_where_the_device_sets_the_pace():
+    """Batch 1: little host work besides the call; a cheaper tier's shorter device time is its gain."""
+    t = RoundTimes(window=5, min_samples=2)
+    t.calibrated(0, "b1", 1.50, call_ms=0.40)  # device 1.10
+    t.calibrated(1, "b1", 1.90, call_ms=0.45)  # device 1.45
+    for _ in range(2):
+        t.observed(1, "b1", 1.50)
+        t.host_observed("b1", 0.20)
+    assert t.estimate(0, "b1") == pytest.approx(1.10 * 1.50 / 1.45)
+    t2 = RoundTimes(window=5, min_samples=2)  # no call times (an older calibration): calibration x ratio
+    t2.calibrated(0, "b1", 1.50)
+    t2.calibrated(1, "b1", 1.90)
+    for _ in range(2):
+        t2.observed(1, "b1", 1.50)
+        t2.host_observed("b1", 0.20)
+    assert t2.estimate(0, "b1") == pytest.approx(1.50 * 1.50 / 1.90)
 
 
 def test_a_new_tier_runs_min_dwell_verifies_before_the_next_switch():

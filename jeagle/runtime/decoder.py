@@ -71,6 +71,9 @@ class Decoder(Protocol):
 
     def calibrate_keys(self, keys, compile: bool = True) -> None: ...
 
+    def host_step(self, seconds: float) -> None:
+        """The last step's host time besides its dispatch, not waiting on the device (the scheduler's)."""
+
     def dropped(self) -> None: ...
 
     def settle(self) -> None: ...

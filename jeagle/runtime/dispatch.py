@@ -22,6 +22,7 @@ how much of a call overlaps the engine's Python depends on how often that Python
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
@@ -63,6 +64,7 @@ class Dispatching:
     _device_state = None
     _pool: ThreadPoolExecutor | None = None
     _in_flight: Future | None = None
+    last_call_s = 0.0  # the last call's host seconds (the executable's call and its copy's start), either thread
 
     def use_dispatch_thread(self, threaded: bool) -> None:
         """Calls on a dispatch thread or not (again: a probe switching modes; nothing may be in flight)."""
@@ -101,16 +103,20 @@ class Dispatching:
         """Call `exe` on the state and `inputs`; the result's copy to the host is started with it (or
         only the arrays `to_host(result)` lists: a result with arrays the host never reads)."""
         if self._pool is None:
-            res, self.state = exe(self.param_leaves, self.state, inputs)
+            leaves, state, t0 = self.param_leaves, self.state, time.perf_counter()
+            res, self.state = exe(leaves, state, inputs)
             _copy_to_host(res, to_host)  # the host reads it a step later; this copy is then done
+            self.last_call_s = time.perf_counter() - t0
             return res
         leaves, state = self.param_leaves, self.state  # (waits for the call before)
         started = threading.Event()
 
         def run():
             started.set()
+            t0 = time.perf_counter()
             res, self._device_state = exe(leaves, state, inputs)
             _copy_to_host(res, to_host)
+            self.last_call_s = time.perf_counter() - t0
             return res
 
         self._in_flight = self._pool.submit(run)

@@ -330,6 +330,7 @@ class Engine(KVFlow):
         if live:
             blocked += self.tables_waited_s - tables0  # slot-table reads waited on (admission, releases)
             busy = time.perf_counter() - start - blocked
+            dec.host_step(busy - dispatch)  # the adaptive throughput policy's round-time model
             acct["blocked_per_step"].append(blocked)
             acct["busy_per_step"].append(busy)
             acct["dispatch_per_step"].append(dispatch)

@@ -127,6 +127,9 @@ class TargetDecoder(SlotTables, GrammarMasks, FlatParams, Dispatching):
     def calibrate_keys(self, keys, compile: bool = True) -> None:
         """Nothing to time: one decode step, no tiers."""
 
+    def host_step(self, seconds: float) -> None:
+        """Nothing weighs it: no tiers."""
+
     def dropped(self) -> None:
         """Nothing kept per dispatch."""
 

@@ -12,8 +12,7 @@ its `TierState`, the rows and slots are sized for the largest (S, K, N and scrat
 maximum), and after each processed round the `AdaptiveController` may make another tier active for
 the next dispatch (`jeagle/adaptive.py`). Step functions and keys: spec/steps.py.
 
-Round times (the throughput policy). `calibrate` times every tier's round at a bucket on padding
-rows (after warm-up, or at the first dispatch of a bucket not timed yet); in the steady state each
+Round times (the throughput policy): spec/timing.py's `TierTiming` calibrates; in the steady state each
 processed round also gives a sample: the time from the previous round's result to its own (or from
 its dispatch, if later), skipped when a prefill ran in between or a dispatch loops several rounds.
 """
@@ -44,11 +43,12 @@ from jeagle.runtime.stats import SpecStats
 from jeagle.runtime.steps import Sampling, input_layout, layer_unroll
 from jeagle.spec.round import MAX_STOP, RoundResult, RowLayout, SpecConfig, packed_width
 from jeagle.spec.steps import DraftKey, RoundKey, SpecPrefillInputs, SpecPrefillKey, SpecState, SpecStatic, init_state
+from jeagle.spec.timing import TierTiming
 
 ACCEPT_HISTORY = 100_000  # accept lengths kept between stats windows (a server runs for days)
 
 
-class SpecDecoder(SlotTables, GrammarMasks, FlatParams, Dispatching):
+class SpecDecoder(TierTiming, SlotTables, GrammarMasks, FlatParams, Dispatching):
     speculative = True
     swaps_slots = True  # a round's commit swaps tree slots into positions: read the tables back to know them
 
@@ -321,45 +321,6 @@ class SpecDecoder(SlotTables, GrammarMasks, FlatParams, Dispatching):
         accept = dataclasses.replace(accept, compact=compact)
         return self.dispatch(self.executables.get(accept), (row_ids, tree, fwd, masks))
 
-    def calibrate(self, b: int, kv: int, greedy: bool, runs: int = 5, warm: int = 2) -> None:
-        """Time one round of every tier at bucket (b, kv, greedy) on padding rows (the scratch row,
-        which every padded batch computes on anyway), for the throughput policy (`controller.times`):
-        `warm` untimed rounds of each tier, then `runs` rounds each, the tiers interleaved and every
-        round timed alone (dispatch to result), the median kept (per round: a dispatch of R unrolled
-        rounds counts R). (Three rounds back to back after one
-        untimed run read 4.9 ms for (1,4,3) where a (5,4,8) round takes 2.5 ms on the H100: first
-        runs and clock ramps, bench/HISTORY.md session 12.) Waits for what is in flight first."""
-        start, compiled = time.perf_counter(), self.executables.compile_seconds
-        rows = pad([], b, self.scratch_row, np.int32)
-        exes = [self._round_exe(state, b, kv, greedy) for state in self.tier_states]  # compiles count themselves
-        for exe in exes:
-            for _ in range(warm):
-                jax.block_until_ready((resolve(self.dispatch(exe, rows)), self.state))
-        samples = [[] for _ in exes]
-        for _ in range(runs):
-            for j, exe in enumerate(exes):
-                t0 = time.perf_counter()
-                jax.block_until_ready((resolve(self.dispatch(exe, rows)), self.state))
-                samples[j].append(time.perf_counter() - t0)
-        # A dispatch of unrolled rounds runs all R on the padding rows (the loop stops after the first).
-        per = self.rounds_per_dispatch if self.config.unroll_rounds else 1
-        for j, ms in enumerate(samples):
-            self.controller.times.calibrated(j, (b, kv, greedy), float(np.median(ms)) * 1e3 / per)
-        self._last_read = None  # the next sample would include this
-        # Start-up work, not serving; the compiles in it are counted already.
-        self.executables.add_startup_seconds(time.perf_counter() - start - (self.executables.compile_seconds - compiled))
-
-    def calibrate_keys(self, keys, compile: bool = True) -> None:
-        """After a warm-up: time the tiers at every round bucket among `keys` not timed yet (compile
-        False: only buckets whose every tier's executable is in memory already)."""
-        if not self.timed:
-            return
-        for b, kv, greedy in sorted({(k.batch, k.kv_len, k.greedy) for k in keys if k.phase == "round"}):
-            if all(self.controller.times.has(j, (b, kv, greedy)) for j in range(len(self.tiers))):
-                continue
-            if compile or all(self.executables.has(self.round_key(t, b, kv, greedy)) for t in self.tiers):
-                self.calibrate(b, kv, greedy)
-
     def dropped(self) -> None:
         """The scheduler dropped every dispatched, unread result (after a failed step)."""
         self._dispatches.clear()
@@ -474,8 +435,10 @@ class SpecDecoder(SlotTables, GrammarMasks, FlatParams, Dispatching):
             out["round_ms"] = {str(list(t.shape)): _round(self.controller.times.estimate(j, main))
                                for j, t in enumerate(self.tiers)}
             seen = self.controller.times.report(len(self.tiers), main)
+            host = seen.pop("host_besides_call")  # the steps' host time besides the call (one figure)
             for what, ms in seen.items():
                 out[f"round_ms_{what}"] = {str(list(t.shape)): m for t, m in zip(self.tiers, ms)}
+            out["host_ms_besides_call"] = host
         return out
 
     def info(self) -> dict:
