@@ -34,7 +34,7 @@ LAYERS = (
     grimp.Layer("jeagle.generate", "jeagle.serve", "jeagle.train_draft", independent=True),
     "jeagle.cli",
     "jeagle.engine",
-    grimp.Layer("jeagle.spec.decoder", "jeagle.spec.steps", independent=False),
+    grimp.Layer("jeagle.spec.decoder", "jeagle.spec.steps", "jeagle.spec.timing", independent=False),
     "jeagle.runtime",
     grimp.Layer("jeagle.spec.round", "jeagle.spec.tree", "jeagle.spec.verify", "jeagle.adaptive", "jeagle.models",
                 "jeagle.cache", "jeagle.sampling", "jeagle.sharding", "jeagle.config", independent=False),
