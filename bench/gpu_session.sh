@@ -8,7 +8,8 @@
 #   .stage3 = smolpart.ac (+ eagle1_head.tar from an earlier eaglepeer, optional), .stage4 (optional) = data.npz and
 #   data.json of an earlier trainhead (a partial dataset's regeneration continues). Calls, back to back while warm:
 #   carry .stage1: `bash bench/gpu_session.sh stage`; carry .stage2: `bash bench/gpu_session.sh stage`;
-#   carry .stage3 + .whl: `bash bench/gpu_session.sh run STEPS...` (later calls: carry .whl only).
+#   carry .stage3 + .whl: `bash bench/gpu_session.sh run STEPS...` (later calls: carry .whl only). Before a call
+#   that records runs: `bash bench/stamp_commit.sh` and carry .commit too (the commit the JSONs name).
 # startup (issue 27: first and second start of the README command) needs the staged GGUF like bench;
 # so does ttft (issue 25: a prefix-cache hit's time to first token by host phase, with a trace).
 # masks needs the staged GGUF (its tokenizer); so do linearab (decode A/B of JEAGLE_LINEAR=0|1), adaptrounds, adaptpaired and serveab. Random-weight steps (trainstep, tp, profile, phases, kerneltests, kernelbench, kernelround, specbench, overhead, warmup, cmdbuf, tierswitch, adaptoverhead, hostcall, graphlaunch, hostopts, adaptive, autotune, dispatchthread, splitweights) need no staging: `bash bench/gpu_session.sh run kerneltests kernelbench kernelround`.
@@ -30,6 +31,9 @@ stage_in() {  # whatever staged parts this call carries -> $HOME/stage; unpack t
   return 0
 }
 stage_in
+# The commit runs record (jeagle.git_commit): the tree's, stamped on the development machine by
+# bench/stamp_commit.sh and carried as .commit/ (the device copy's .git is stale), unless JEAGLE_COMMIT is set.
+if [ -z "${JEAGLE_COMMIT:-}" ] && [ -f .commit/HEAD ]; then export JEAGLE_COMMIT="$(cat .commit/HEAD)"; fi
 if [ "$mode" = stage ]; then
   ls -la "$HOME/stage" "$HOME"/*.npz 2>/dev/null
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
