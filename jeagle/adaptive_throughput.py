@@ -336,23 +336,19 @@ class RoundTimes:
                 if len(d) >= self.min_samples and (t, bucket) in self.calibration]
         return max(seen)[1] if seen else None
 
-    def bucket_ratio(self, bucket) -> float | None:
-        """Observed / calibrated at `bucket`, from its most observed calibrated tier (None: none yet)."""
-        t = self._most_observed(bucket)
-        return None if t is None else statistics.median(self.online[t, bucket]) / self.calibration[t, bucket]
-
     def estimate(self, tier: int, bucket) -> float | None:
         key = (tier, bucket)
         seen = self.online.get(key, ())
         if len(seen) >= self.min_samples or (seen and key not in self.calibration):
             return statistics.median(seen)
         if key in self.calibration:
-            a = self._most_observed(bucket)
+            a = self._most_observed(bucket)  # scaled to the tier observed most at this bucket
             if a is not None:
+                observed = statistics.median(self.online[a, bucket])
                 mine, theirs = self.modelled(tier, bucket), self.modelled(a, bucket)
                 if mine is not None and theirs:
-                    return mine * statistics.median(self.online[a, bucket]) / theirs
-                return self.calibration[key] * self.bucket_ratio(bucket)
+                    return mine * observed / theirs
+                return self.calibration[key] * observed / self.calibration[a, bucket]
             return self.calibration[key] * (self.ratio or 1.0)
         return None
 

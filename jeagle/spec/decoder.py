@@ -127,8 +127,8 @@ class SpecDecoder(TierTiming, SlotTables, GrammarMasks, FlatParams, Dispatching)
         # round's result was read.
         self._dispatches: deque = deque()
         self._prefill_since = False
-        self._last_read: float | None = None
-        self._last_bucket: tuple | None = None  # (b, kv, greedy) of the last round dispatched
+        self.last_read: float | None = None  # when the last round's result was read (a round-time sample starts)
+        self.last_bucket: tuple | None = None  # (b, kv, greedy) of the last round dispatched
         self.bucket_rounds: Counter = Counter()  # rounds dispatched per (b, kv, greedy)
         self._rows_on_device: tuple | None = None  # (row ids, their device array) of the last dispatch
 
@@ -271,7 +271,8 @@ class SpecDecoder(TierTiming, SlotTables, GrammarMasks, FlatParams, Dispatching)
         unread = self.rounds_per_dispatch * (r.dispatched + 1 - r.processed)
         return len(r.prompt) + len(r.out.token_ids) + (self.row_layout.num_steps + 1) * unread
 
-    def _round_exe(self, state, b: int, kv: int, greedy: bool, logprobs: bool = False, penalties: bool = False):
+    def round_exe(self, state, b: int, kv: int, greedy: bool, logprobs: bool = False, penalties: bool = False):
+        """Tier `state`'s round executable at this bucket and mode (looked up once, then kept in the state)."""
         exe = state.executables.get((b, kv, greedy, logprobs, penalties))
         if exe is None:
             exe = state.executables[b, kv, greedy, logprobs, penalties] = self.executables.get(
@@ -293,13 +294,13 @@ class SpecDecoder(TierTiming, SlotTables, GrammarMasks, FlatParams, Dispatching)
         index = self.controller.active_index if self.controller is not None else 0
         state = self.tier_states[index]
         tier = state.tier
-        self._last_bucket = (b, kv, greedy)
-        self.bucket_rounds[self._last_bucket] += 1
+        self.last_bucket = (b, kv, greedy)
+        self.bucket_rounds[self.last_bucket] += 1
         nested = len(self.controller.nests[index]) if fused and self.timed else 0
-        self._dispatches.append((index, self._last_bucket, time.perf_counter(), self._prefill_since, nested))
+        self._dispatches.append((index, self.last_bucket, time.perf_counter(), self._prefill_since, nested))
         self._prefill_since = False
         if fused:
-            return self.dispatch(self._round_exe(state, b, kv, greedy, lp, pen), row_ids)
+            return self.dispatch(self.round_exe(state, b, kv, greedy, lp, pen), row_ids)
         verify = dataclasses.replace(self.round_key(tier, b, kv, greedy, lp, pen), phase="verify", rounds=1,
                                      unrolled=False, nested=(), width=0)
         if not grammar:
@@ -324,7 +325,7 @@ class SpecDecoder(TierTiming, SlotTables, GrammarMasks, FlatParams, Dispatching)
     def dropped(self) -> None:
         """The scheduler dropped every dispatched, unread result (after a failed step)."""
         self._dispatches.clear()
-        self._last_read = None
+        self.last_read = None
 
     def _run_draft(self, exe, row_ids):
         tree, self.state = exe(self.param_leaves, self.state, row_ids)
@@ -341,9 +342,9 @@ class SpecDecoder(TierTiming, SlotTables, GrammarMasks, FlatParams, Dispatching)
         ran, bucket, nested = 0, None, 0
         if kind == "step":
             ran, bucket, dispatched, after_prefill, nested = self._dispatches.popleft()
-            if self.timed and self._last_read is not None and not after_prefill and self.rounds_per_dispatch == 1:
-                self.controller.times.observed(ran, bucket, (now - max(self._last_read, dispatched)) * 1e3)
-            self._last_read = now
+            if self.timed and self.last_read is not None and not after_prefill and self.rounds_per_dispatch == 1:
+                self.controller.times.observed(ran, bucket, (now - max(self.last_read, dispatched)) * 1e3)
+            self.last_read = now
         lp = wants_logprobs(reqs)
         host = host[: len(reqs)]
         if kind == "step":  # the tier's own columns (an adaptive decoder pads every tier's to one width)
@@ -425,7 +426,7 @@ class SpecDecoder(TierTiming, SlotTables, GrammarMasks, FlatParams, Dispatching)
         out = self.controller.report()
         bucket_rounds = self.bucket_rounds if bucket_rounds is None else bucket_rounds
         if self.timed and bucket_rounds:
-            main = max(bucket_rounds, key=lambda k: (bucket_rounds[k], k == self._last_bucket))
+            main = max(bucket_rounds, key=lambda k: (bucket_rounds[k], k == self.last_bucket))
             b, kv, greedy = main
             out["bucket"] = {"batch": b, "kv": kv, "greedy": greedy}
             by_batch = Counter()

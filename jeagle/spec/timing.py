@@ -29,7 +29,7 @@ class TierTiming:
         in flight first."""
         start, compiled = time.perf_counter(), self.executables.compile_seconds
         rows = pad([], b, self.scratch_row, np.int32)
-        exes = [self._round_exe(state, b, kv, greedy) for state in self.tier_states]  # compiles count themselves
+        exes = [self.round_exe(state, b, kv, greedy) for state in self.tier_states]  # compiles count themselves
         for exe in exes:
             for _ in range(warm):
                 jax.block_until_ready((resolve(self.dispatch(exe, rows)), self.state))
@@ -41,19 +41,19 @@ class TierTiming:
                 samples[j].append(time.perf_counter() - t0)
                 calls[j].append(self.last_call_s)
         # A dispatch of unrolled rounds runs all R on the padding rows (the loop stops after the first).
-        per = (self.rounds_per_dispatch if self.config.unroll_rounds else 1) / 1e3
+        per = self.rounds_per_dispatch if self.config.unroll_rounds else 1
+        ms = lambda seconds: float(np.median(seconds)) * 1e3 / per  # noqa: E731  (ms per round)
         self.controller.times.threaded = self.threaded
         for j in range(len(exes)):
-            self.controller.times.calibrated(j, (b, kv, greedy), float(np.median(samples[j])) / per,
-                                             float(np.median(calls[j])) / per)
-        self._last_read = None  # the next sample would include this
+            self.controller.times.calibrated(j, (b, kv, greedy), ms(samples[j]), ms(calls[j]))
+        self.last_read = None  # the next sample would include this
         # Start-up work, not serving; the compiles in it are counted already.
         self.executables.add_startup_seconds(time.perf_counter() - start - (self.executables.compile_seconds - compiled))
 
     def host_step(self, seconds: float) -> None:
         """The last step's host time besides its dispatch (the scheduler's): the round-time model's."""
-        if self.timed and self._last_bucket is not None:
-            self.controller.times.host_observed(self._last_bucket, seconds * 1e3 / self.rounds_per_dispatch)
+        if self.timed and self.last_bucket is not None:
+            self.controller.times.host_observed(self.last_bucket, seconds * 1e3 / self.rounds_per_dispatch)
 
     def calibrate_keys(self, keys, compile: bool = True) -> None:
         """After a warm-up: time the tiers at every round bucket among `keys` not timed yet (compile
