@@ -5,7 +5,10 @@ ignored: every request gets exactly that many) for a batch of `batch` MT-bench f
 template applied, the same token ids for every system), after a warm-up run of the same batch that
 compiles everything the timed run uses; tokens/s = batch × new tokens ÷ wall time (prefill included),
 the median of `--repeats`. `--waves W` times W batches of distinct prompts one after another (batch 1
-with one prompt says little about a head; `--waves 8` runs the first 8 prompts one at a time). Systems:
+with one prompt says little about a head; `--waves 8` runs the first 8 prompts one at a time). `--continuous`
+gives the same W × batch prompts to one `generate()` with at most `batch` requests running: a row that
+finishes takes the next prompt at once (continuous batching, as SGLang's offline throughput bench runs a
+`--max-running-requests`); without it a static batch lasts as long as its slowest row. Systems:
 
     jeagle        target-only (`target_only`)
     jeagle-eagle  EAGLE-3 with the shipped head (`speculative`, `--tier`, default (5,4,8)); its accept
@@ -98,7 +101,8 @@ def token_agreement(got: list[list[int]], want: list[list[int]]) -> dict:
 
 def jeagle_rows(target_dir, head_dir, prompts_ids, batches, max_new, repeats, tier, systems=JEAGLE_SYSTEMS,
                 adaptive_config=None, engine_config: dict | None = None, sampling: dict | None = None,
-                tokenizer=None, kv_chunk: int | None = None, waves: int = 1, buckets: str = "default") -> list[dict]:
+                tokenizer=None, kv_chunk: int | None = None, waves: int = 1, buckets: str = "default",
+                continuous: bool = False) -> list[dict]:
     from jeagle.adaptive import AdaptiveConfig
     from jeagle.checkpoint import load_draft, load_model
     from jeagle.engine import EngineConfig, speculative, target_only
@@ -146,7 +150,10 @@ def jeagle_rows(target_dir, head_dir, prompts_ids, batches, max_new, repeats, ti
             eng.warmup(batch_sizes=range(1, batch + 1), prefill_lengths=sorted({len(p) for p in ids}),
                        greedy=(sp.greedy,), logprobs=(sp.logprobs is not None,), penalties=(sp.penalized,),
                        grammar=(sp.grammar is not None,), prefix=(False, True), progress=False)
-            for w in wave_ids:
+            # --continuous: every wave's prompts in one generate(), at most `batch` of them running at once
+            eng.max_running = batch if continuous else eng.decoder.max_reqs
+            runs = [ids] if continuous else wave_ids
+            for w in runs:
                 eng.generate(w, sp)
 
             def once():
@@ -154,7 +161,7 @@ def jeagle_rows(target_dir, head_dir, prompts_ids, batches, max_new, repeats, ti
                 if name == "jeagle-adaptive":
                     eng.decoder.reset_tier()  # every run starts from the initial tier with a fresh EMA
                 n, stats = 0, []
-                for w in wave_ids:  # --waves: batches of distinct prompts one after another
+                for w in runs:  # --waves: batches of distinct prompts one after another
                     outs = eng.generate(w, sp)
                     if eng.last_stats.compile_s:
                         raise RuntimeError(f"{name}: the timed run compiled")
@@ -164,7 +171,7 @@ def jeagle_rows(target_dir, head_dir, prompts_ids, batches, max_new, repeats, ti
 
             tps, stats = median_run(once, repeats)
             row = {"system": name, "batch": batch, "tokens_per_s": round(tps, 1), "buckets": buckets} | (
-                {"waves": waves} if waves > 1 else {}) | (
+                {"waves": waves} if waves > 1 else {}) | ({"continuous": True} if continuous else {}) | (
                 {"sampling": report} if report else {})
             # Where the median run's time went: decode steps / rounds dispatched, the engine's wall, the
             # host's blocked time per step, prompt tokens taken from the prefix cache.
@@ -287,6 +294,8 @@ def main(argv=None) -> dict:
     p.add_argument("--waves", type=int, default=1,
                    help="batches of distinct prompts timed one after another per batch size (batch 1 with "
                         "--waves 8: the first 8 prompts, one at a time); tokens/s over them all")
+    p.add_argument("--continuous", action="store_true",
+                   help="the --waves' prompts in one generate() with at most `batch` running (continuous batching)")
     p.add_argument("--buckets", default="default", choices=["default", "batches"],
                    help="default: the engine's batch buckets (what a user gets); batches: the batch sizes only")
     p.add_argument("--json-out", default=None)
@@ -329,7 +338,7 @@ def main(argv=None) -> dict:
                 "JEAGLE_TRITON_GEMM, JEAGLE_XLA_OPTIONS)")
     tier = tuple(int(x) for x in args.tier.split(","))
     doc = {"bench": "decode", "model": target_dir.name, "draft": str(head_dir), "prompts": args.prompts or "one prompt",
-           "max_new_tokens": args.max_new_tokens, "device": device_kind(),
+           "max_new_tokens": args.max_new_tokens, "device": device_kind(), "continuous": args.continuous,
            "jax": jax.__version__, "python": platform.python_version(), "commit": git_commit(),
            "engine_config": engine_config, "sampling": json.loads(args.sampling) if args.sampling else None,
            "peers_not_run": {"eagle-llm": EAGLE_LLM_WHY}, "rows": []}
@@ -339,7 +348,7 @@ def main(argv=None) -> dict:
     doc["rows"] += jeagle_rows(target_dir, head_dir, prompts_ids, batches, args.max_new_tokens, args.repeats, tier,
                                systems, args.adaptive_config, engine_config,
                                json.loads(args.sampling) if args.sampling else None, tok,
-                               args.kv_chunk, args.waves, args.buckets)
+                               args.kv_chunk, args.waves, args.buckets, args.continuous)
     hf_batches = [int(b) for b in args.hf_batch_sizes.split(",") if b.strip()]
     if hf_batches:
         if args.target is not None:

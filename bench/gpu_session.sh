@@ -12,7 +12,7 @@
 #   that records runs: `bash bench/stamp_commit.sh` and carry .commit too (the commit the JSONs name).
 # startup (issue 27: first and second start of the README command) needs the staged GGUF like bench;
 # so does ttft (issue 25: a prefix-cache hit's time to first token by host phase, with a trace).
-# masks needs the staged GGUF (its tokenizer); so do linearab (decode A/B of JEAGLE_LINEAR=0|1), adaptrounds, adaptpaired and serveab. Random-weight steps (trainstep, tp, profile, phases, kerneltests, kernelbench, kernelround, specbench, overhead, warmup, cmdbuf, tierswitch, adaptoverhead, hostcall, graphlaunch, hostopts, adaptive, autotune, dispatchthread, splitweights) need no staging: `bash bench/gpu_session.sh run kerneltests kernelbench kernelround`.
+# masks needs the staged GGUF (its tokenizer); so do linearab (decode A/B of JEAGLE_LINEAR=0|1), adaptrounds, adaptpaired, continuous and serveab. Random-weight steps (trainstep, tp, profile, phases, kerneltests, kernelbench, kernelround, specbench, overhead, warmup, cmdbuf, tierswitch, adaptoverhead, hostcall, graphlaunch, hostopts, adaptive, autotune, dispatchthread, splitweights) need no staging: `bash bench/gpu_session.sh run kerneltests kernelbench kernelround`.
 set -uo pipefail
 mode="${1:-run}"
 stage_in() {  # whatever staged parts this call carries -> $HOME/stage; unpack the data archives once
@@ -313,6 +313,15 @@ if [[ "$steps" == *" ab "* ]]; then  # issue 9: batch-1 engine settings, A/B in 
   for cfg in ${AB_CONFIGS:-'{}' '{"compile_workers":1}' '{"verify_done_wait":"dataflow"}' '{"unroll_layers":true}' \
       '{"unroll_layers":true,"verify_done_wait":"dataflow"}'}; do
     decode_variant decode_ab "engine config $cfg" --batch-sizes "${AB_BATCHES:-1}" --engine-config "$cfg"
+  done
+fi
+if [[ "$steps" == *" continuous "* ]]; then  # issue 22: static waves vs continuous batching (decode.py --continuous)
+  # CT_RUNS: BATCH:WAVES pairs; each pair runs static waves, then the same prompts continuously, each a fresh process.
+  for bw in ${CT_RUNS:-16:5 48:3}; do
+    for mode in "" --continuous; do
+      decode_variant decode_continuous "batch ${bw%%:*} waves ${bw##*:} ${mode:-static}" --batch-sizes "${bw%%:*}" \
+        --waves "${bw##*:}" $mode ${CT_ARGS:-}
+    done
   done
 fi
 if [[ "$steps" == *" linearab "* ]]; then  # issue 22: the layers' matmuls through the linear kernel vs XLA's dot
