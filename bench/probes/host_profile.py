@@ -5,6 +5,7 @@ Random SmolLM2-shaped target and EAGLE-1 head, `--batch` requests of `--context`
 functions by own time and by cumulative time, per round; then one JSON line.
 
     python bench/probes/host_profile.py --batch 1 --tokens 256
+    python bench/probes/host_profile.py --real .data/mtbench.jsonl --batch 16 --waves 5 --trace   # continuous
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--tokens", type=int, default=256, help="new tokens per request (random head: one per round)")
+    p.add_argument("--waves", type=int, default=1,
+                   help="W x batch prompts in one generate() with at most `batch` running (continuous batching: "
+                        "a finished row's next request is admitted and prefilled between rounds)")
     p.add_argument("--sync", action="store_true")
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--engine-config", default=None, metavar="JSON", help="EngineConfig overrides")
@@ -59,12 +63,12 @@ def main(argv=None):
         model = load_model(target_dir)
         head = load_draft(resolve_draft(str(default_head_dir()), target_dir, quiet=True), target=model.cfg)
         ids = chat_ids(Tokenizer.from_dir(target_dir), read_prompts(args.real, ""))
-        prompts = [ids[i % len(ids)] for i in range(args.batch)]
+        prompts = [ids[i % len(ids)] for i in range(args.batch * args.waves)]
         args.context = max(len(p) for p in prompts)
     else:
         model, head = random_target_and_head(args.shape)
         rng = np.random.default_rng(0)
-        prompts = [list(rng.integers(10, model.cfg.vocab_size, args.context)) for _ in range(args.batch)]
+        prompts = [list(rng.integers(10, model.cfg.vocab_size, args.context)) for _ in range(args.batch * args.waves)]
     cfg = EngineConfig(max_batch_size=args.batch, max_context=args.context + args.tokens + 64,
                        batch_buckets=tuple(sorted({min(b, args.batch) for b in (1, 16, args.batch)})),
                        verify_done_wait="sync" if args.sync else "dataflow",
@@ -87,11 +91,19 @@ def main(argv=None):
         eng.warmup(**plan)
     eng.generate(prompts, sp)
     cold()
+    before = (dict(getattr(eng, "host_totals", {})), getattr(eng, "tables_waited_s", 0.0))
     t0 = time.perf_counter()
     eng.generate(prompts, sp)
     wall = time.perf_counter() - t0
     st = eng.last_stats  # the unprofiled run's
     rounds = st.speculative.round_dispatches
+    tokens = st.new_tokens
+    totals = {k: eng.host_totals[k] - before[0][k] for k in ("prefills", "prefill_dispatch_s") if k in before[0]}
+    totals["tables_waited_s"] = getattr(eng, "tables_waited_s", 0.0) - before[1]
+    if args.waves > 1:  # continuous batching: what admission costs
+        print(f"{len(prompts)} requests, at most {args.batch} running: {tokens / wall:.1f} tok/s, {rounds} rounds, "
+              f"{totals.get('prefills', '?')} prefill dispatches ({1e3 * totals.get('prefill_dispatch_s', 0.0):.1f} ms "
+              f"of host dispatch), finished slot tables waited for {1e3 * totals['tables_waited_s']:.1f} ms")
     if st.compile_s:
         print(f"warning: the timed run compiled for {st.compile_s:.2f} s")
     cold()
@@ -116,7 +128,7 @@ def main(argv=None):
                   f"{r['cum_us_per_round']:>8.1f}")
     device = trace_device(eng, prompts, sp, cold, rounds, args.top) if args.trace else None
     print(json.dumps({"bench": "host_profile", "shape": args.shape, "device": device_kind(),
-                      "commit": git_commit(), "batch": args.batch,
+                      "commit": git_commit(), "batch": args.batch, "waves": args.waves, "timed_run_host": totals,
                       "ms_per_round": 1e3 * wall / rounds, "host_busy_ms_p50": busy, "host_dispatch_ms_p50": disp,
                       "device_trace": device,
                       "top_own": sorted(rows, key=lambda r: -r["own_us_per_round"])[: args.top]}))
