@@ -12,7 +12,7 @@
 #   that records runs: `bash bench/stamp_commit.sh` and carry .commit too (the commit the JSONs name).
 # startup (issue 27: first and second start of the README command) needs the staged GGUF like bench;
 # so does ttft (issue 25: a prefix-cache hit's time to first token by host phase, with a trace).
-# masks needs the staged GGUF (its tokenizer); so do linearab (decode A/B of JEAGLE_LINEAR=0|1), adaptrounds, adaptpaired, continuous and serveab. Random-weight steps (trainstep, tp, profile, phases, kerneltests, kernelbench, kernelround, specbench, overhead, warmup, cmdbuf, tierswitch, adaptoverhead, hostcall, graphlaunch, hostopts, adaptive, autotune, dispatchthread, splitweights) need no staging: `bash bench/gpu_session.sh run kerneltests kernelbench kernelround`.
+# masks needs the staged GGUF (its tokenizer); so do linearab (decode A/B of JEAGLE_LINEAR=0|1), adaptrounds, adaptpaired, continuous and serveab. Random-weight steps (trainstep, tp, profile, phases, kerneltests, kernelbench, kernelround, specbench, overhead, warmup, cmdbuf, tierswitch, adaptoverhead, hostcall, graphlaunch, hostopts, adaptive, autotune, dispatchthread, splitweights, prefillcall) need no staging: `bash bench/gpu_session.sh run kerneltests kernelbench kernelround`.
 set -uo pipefail
 mode="${1:-run}"
 stage_in() {  # whatever staged parts this call carries -> $HOME/stage; unpack the data archives once
@@ -168,6 +168,13 @@ fi
 if [[ "$steps" == *" splitweights "* ]]; then  # issue 22: the layers' matmuls on per-layer weight arrays vs slices of stacks
   python3 bench/probes/split_weights.py --rows "${SW_ROWS:-128,384}" --calls "${SW_CALLS:-300}" \
     --json-out "$OUT/split_weights.json" 2>&1 | grep -v '^{"bench' | tee "$OUT/split_weights.log"
+fi
+if [[ "$steps" == *" prefillcall "* ]]; then  # issue 22: a prefill call's host time, idle vs behind a round in flight
+  for cfg in ${PC_CONFIGS:-'{}' '{"unroll_layers":true}'}; do
+    echo "== engine config $cfg" | tee -a "$OUT/prefill_call.log"
+    timeout "${PC_TIMEOUT:-200}" python3 bench/probes/prefill_call.py --calls "${PC_CALLS:-30}" --engine-config "$cfg" \
+      2>&1 | grep -v "Delay kernel" | tee -a "$OUT/prefill_call.log"
+  done
 fi
 if [[ "$steps" == *" graphlaunch "* ]]; then  # issue 22: a call's host time by the kernels in its command buffer
   for flags in "" "--xla_gpu_enable_command_buffer="; do
