@@ -287,33 +287,6 @@ def test_the_next_turn_continues_a_request_that_finished_while_others_run(models
     assert c.out.token_ids == cold.generate([turn], SamplingParams(max_new_tokens=8, ignore_eos=True))[0].token_ids
 
 
-def test_a_new_request_is_admitted_without_waiting_for_the_round_in_flight(models):
-    """Under continuous batching a finished row's next request is admitted without the host waiting on
-    the round in flight for the finished tables (that idles the device every admission): only a request
-    that continues a finished one past its prompt waits (the test above). Output and KV as a cold run's."""
-    rng = np.random.default_rng(11)
-    prompts = [list(rng.integers(4, 96, n)) for n in (20, 14, 17, 22)]
-    engine = make(models, "eagle")
-    waits = []
-    complete = engine._complete_releases
-    engine._complete_releases = lambda wait=True: (waits.append(wait and bool(engine._running)), complete(wait))[1]
-    a = engine.submit(prompts[0], SamplingParams(max_new_tokens=5, ignore_eos=True))
-    rest = [engine.submit(p, SamplingParams(max_new_tokens=40, ignore_eos=True)) for p in prompts[1:3]]
-    while not a.done:
-        engine.step()
-    c = engine.submit(prompts[3], SamplingParams(max_new_tokens=12, ignore_eos=True))
-    while not c.out.token_ids:
-        engine.step()
-        engine.check_kv()
-    assert not any(waits) and not all(r.done for r in rest)
-    while engine.has_work:
-        engine.step()
-    engine.check_kv()
-    cold = make(models, "eagle", prefix_cache=False)
-    for r, p in zip([a, *rest, c], prompts):
-        assert r.out.token_ids == cold.generate([p], SamplingParams(max_new_tokens=r.max_new, ignore_eos=True))[0].token_ids
-
-
 def test_a_roomy_pool_updates_no_slot_table_while_requests_run(models):
     """Each slot-table update is a dispatch between two rounds that stalls the device: with room to
     spare a request gets its whole context at admission and nothing grows while it runs; a pool

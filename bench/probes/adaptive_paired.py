@@ -10,6 +10,12 @@ that moment, so the per-cycle ratio to `static` is the measurement, its median t
 
 Batch b times the first b questions in one batch; batch 1 times the first `--b1-questions` (5) one
 after another (one question alone says little: its accept length swings with bf16 partings).
+`--buckets batches` (the default) gives the engines the timed batch sizes as their only buckets: a batch
+whose rows finish keeps its bucket to the end. `--buckets default` gives them the list a user gets (and
+bench/decode.py uses): the batch shrinks through the smaller buckets as rows finish, and the policy decides
+at each (session 38: the throughput policy lost 22 % there and not here). Each adaptive row then lists
+its rounds' observed wall by tier and batch bucket (`observed_ms_by_tier_and_batch`, the controller's own
+samples: the last 15 of each).
 
     python bench/probes/adaptive_paired.py --prompts .data/mtbench.jsonl --batch-sizes 1,16,48 \\
         --systems 'static' 'ema={}' 'throughput={"policy": "throughput"}' --runs 8
@@ -47,6 +53,8 @@ def main(argv=None):
     p.add_argument("--runs", type=int, default=8, help="cycles: each runs every system once")
     p.add_argument("--b1-questions", type=int, default=5)
     p.add_argument("--engine-config", default=None, metavar="JSON", help="EngineConfig fields for every engine")
+    p.add_argument("--buckets", default="batches", choices=["batches", "default"],
+                   help="the timed batch sizes as the only buckets, or the default list (docstring)")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
 
@@ -77,7 +85,8 @@ def main(argv=None):
     model = load_model(target_dir)
     head = load_draft(head_dir, target=model.cfg)
     base = tuple(map(int, args.tier.split(",")))
-    ec = EngineConfig(**{"max_batch_size": max(batches), "batch_buckets": tuple(sorted(set(batches))),
+    buckets = tuple(sorted(set(batches))) if args.buckets == "batches" else None
+    ec = EngineConfig(**{"max_batch_size": max(batches), "batch_buckets": buckets,
                          "max_context": max(map(len, ids)) + args.max_new_tokens + 16,
                          "kernels": KernelSettings.from_env(), **json.loads(args.engine_config or "{}")})
     sp = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
@@ -86,7 +95,8 @@ def main(argv=None):
         t0 = time.perf_counter()
         eng = speculative(model, head, ec, SpecConfig(*(tier or base)),
                           adaptive=AdaptiveConfig.from_dict(adaptive) if adaptive is not None else None)
-        eng.warmup(batch_sizes=batches, prefill_lengths=sorted({len(x) for x in ids}), greedy=(True,),
+        eng.warmup(batch_sizes=batches if buckets else range(1, max(batches) + 1),
+                   prefill_lengths=sorted({len(x) for x in ids}), greedy=(True,),
                    prefix=(False, True), progress=False)
         for b in batches:  # untimed: the throughput policy calibrates its tiers at each bucket here
             eng.generate(ids[:b], sp)
@@ -150,6 +160,8 @@ def main(argv=None):
                                       for k in hosts[name][0]},
                    "adaptive_state": (engines[name].decoder.adaptive_state()
                                       if engines[name].decoder.controller is not None else None)}
+            if row["adaptive_state"] is not None:
+                row["observed_ms_by_tier_and_batch"] = observed_by_bucket(engines[name].decoder)
             rows.append(row)
             print(f"batch {b} {name}: median {row['tok_s_median']:,.1f} tok/s, accept {row['accept_length']:.3f}, "
                   f"÷ {ref} paired median {row['paired_ratio_median']:.4f} "
@@ -157,8 +169,20 @@ def main(argv=None):
                   + f", round dispatches by tier {dispatches[name]}; ms per round / host busy / blocked / dispatch "
                   + " / ".join(f"{v:.3f}" for v in row["host_ms_median"].values()), flush=True)
     doc = {"bench": "adaptive_paired", "commit": git_commit(), "systems": args.systems, "tier": args.tier,
-           "runs": args.runs, "max_new_tokens": args.max_new_tokens, "rows": rows}
+           "buckets": args.buckets, "runs": args.runs, "max_new_tokens": args.max_new_tokens, "rows": rows}
     emit(doc, args.json_out)
+
+
+def observed_by_bucket(decoder) -> dict:
+    """{"S,K,N": {batch bucket: [median ms, samples]}}: the controller's observed round walls (its last
+    `window` samples per tier and bucket; every run of the engine so far)."""
+    out: dict = {}
+    for (j, bucket), samples in sorted(decoder.controller.times.online.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+        if samples:
+            tier = decoder.tiers[j]
+            name = f"{tier.num_steps},{tier.topk},{tier.num_draft_tokens}"
+            out.setdefault(name, {})[bucket[0]] = [round(statistics.median(samples), 4), len(samples)]
+    return out
 
 
 if __name__ == "__main__":

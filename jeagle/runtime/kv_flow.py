@@ -12,7 +12,6 @@ updates that grow a request, are executables dispatched between two rounds: each
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
 import time
@@ -154,18 +153,6 @@ class KVFlow:
             self._to_read.append(r)
         else:
             self.kv.release(r, Committed(len(r.seq) - 1, r.table))
-
-    def _continues_finished(self, n: int) -> bool:
-        """Whether one of the next `n` waiting requests extends a finished request (its slot table not
-        read yet) past that request's prompt: only its generated tokens' KV is not in the prefix cache."""
-        finished = self._to_read + [r for done, _ in self._releasing for r in done]
-        for w in itertools.islice(self._waiting, n):
-            seq = w.seq
-            for r in finished:
-                k = len(r.prompt)
-                if r.out.token_ids and len(seq) > k and seq[k] == r.out.token_ids[0] and seq[:k] == r.prompt:
-                    return True
-        return False
 
     def _ask_tables(self) -> None:
         """Start reading the slot tables of the requests that finished in this processing."""

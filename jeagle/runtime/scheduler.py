@@ -242,10 +242,9 @@ class Engine(KVFlow):
 
         if self._hold_admission and running:
             return
-        if waiting and (self._to_read or self._releasing) and len(running) < self.max_running \
-                and self._continues_finished(self.max_running - len(running)):
-            # Finished requests' KV into the prefix cache before admitting one that continues one past its
-            # prompt (a chat's next turn; prompts were cached at prefill): this waits for the round in flight.
+        if waiting and (self._to_read or self._releasing) and len(running) < self.max_running:
+            # Finished requests' KV into the prefix cache before admitting: a waiting request may
+            # continue one of them (the next turn of a chat). This waits for the round in flight.
             self._ask_tables()
             self._complete_releases()
         self._open_books()  # admission's sums over the running requests: once in this call, not per request
