@@ -430,11 +430,12 @@ if [[ "$steps" == *" adaptivecmp "* ]]; then  # issue 22: the adaptive policies 
 fi
 if [[ "$steps" == *" adaptpaired "* ]]; then  # issue 22: adaptive engines ÷ static, paired run by run in one process
   # bench/probes/adaptive_paired.py: every system an engine over the same weights, warmed, then APR_RUNS (8)
-  # cycles of one run each (order rotated), at APR_BATCHES (1,16,48); APR_SYSTEMS: the first is the static reference.
+  # cycles of one run each (order rotated), at APR_BATCHES (1,16,48); APR_SYSTEMS: the first is the static reference;
+  # APR_ARGS: more arguments (`--buckets default`: decode.py's buckets, observed round walls per tier and bucket).
   eval "apr_systems=(${APR_SYSTEMS:-static 'ema={}' 'throughput={\"policy\": \"throughput\"}'})"
   timeout "${APR_TIMEOUT:-560}" python3 bench/probes/adaptive_paired.py --prompts .data/mtbench.jsonl \
     --batch-sizes "${APR_BATCHES:-1,16,48}" --runs "${APR_RUNS:-8}" --systems "${apr_systems[@]}" \
-    --engine-config "{\"executable_cache_dir\": \"$JEAGLE_CACHE/exec\"}" --json-out "$OUT/adaptive_paired.json" 2>&1 \
+    --engine-config "{\"executable_cache_dir\": \"$JEAGLE_CACHE/exec\"}" --json-out "$OUT/adaptive_paired.json" ${APR_ARGS:-} 2>&1 \
     | grep -v "Delay kernel\|Converting\|Loading\|^{" | tee "$OUT/adaptive_paired.log"
 fi
 if [[ "$steps" == *" adaptrounds "* ]]; then  # issue 22: static vs adaptive policies, per-run host diagnostics
