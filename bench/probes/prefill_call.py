@@ -107,13 +107,11 @@ def main(argv=None):
             ms = measure(eng, short, long_prompts, args.calls, mode == "busy")
             row[f"{mode}_prefill_call_ms_p50"] = round(statistics.median(ms), 3) if ms else None
             row[f"{mode}_calls"] = len(ms)
-        exes = eng.decoder.executables._exes
-        hlos = {str(k): while_loops(e.as_text()) for k, e in exes.items()
-                if getattr(k, "phase", "") == "prefill" and hasattr(e, "as_text")}
-        row["prefill_while_loops"] = hlos
+        key = eng.decoder.prefill_key(*eng.buckets.prefill(1, args.prompt))  # the short requests' prefill
+        row["prefill_while_loops"] = loops = while_loops(eng.decoder.executables.get(key).as_text())
         print(f"{system}: prefill call host ms p50 idle {row['idle_prefill_call_ms_p50']} / busy "
-              f"{row['busy_prefill_call_ms_p50']} ({row['busy_calls']} calls); while loops in the prefills: "
-              f"{sorted({json.dumps(v) for v in hlos.values()})}", flush=True)
+              f"{row['busy_prefill_call_ms_p50']} ({row['busy_calls']} calls); while loops in its prefill: "
+              f"{json.dumps(loops)}", flush=True)
         doc["rows"].append(row)
     text = json.dumps(doc)
     print(text)
