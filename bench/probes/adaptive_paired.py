@@ -177,7 +177,7 @@ def observed_by_bucket(decoder) -> dict:
     """{"S,K,N": {batch bucket: [median ms, samples]}}: the controller's observed round walls (its last
     `window` samples per tier and bucket; every run of the engine so far)."""
     out: dict = {}
-    for (j, bucket), samples in sorted(decoder.controller.times.online.items(), key=lambda kv: (kv[0][0], kv[0][1])):
+    for (j, bucket), samples in sorted(decoder.controller.times.online.items(), key=lambda kv: kv[0]):
         if samples:
             tier = decoder.tiers[j]
             name = f"{tier.num_steps},{tier.topk},{tier.num_draft_tokens}"
