@@ -62,7 +62,7 @@ def batch_of(prompts_ids: list[list[int]], batch: int, wave: int = 0) -> list[li
 
 
 WAVE_SUMS = ("rounds", "round_dispatches", "steps", "wall_s", "new_tokens", "prompt_tokens", "grammar_mask_ms",
-             "grammar_rows_walked", "grammar_rows_masked")
+             "grammar_rows_walked", "grammar_rows_masked", "prefill_calls", "admission_held_steps")
 
 
 def merge_waves(stats: list[dict]) -> dict:
@@ -179,7 +179,8 @@ def jeagle_rows(target_dir, head_dir, prompts_ids, batches, max_new, repeats, ti
             row |= {"run_tokens_per_s": stats["run_tokens_per_s"], "steps": stats["steps"],
                     "wall_s": round(stats["wall_s"], 3),
                     "host_blocked_ms_p50": round(hb.get("p50", 0.0), 3),
-                    "cached_tokens": stats["cached_tokens"]}
+                    "cached_tokens": stats["cached_tokens"], "prefill_calls": stats["prefill_calls"],
+                    "admission_held_steps": stats["admission_held_steps"]}
             if "grammar" in report:  # where a grammar batch's time goes
                 row |= {"grammar_mask_ms": round(stats["grammar_mask_ms"], 1),
                         "grammar_rows_walked": stats["grammar_rows_walked"],

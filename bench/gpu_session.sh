@@ -323,11 +323,14 @@ if [[ "$steps" == *" ab "* ]]; then  # issue 9: batch-1 engine settings, A/B in 
   done
 fi
 if [[ "$steps" == *" continuous "* ]]; then  # issue 22: static waves vs continuous batching (decode.py --continuous)
-  # CT_RUNS: BATCH:WAVES pairs; each pair runs static waves, then the same prompts continuously, each a fresh process.
+  # CT_RUNS: BATCH:WAVES pairs; each pair runs static waves, then the same prompts continuously once per
+  # admission delay in CT_DELAYS (EngineConfig.admission_delay, runtime/admission.py), each a fresh process.
   for bw in ${CT_RUNS:-16:5 48:3}; do
-    for mode in "" --continuous; do
-      decode_variant decode_continuous "batch ${bw%%:*} waves ${bw##*:} ${mode:-static}" --batch-sizes "${bw%%:*}" \
-        --waves "${bw##*:}" $mode ${CT_ARGS:-}
+    [[ -n "${CT_SKIP_STATIC:-}" ]] || decode_variant decode_continuous "batch ${bw%%:*} waves ${bw##*:} static" \
+      --batch-sizes "${bw%%:*}" --waves "${bw##*:}" ${CT_ARGS:-}
+    for delay in ${CT_DELAYS:-0 1}; do
+      decode_variant decode_continuous "batch ${bw%%:*} waves ${bw##*:} continuous admission_delay $delay" \
+        --batch-sizes "${bw%%:*}" --waves "${bw##*:}" --continuous --engine-config "{\"admission_delay\": $delay}" ${CT_ARGS:-}
     done
   done
 fi

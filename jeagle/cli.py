@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from jeagle.config import DTYPE_CHOICES
+from jeagle.runtime.config import EngineConfig
 
 
 def build_parser(prog: str = "python -m jeagle.generate", prompts: bool = True,
@@ -77,6 +78,12 @@ def build_parser(prog: str = "python -m jeagle.generate", prompts: bool = True,
                     help="admission when KV slots are short (SGLang's flag): room is kept for this times the "
                          "expected share of every running request's remaining tokens (0: admit what fits now, "
                          "retract later)")
+    rt.add_argument("--admission-delay", type=float, default=EngineConfig.admission_delay, metavar="X",
+                    help="with a queue, admit freed rows in groups: a free row waits until its idle time reaches X "
+                         "times one prefill call's measured host time (fewer prefill calls; default %(default)s; "
+                         "0: admit at once, as SGLang)")
+    rt.add_argument("--admission-max-wait-steps", type=int, default=EngineConfig.admission_max_wait_steps,
+                    metavar="N", help="the most steps a free row waits for a group (default %(default)s)")
     rt.add_argument("--verify-done-wait", choices=["sync", "dataflow"], default=None,
                     help="after a round: data dependence only (dataflow, the default) or a hard wait (sync; also "
                          "JEAGLE_VERIFY_DONE_STREAM_WAIT=0)")

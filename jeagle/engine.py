@@ -85,6 +85,8 @@ class EngineSpec:
     overlap: bool = True
     disable_prefix_cache: bool = False
     schedule_conservativeness: float = 1.0
+    admission_delay: float = EngineConfig.admission_delay
+    admission_max_wait_steps: int = EngineConfig.admission_max_wait_steps
     verify_done_wait: str | None = None
     rounds_per_dispatch: int = 1
     rounds_loop: str = "unrolled"  # "unrolled" | "while" (EngineConfig.unroll_rounds)
@@ -160,6 +162,8 @@ class EngineSpec:
                             dispatch_thread=self.dispatch_thread,
                             prefix_cache=not self.disable_prefix_cache,
                             schedule_conservativeness=self.schedule_conservativeness,
+                            admission_delay=self.admission_delay,
+                            admission_max_wait_steps=self.admission_max_wait_steps,
                             verify_done_wait=self.verify_done_wait, rounds_per_dispatch=self.rounds_per_dispatch,
                             unroll_rounds=self.rounds_loop == "unrolled",
                             executable_cache_dir=executable_cache_dir,

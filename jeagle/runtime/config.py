@@ -51,6 +51,11 @@ class EngineConfig:
     # the free slots cover the prompt plus this times the expected share of every running request's
     # remaining tokens (`KVFlow._expected_room`); 0: admit whatever fits now (and retract later).
     schedule_conservativeness: float = 1.0
+    # Admission in groups under a queue (runtime/admission.py): while requests run and more wait than the
+    # free rows take, a free row waits until its idle batch time reaches this times one prefill call's
+    # measured host time, or for at most admission_max_wait_steps steps; 0: admit at once (SGLang).
+    admission_delay: float = 1.0
+    admission_max_wait_steps: int = 20
     # A grammar round whose rows the host all walked (greedy, no penalties) sends each tree node's allowed
     # token ids [B, N, C] to the accept instead of vocabulary bitmasks [B, N, W] (jeagle/grammar_walk.py);
     # False: always bitmasks (an A/B switch: `bench/gpu_session.sh run serveab` with '{"grammar_token_ids":false}').
@@ -80,5 +85,8 @@ class EngineConfig:
             raise ValueError(f"rounds_per_dispatch must be >= 1, got {self.rounds_per_dispatch}")
         if self.schedule_conservativeness < 0:
             raise ValueError(f"schedule_conservativeness must be >= 0, got {self.schedule_conservativeness}")
+        if self.admission_delay < 0 or self.admission_max_wait_steps < 0:
+            raise ValueError(f"admission_delay and admission_max_wait_steps must be >= 0, got {self.admission_delay}, "
+                             f"{self.admission_max_wait_steps}")
         if self.decode_steps < 1:
             raise ValueError(f"decode_steps must be >= 1, got {self.decode_steps}")

@@ -26,6 +26,7 @@ from typing import Callable
 import jax
 import numpy as np
 
+from jeagle.runtime.admission import AdmissionGate
 from jeagle.runtime.decoder import wants_grammar
 from jeagle.runtime.dispatch import resolve
 from jeagle.runtime.gc_clock import gc_totals
@@ -56,6 +57,7 @@ class Engine(KVFlow):
                                     eos_token_ids=tuple(self.model_cfg.eos_token_ids),
                                     context_reserve=decoder.context_reserve, pool_slots=decoder.num_slots - 1)
         self.verify_done = VerifyDone(verify_done_mode(config.verify_done_wait))
+        self.gate = AdmissionGate(config.admission_delay, config.admission_max_wait_steps)  # admission in groups
         # The queues: waiting to be admitted, admitted, dispatched but unread ((kind, requests, result)).
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
@@ -126,23 +128,22 @@ class Engine(KVFlow):
 
     def info(self) -> dict:
         """The live counters a server reports (`/server_info`)."""
-        kv = self.kv
-        cache = kv.cache
+        kv, cache = self.kv, self.kv.cache
         return {"running_requests": self.num_running, "queued_requests": self.num_waiting,
                 "kv_slots_free": self.pool.free_slots, "kv_slots_total": self.pool.num_slots - 1,
                 "prefix_cache": cache is not None, "prefix_cache_slots": cache.cached_slots if cache else 0,
                 "prefix_cache_evictable_slots": cache.evictable_slots if cache else 0,
                 "cached_tokens_total": kv.cached_tokens_total, "evicted_slots_total": kv.evicted_total,
                 "retractions": self.retractions, "new_token_ratio": round(self.new_token_ratio, 4),
-                "host_totals": self.host_totals | gc_totals()} | self.decoder.info()
+                "host_totals": self.host_totals | gc_totals(),
+                "admission_held_steps": self.gate.held} | self.decoder.info()
 
     def check_kv(self) -> None:
         """Raise unless every KV slot is free, cached once or owned once (`KVManager.check`)."""
         holders = list(self._running) + self._to_read + [r for done, _ in self._releasing for r in done]
         self.kv.check(holders)
 
-    def flush_cache(self) -> int:
-        """Evict every cached prefix no request uses; returns the slots freed."""
+    def flush_cache(self) -> int:  # evict every cached prefix no request uses; returns the slots freed
         return self.kv.flush()
 
     # ---- requests ------------------------------------------------------------------------------------
@@ -235,12 +236,13 @@ class Engine(KVFlow):
             self.host_totals["prefills"] += 1
             self.host_totals["prefill_dispatch_s"] += spent
             self._acct["prefill_dispatches"].append(spent)
+            self.gate.observe_prefill(spent)
             for r in group:
                 self.kv.prefilled(r)  # its prompt's KV is on its way: later requests may share it
             running.extend(group)
             group.clear()
 
-        if self._hold_admission and running:
+        if self._hold_admission and running or waiting and not self.gate.due(len(running), self.max_running, len(waiting)):
             return
         if waiting and (self._to_read or self._releasing) and len(running) < self.max_running:
             # Finished requests' KV into the prefix cache before admitting: a waiting request may
@@ -276,7 +278,7 @@ class Engine(KVFlow):
         step or round over the live batch (dispatched before the previous one is processed, with
         overlap), and processing of the results that are due."""
         dec, pending, acct = self.decoder, self._pending, self._acct
-        start, tables0 = time.perf_counter(), self.tables_waited_s
+        start, tables0, prefill0 = time.perf_counter(), self.tables_waited_s, self.host_totals["prefill_dispatch_s"]
         joined = self._join_step()
         # The next host step starts with the wait on the last round's verify results (sync: hard).
         blocked = self.verify_done.wait()
@@ -289,9 +291,7 @@ class Engine(KVFlow):
         if live:
             live, waited, longest = self._reserve(live)
             blocked += waited
-        grammar = wants_grammar(live)
-
-        drained = 0.0
+        grammar, drained = wants_grammar(live), 0.0
 
         def drain():  # grammar masks need every token in flight: target-only first, EAGLE inside its round
             nonlocal blocked, drained
@@ -340,6 +340,7 @@ class Engine(KVFlow):
             tot["blocked_s"] += blocked
             tot["dispatch_s"] += dispatch
             self._decay_ratio()
+            self.gate.observe_step(time.perf_counter() - start - (tot["prefill_dispatch_s"] - prefill0))
         if not self.has_work:
             self._join_step()
             self.verify_done.wait()  # nothing may stay pending once idle
@@ -415,9 +416,9 @@ class Engine(KVFlow):
         return self.decoder.warmup_keys(prefill, decode, greedy, **modes)
 
     def plan_for(self, prompt_lengths, max_new_tokens: int, greedy=(True, False), **modes) -> list:
-        """The step keys these prompts can dispatch: batch sizes up to their number (capped by the
-        running batch), their prompt-length buckets, the prefix buckets up to the longest context
-        they can reach; in the modes asked (logprobs, penalties, grammar: `warmup`)."""
+        """The step keys these prompts can dispatch: batch sizes up to their number (capped by the running batch),
+        their prompt-length buckets, the prefix buckets up to the longest context they can reach; in the modes
+        asked (logprobs, penalties, grammar: `warmup`)."""
         lengths = list(prompt_lengths)
         n = min(len(lengths), self.max_running)
         longest = max(self.decoder.prefix_bound(x, max_new_tokens, self.config.overlap) for x in lengths)
@@ -431,11 +432,11 @@ class Engine(KVFlow):
         return self._warmup(self.plan_for(prompt_lengths, max_new_tokens, greedy, **modes), progress)
 
     def preload_for(self, prompt_lengths, max_new_tokens: int, greedy=(True, False), **modes) -> int:
-        """A warm start's warm-up, which compiles nothing: of what these prompts can dispatch
-        (`plan_for`), what the executable store holds loads now, in parallel, and each runs once on
-        padding rows (`decoder.prime`), so that neither its loading nor its first run on the device
-        (~0.2 s for a prefill on an H100) falls in a request's time to first token. The rest still
-        compiles on first use. Counted as compile time; returns how many loaded."""
+        """A warm start's warm-up, which compiles nothing: of what these prompts can dispatch (`plan_for`), what
+        the executable store holds loads now, in parallel, and each runs once on padding rows (`decoder.prime`),
+        so that neither its loading nor its first run on the device (~0.2 s for a prefill on an H100) falls in
+        a request's time to first token. The rest compiles on first use. Counted as compile time; returns how
+        many loaded."""
         keys = self.plan_for(prompt_lengths, max_new_tokens, greedy, **modes)
         loaded = self.executables.preload(keys, self._prime)
         self.decoder.calibrate_keys(keys, compile=False)
@@ -447,7 +448,7 @@ class Engine(KVFlow):
         self._acct = {"t0": time.perf_counter(), "compile0": self.compile_seconds, "compiled0": self.num_compiled,
                       "blocked_per_step": deque(maxlen=HISTORY), "busy_per_step": deque(maxlen=HISTORY),
                       "dispatch_per_step": deque(maxlen=HISTORY), "prefill_dispatches": deque(maxlen=HISTORY),
-                      "buckets_used": set(),
+                      "buckets_used": set(), "held0": self.gate.held,
                       "retractions0": self.retractions, "mask0": self.decoder.grammar_mask_s,
                       "decoder": self.decoder.stats_window()}
 
@@ -465,6 +466,7 @@ class Engine(KVFlow):
                      host_busy_ms=latency_stats(acct["busy_per_step"]),
                      host_dispatch_ms=latency_stats(acct["dispatch_per_step"]),
                      host_prefill_dispatch_ms=latency_stats(acct["prefill_dispatches"]),
+                     prefill_calls=len(acct["prefill_dispatches"]), admission_held_steps=self.gate.held - acct["held0"],
                      buckets_used=sorted(acct["buckets_used"]), overlap=self.config.overlap,
                      verify_done_wait=self.verify_done.mode, executables_from_store=exes.loaded_from_store,
                      cached_tokens=sum(r.cached_tokens for r in reqs),

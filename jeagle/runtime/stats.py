@@ -62,6 +62,8 @@ class Stats:
     host_busy_ms: dict[str, float] | None = None
     host_dispatch_ms: dict[str, float] | None = None
     host_prefill_dispatch_ms: dict[str, float] | None = None
+    prefill_calls: int = 0
+    admission_held_steps: int = 0  # steps a free row waited for company (runtime/admission.py)
     retractions: int = 0  # requests retracted to make room (and resumed), in the window
     # Host time computing grammar masks (jeagle/grammar.py); a speculative round computes its tree's
     # while the device runs the verify's forward, so only what outlasts that forward stalls the device.
