@@ -287,7 +287,14 @@ class RoundTimes:
     37) a cheaper tier's round is no shorter, which its calibration alone (timed with nothing in flight)
     would promise. Without the call's time or host samples: the calibration times the ratio observed /
     calibrated of the tier observed most at the bucket (online rounds carry host work and real
-    prefixes a calibration run on padding rows lacks)."""
+    prefixes a calibration run on padding rows lacks).
+
+    Online ratios between tiers come first (`relative`): at a bucket where a tier has too few rounds of its
+    own, its wall is the reference tier's there times the ratio of the two observed at other buckets. The
+    calibrations (padding rows, nothing in flight) and the calls' host times in them misjudge the tiers
+    against each other: at batch 16 on the H200 they put (3,4,5)'s round at 0.75x (5,4,8)'s and its call at
+    0.54x where online rounds were 0.98x, and the policy, deciding at each shrinking bucket from them, ran
+    0.92x of static there (bench/HISTORY.md session 39)."""
 
     def __init__(self, window: int = 15, min_samples: int = 8, threaded: bool = False):
         self.window, self.min_samples, self.threaded = window, min_samples, threaded
@@ -297,6 +304,7 @@ class RoundTimes:
         self.online: dict[tuple, deque] = {}
         self.at_bucket: dict[Any, dict[int, deque]] = {}  # bucket -> tier -> its online samples
         self.ratios: deque = deque(maxlen=window)  # observed / calibrated
+        self._medians: dict[tuple, float] = {}  # (tier, bucket) -> its online median, until its next sample
 
     def has(self, tier: int, bucket) -> bool:
         return (tier, bucket) in self.calibration
@@ -323,6 +331,7 @@ class RoundTimes:
         if key not in self.online:
             self.online[key] = self.at_bucket.setdefault(bucket, {})[tier] = deque(maxlen=self.window)
         self.online[key].append(ms)
+        self._medians.pop(key, None)
         if key in self.calibration:
             self.ratios.append(ms / self.calibration[key])
 
@@ -336,7 +345,33 @@ class RoundTimes:
                 if len(d) >= self.min_samples and (t, bucket) in self.calibration]
         return max(seen)[1] if seen else None
 
+    def relative(self, tier: int, other: int) -> float | None:
+        """The median over buckets where both were observed (`min_samples` each) of `tier`'s observed round
+        wall over `other`'s; None where there is none."""
+        ratios = []
+        for bucket, tiers in self.at_bucket.items():
+            if len(tiers.get(tier, ())) >= self.min_samples and len(tiers.get(other, ())) >= self.min_samples:
+                ratios.append(self._median(tier, bucket) / self._median(other, bucket))
+        return statistics.median(ratios) if ratios else None
+
+    def _median(self, tier: int, bucket) -> float:
+        key = (tier, bucket)
+        if key not in self._medians:
+            self._medians[key] = statistics.median(self.online[key])
+        return self._medians[key]
+
+    def _most_observed_anywhere(self, bucket) -> int | None:
+        """The tier calibrated at `bucket` with the most online samples over all buckets."""
+        counts: dict[int, int] = {}
+        for (t, _), d in self.online.items():
+            counts[t] = counts.get(t, 0) + len(d)
+        seen = [(n, t) for t, n in counts.items() if (t, bucket) in self.calibration]
+        return max(seen)[1] if seen else None
+
     def estimate(self, tier: int, bucket) -> float | None:
+        """Its own median online at `bucket` once it has `min_samples` there; else the tier observed most at
+        the bucket (or anywhere, through its calibration) times the two tiers' ratio observed at other
+        buckets; else the model or the calibrations (class docstring)."""
         key = (tier, bucket)
         seen = self.online.get(key, ())
         if len(seen) >= self.min_samples or (seen and key not in self.calibration):
@@ -345,10 +380,15 @@ class RoundTimes:
             a = self._most_observed(bucket)  # scaled to the tier observed most at this bucket
             if a is not None:
                 observed = statistics.median(self.online[a, bucket])
+                if (rel := self.relative(tier, a)) is not None:
+                    return observed * rel
                 mine, theirs = self.modelled(tier, bucket), self.modelled(a, bucket)
                 if mine is not None and theirs:
                     return mine * observed / theirs
                 return self.calibration[key] * observed / self.calibration[a, bucket]
+            a = self._most_observed_anywhere(bucket)
+            if a is not None and a != tier and (rel := self.relative(tier, a)) is not None:
+                return self.calibration[a, bucket] * (self.ratio or 1.0) * rel
             return self.calibration[key] * (self.ratio or 1.0)
         return None
 

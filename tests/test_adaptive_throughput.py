@@ -467,3 +467,25 @@ def test_calibration_without_a_warmup_counts_its_compiles_once():
     elapsed = time.perf_counter() - t0
     stats = engine.last_stats
     assert 0 < stats.compile_s <= elapsed and stats.wall_s > 0
+
+
+def test_a_tier_is_the_reference_times_their_ratio_observed_at_other_buckets():
+    """The calibrations (padding rows, nothing in flight) put (3,4,5)'s round at 0.75x (5,4,8)'s where online
+    rounds at batch 16 on the H200 were 0.98x (bench/HISTORY.md session 39): at a bucket where a tier has not
+    run its `min_samples` rounds, the online ratio of the two tiers at other buckets decides, not the model."""
+    t = RoundTimes(window=5, min_samples=2)
+    for b in ("b16", "b8", "b4"):
+        t.calibrated(0, b, 1.85, call_ms=1.21)  # (3,4,5)
+        t.calibrated(1, b, 2.45, call_ms=2.23)  # (5,4,8)
+    for _ in range(2):
+        t.observed(0, "b16", 1.44)
+        t.observed(1, "b16", 1.47)
+        t.observed(1, "b8", 1.30)
+        t.host_observed("b8", 0.22)
+    assert t.relative(0, 1) == pytest.approx(1.44 / 1.47) and t.relative(0, 2) is None
+    assert t.estimate(0, "b8") == pytest.approx(1.30 * 1.44 / 1.47)  # the model would say (1.21 + 0.22) / (2.23 + 0.22)
+    # A bucket no tier has run: the tier observed most anywhere, through its calibration, times the ratio.
+    assert t.estimate(0, "b4") / t.estimate(1, "b4") == pytest.approx(1.44 / 1.47)
+    for _ in range(3):  # new samples move the ratio (a cached median is dropped at its tier's next sample)
+        t.observed(0, "b16", 2.88)
+    assert t.relative(0, 1) == pytest.approx(2.88 / 1.47)
