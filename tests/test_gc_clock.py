@@ -33,7 +33,9 @@ def test_freeze_heap_collects_first_then_freezes_what_is_alive():
     try:
         frozen = freeze_heap()
         assert gone() is None
-        assert frozen == gc.get_freeze_count() == gc_totals()["gc_frozen"] > 0
+        # A frozen object still dies when its last reference goes (another thread's, say), so the count may
+        # shrink after the freeze, never grow (seen: 2 fewer in a full-suite run).
+        assert 0 < gc.get_freeze_count() <= frozen == gc_totals()["gc_frozen"]
         assert not any(o is kept for o in gc.get_objects())  # frozen: no generation holds it, no collection walks it
     finally:
         gc.unfreeze()
