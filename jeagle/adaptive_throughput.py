@@ -351,7 +351,8 @@ class RoundTimes:
         ratios = []
         for bucket, tiers in self.at_bucket.items():
             if len(tiers.get(tier, ())) >= self.min_samples and len(tiers.get(other, ())) >= self.min_samples:
-                ratios.append(self._median(tier, bucket) / self._median(other, bucket))
+                if (theirs := self._median(other, bucket)) > 0:
+                    ratios.append(self._median(tier, bucket) / theirs)
         return statistics.median(ratios) if ratios else None
 
     def _median(self, tier: int, bucket) -> float:
@@ -379,7 +380,7 @@ class RoundTimes:
         if key in self.calibration:
             a = self._most_observed(bucket)  # scaled to the tier observed most at this bucket
             if a is not None:
-                observed = statistics.median(self.online[a, bucket])
+                observed = self._median(a, bucket)
                 if (rel := self.relative(tier, a)) is not None:
                     return observed * rel
                 mine, theirs = self.modelled(tier, bucket), self.modelled(a, bucket)

@@ -136,8 +136,10 @@ def prompts_with_prefixes():
 
 
 def make(models, kind, **kw):
+    """An engine over the tiny models; admission at once (the counts of retractions and trims below must not
+    follow the admission gate's timed holds, `runtime/admission.py`, tested in test_admission_gate.py)."""
     target, head = models
-    cfg = EngineConfig(**{"max_batch_size": 3, "max_context": 160, **kw})
+    cfg = EngineConfig(**{"max_batch_size": 3, "max_context": 160, "admission_delay": 0.0, **kw})
     return target_only(target, cfg) if kind == "target" else speculative(target, head, cfg, SpecConfig(3, 2, 5))
 
 

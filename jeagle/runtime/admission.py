@@ -31,30 +31,48 @@ class AdmissionGate:
         self.idle_s = 0.0  # batch time the free rows have cost since the last admission
         self.waited = 0  # steps a free row has waited since then
         self.held = 0  # steps held in all (the stats)
+        self.calls = 0  # prefill calls in all
 
     @staticmethod
     def _avg(old: float | None, new: float) -> float:
         return new if old is None else old + EMA * (new - old)
 
-    def observe_step(self, wall_s: float) -> None:
-        self.step_s = self._avg(self.step_s, wall_s)
+    def observe_step(self, wall_s: float, compiled: bool = False) -> None:
+        """A dispatching step's wall, its prefill calls left out (one that compiled or loaded an
+        executable is no sample)."""
+        if not compiled:
+            self.step_s = self._avg(self.step_s, wall_s)
 
-    def observe_prefill(self, host_s: float) -> None:
-        self.prefill_s = self._avg(self.prefill_s, host_s)
+    def prefill_called(self, host_s: float, compiled: bool = False) -> None:
+        """A prefill call admitted requests: its host time is a sample (unless it compiled or loaded an
+        executable: seconds, where a call takes milliseconds), and the idle time starts from nothing."""
+        if not compiled:
+            self.prefill_s = self._avg(self.prefill_s, host_s)
+        self.calls += 1
+        self.idle_s, self.waited = 0.0, 0
+
+    def since(self, mark: tuple[int, int]) -> dict:
+        """The stats since `mark` (an earlier `mark()`)."""
+        return {"prefill_calls": self.calls - mark[0], "admission_held_steps": self.held - mark[1]}
+
+    def mark(self) -> tuple[int, int]:
+        return self.calls, self.held
 
     def due(self, running: int, rows: int, waiting: int) -> bool:
         """Called once a step, before admission, with requests waiting: admit now? (rows: the most
-        that may run)."""
+        that may run). The idle time counts on until a prefill call admits requests (`prefill_called`): a
+        request due but turned away (the pool short of slots, its grammar not built yet) is due again at
+        the next step."""
         free = rows - running
+        if not running:
+            return True
         if free <= 0:
             return False
-        if self.delay <= 0 or not running or waiting <= free or self.step_s is None or self.prefill_s is None:
-            self.idle_s, self.waited = 0.0, 0
+        if self.delay <= 0 or waiting <= free or self.step_s is None or self.prefill_s is None:
             return True
         self.idle_s += self.step_s * free / rows
         self.waited += 1
         if self.idle_s >= self.delay * self.prefill_s or self.waited > self.max_wait_steps:
-            self.idle_s, self.waited = 0.0, 0
             return True
         self.held += 1
         return False

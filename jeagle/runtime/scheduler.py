@@ -135,8 +135,7 @@ class Engine(KVFlow):
                 "prefix_cache_evictable_slots": cache.evictable_slots if cache else 0,
                 "cached_tokens_total": kv.cached_tokens_total, "evicted_slots_total": kv.evicted_total,
                 "retractions": self.retractions, "new_token_ratio": round(self.new_token_ratio, 4),
-                "host_totals": self.host_totals | gc_totals(),
-                "admission_held_steps": self.gate.held} | self.decoder.info()
+                "host_totals": self.host_totals | gc_totals(), "admission_held_steps": self.gate.held} | self.decoder.info()
 
     def check_kv(self) -> None:
         """Raise unless every KV slot is free, cached once or owned once (`KVManager.check`)."""
@@ -228,15 +227,14 @@ class Engine(KVFlow):
 
         def flush():
             b, t = self.buckets.prefill(len(group), longest)
-            starts = any(r.start for r in group)
-            context = self.buckets.context(max(len(r.seq) for r in group)) if starts else 0
-            t0 = time.perf_counter()
+            context = self.buckets.context(max(len(r.seq) for r in group)) if any(r.start for r in group) else 0
+            t0, compiled = time.perf_counter(), self.compile_seconds
             self._pending.append(("prefill", list(group), dec.prefill(group, b, t, context=context)))
             spent = time.perf_counter() - t0
             self.host_totals["prefills"] += 1
             self.host_totals["prefill_dispatch_s"] += spent
             self._acct["prefill_dispatches"].append(spent)
-            self.gate.observe_prefill(spent)
+            self.gate.prefill_called(spent, self.compile_seconds != compiled)
             for r in group:
                 self.kv.prefilled(r)  # its prompt's KV is on its way: later requests may share it
             running.extend(group)
@@ -278,7 +276,8 @@ class Engine(KVFlow):
         step or round over the live batch (dispatched before the previous one is processed, with
         overlap), and processing of the results that are due."""
         dec, pending, acct = self.decoder, self._pending, self._acct
-        start, tables0, prefill0 = time.perf_counter(), self.tables_waited_s, self.host_totals["prefill_dispatch_s"]
+        start, tables0, compiled = time.perf_counter(), self.tables_waited_s, self.compile_seconds
+        prefill0 = self.host_totals["prefill_dispatch_s"]
         joined = self._join_step()
         # The next host step starts with the wait on the last round's verify results (sync: hard).
         blocked = self.verify_done.wait()
@@ -340,7 +339,8 @@ class Engine(KVFlow):
             tot["blocked_s"] += blocked
             tot["dispatch_s"] += dispatch
             self._decay_ratio()
-            self.gate.observe_step(time.perf_counter() - start - (tot["prefill_dispatch_s"] - prefill0))
+            self.gate.observe_step(time.perf_counter() - start - (tot["prefill_dispatch_s"] - prefill0),
+                                   self.compile_seconds != compiled)
         if not self.has_work:
             self._join_step()
             self.verify_done.wait()  # nothing may stay pending once idle
@@ -448,7 +448,7 @@ class Engine(KVFlow):
         self._acct = {"t0": time.perf_counter(), "compile0": self.compile_seconds, "compiled0": self.num_compiled,
                       "blocked_per_step": deque(maxlen=HISTORY), "busy_per_step": deque(maxlen=HISTORY),
                       "dispatch_per_step": deque(maxlen=HISTORY), "prefill_dispatches": deque(maxlen=HISTORY),
-                      "buckets_used": set(), "held0": self.gate.held,
+                      "buckets_used": set(), "gate0": self.gate.mark(),
                       "retractions0": self.retractions, "mask0": self.decoder.grammar_mask_s,
                       "decoder": self.decoder.stats_window()}
 
@@ -466,7 +466,7 @@ class Engine(KVFlow):
                      host_busy_ms=latency_stats(acct["busy_per_step"]),
                      host_dispatch_ms=latency_stats(acct["dispatch_per_step"]),
                      host_prefill_dispatch_ms=latency_stats(acct["prefill_dispatches"]),
-                     prefill_calls=len(acct["prefill_dispatches"]), admission_held_steps=self.gate.held - acct["held0"],
+                     **self.gate.since(acct["gate0"]),
                      buckets_used=sorted(acct["buckets_used"]), overlap=self.config.overlap,
                      verify_done_wait=self.verify_done.mode, executables_from_store=exes.loaded_from_store,
                      cached_tokens=sum(r.cached_tokens for r in reqs),
