@@ -102,11 +102,12 @@ def token_agreement(got: list[list[int]], want: list[list[int]]) -> dict:
 def jeagle_rows(target_dir, head_dir, prompts_ids, batches, max_new, repeats, tier, systems=JEAGLE_SYSTEMS,
                 adaptive_config=None, engine_config: dict | None = None, sampling: dict | None = None,
                 tokenizer=None, kv_chunk: int | None = None, waves: int = 1, buckets: str = "default",
-                continuous: bool = False) -> list[dict]:
+                continuous: bool = False, freeze: bool = False) -> list[dict]:
     from jeagle.adaptive import AdaptiveConfig
     from jeagle.checkpoint import load_draft, load_model
     from jeagle.engine import EngineConfig, speculative, target_only
     from jeagle.kernels.settings import KernelSettings
+    from jeagle.runtime.gc_clock import freeze_heap, gc_totals
     from jeagle.sampling import SamplingParams
     from jeagle.spec.round import SpecConfig
 
@@ -155,18 +156,24 @@ def jeagle_rows(target_dir, head_dir, prompts_ids, batches, max_new, repeats, ti
             runs = [ids] if continuous else wave_ids
             for w in runs:
                 eng.generate(w, sp)
+            if freeze:  # --freeze-heap: as a server does once its engine is built (jeagle/runtime/gc_clock.py)
+                freeze_heap()
+            gcs = []  # per run: Python's garbage collections during it (ms, collections, full collections)
 
             def once():
                 eng.flush_cache()  # every run starts cold: later waves reuse only what this run prefilled
                 if name == "jeagle-adaptive":
                     eng.decoder.reset_tier()  # every run starts from the initial tier with a fresh EMA
-                n, stats = 0, []
+                n, stats, g0 = 0, [], gc_totals()
                 for w in runs:  # --waves: batches of distinct prompts one after another
                     outs = eng.generate(w, sp)
                     if eng.last_stats.compile_s:
                         raise RuntimeError(f"{name}: the timed run compiled")
                     n += sum(len(o.token_ids) for o in outs)
                     stats.append(eng.last_stats.to_dict() | {"tokens": [o.token_ids for o in outs]})
+                g1 = gc_totals()
+                gcs.append((round((g1["gc_s"] - g0["gc_s"]) * 1e3, 2), g1["gc_collections"] - g0["gc_collections"],
+                            g1["gc_full_collections"] - g0["gc_full_collections"]))
                 return n, merge_waves(stats)
 
             tps, stats = median_run(once, repeats)
@@ -180,7 +187,9 @@ def jeagle_rows(target_dir, head_dir, prompts_ids, batches, max_new, repeats, ti
                     "wall_s": round(stats["wall_s"], 3),
                     "host_blocked_ms_p50": round(hb.get("p50", 0.0), 3),
                     "cached_tokens": stats["cached_tokens"], "prefill_calls": stats["prefill_calls"],
-                    "admission_held_steps": stats["admission_held_steps"]}
+                    "admission_held_steps": stats["admission_held_steps"],
+                    "run_gc_ms": [g[0] for g in gcs], "run_gc_collections": [g[1] for g in gcs],
+                    "run_gc_full_collections": [g[2] for g in gcs]}
             if "grammar" in report:  # where a grammar batch's time goes
                 row |= {"grammar_mask_ms": round(stats["grammar_mask_ms"], 1),
                         "grammar_rows_walked": stats["grammar_rows_walked"],
@@ -297,6 +306,9 @@ def main(argv=None) -> dict:
                         "--waves 8: the first 8 prompts, one at a time); tokens/s over them all")
     p.add_argument("--continuous", action="store_true",
                    help="the --waves' prompts in one generate() with at most `batch` running (continuous batching)")
+    p.add_argument("--freeze-heap", action="store_true",
+                   help="freeze Python's heap after each engine's warm-up, as jeagle.serve does (every row reports "
+                        "each run's garbage-collection time either way: run_gc_ms)")
     p.add_argument("--buckets", default="default", choices=["default", "batches"],
                    help="default: the engine's batch buckets (what a user gets); batches: the batch sizes only")
     p.add_argument("--json-out", default=None)
@@ -341,7 +353,8 @@ def main(argv=None) -> dict:
     doc = {"bench": "decode", "model": target_dir.name, "draft": str(head_dir), "prompts": args.prompts or "one prompt",
            "max_new_tokens": args.max_new_tokens, "device": device_kind(), "continuous": args.continuous,
            "jax": jax.__version__, "python": platform.python_version(), "commit": git_commit(),
-           "engine_config": engine_config, "sampling": json.loads(args.sampling) if args.sampling else None,
+           "freeze_heap": args.freeze_heap, "engine_config": engine_config,
+           "sampling": json.loads(args.sampling) if args.sampling else None,
            "peers_not_run": {"eagle-llm": EAGLE_LLM_WHY}, "rows": []}
     systems = [x for x in args.systems.split(",") if x]
     if unknown := sorted(set(systems) - set(JEAGLE_SYSTEMS)):
@@ -349,7 +362,7 @@ def main(argv=None) -> dict:
     doc["rows"] += jeagle_rows(target_dir, head_dir, prompts_ids, batches, args.max_new_tokens, args.repeats, tier,
                                systems, args.adaptive_config, engine_config,
                                json.loads(args.sampling) if args.sampling else None, tok,
-                               args.kv_chunk, args.waves, args.buckets, args.continuous)
+                               args.kv_chunk, args.waves, args.buckets, args.continuous, args.freeze_heap)
     hf_batches = [int(b) for b in args.hf_batch_sizes.split(",") if b.strip()]
     if hf_batches:
         if args.target is not None:
