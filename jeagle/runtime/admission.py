@@ -31,7 +31,6 @@ class AdmissionGate:
         self.idle_s = 0.0  # batch time the free rows have cost since the last admission
         self.waited = 0  # steps a free row has waited since then
         self.held = 0  # steps held in all (the stats)
-        self.calls = 0  # prefill calls in all
 
     @staticmethod
     def _avg(old: float | None, new: float) -> float:
@@ -48,15 +47,7 @@ class AdmissionGate:
         executable: seconds, where a call takes milliseconds), and the idle time starts from nothing."""
         if not compiled:
             self.prefill_s = self._avg(self.prefill_s, host_s)
-        self.calls += 1
         self.idle_s, self.waited = 0.0, 0
-
-    def since(self, mark: tuple[int, int]) -> dict:
-        """The stats since `mark` (an earlier `mark()`)."""
-        return {"prefill_calls": self.calls - mark[0], "admission_held_steps": self.held - mark[1]}
-
-    def mark(self) -> tuple[int, int]:
-        return self.calls, self.held
 
     def due(self, running: int, rows: int, waiting: int) -> bool:
         """Called once a step, before admission, with requests waiting: admit now? (rows: the most

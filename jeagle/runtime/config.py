@@ -54,7 +54,7 @@ class EngineConfig:
     # Admission in groups under a queue (runtime/admission.py): while requests run and more wait than the
     # free rows take, a free row waits until its idle batch time reaches this times one prefill call's
     # measured host time, or for at most admission_max_wait_steps steps; 0: admit at once (SGLang). 2 measured
-    # best of 0 / 1 / 2 on an H200 (bench/decode.py --continuous, EAGLE at batch 16 and 48: +5 % and +23 %
+    # best of 0 / 1 / 2 on an H200 (bench/decode.py --continuous, EAGLE at batch 16 and 48: +4.5 % and +23 %
     # over 0, bench/HISTORY.md session 39).
     admission_delay: float = 2.0
     admission_max_wait_steps: int = 20

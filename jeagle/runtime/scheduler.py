@@ -137,8 +137,7 @@ class Engine(KVFlow):
                 "retractions": self.retractions, "new_token_ratio": round(self.new_token_ratio, 4),
                 "host_totals": self.host_totals | gc_totals(), "admission_held_steps": self.gate.held} | self.decoder.info()
 
-    def check_kv(self) -> None:
-        """Raise unless every KV slot is free, cached once or owned once (`KVManager.check`)."""
+    def check_kv(self) -> None:  # raise unless every KV slot is free, cached once or owned once (`KVManager.check`)
         holders = list(self._running) + self._to_read + [r for done, _ in self._releasing for r in done]
         self.kv.check(holders)
 
@@ -448,7 +447,7 @@ class Engine(KVFlow):
         self._acct = {"t0": time.perf_counter(), "compile0": self.compile_seconds, "compiled0": self.num_compiled,
                       "blocked_per_step": deque(maxlen=HISTORY), "busy_per_step": deque(maxlen=HISTORY),
                       "dispatch_per_step": deque(maxlen=HISTORY), "prefill_dispatches": deque(maxlen=HISTORY),
-                      "buckets_used": set(), "gate0": self.gate.mark(),
+                      "buckets_used": set(), "held0": self.gate.held, "prefills0": self.host_totals["prefills"],
                       "retractions0": self.retractions, "mask0": self.decoder.grammar_mask_s,
                       "decoder": self.decoder.stats_window()}
 
@@ -466,7 +465,8 @@ class Engine(KVFlow):
                      host_busy_ms=latency_stats(acct["busy_per_step"]),
                      host_dispatch_ms=latency_stats(acct["dispatch_per_step"]),
                      host_prefill_dispatch_ms=latency_stats(acct["prefill_dispatches"]),
-                     **self.gate.since(acct["gate0"]),
+                     prefill_calls=self.host_totals["prefills"] - acct["prefills0"],
+                     admission_held_steps=self.gate.held - acct["held0"],
                      buckets_used=sorted(acct["buckets_used"]), overlap=self.config.overlap,
                      verify_done_wait=self.verify_done.mode, executables_from_store=exes.loaded_from_store,
                      cached_tokens=sum(r.cached_tokens for r in reqs),
