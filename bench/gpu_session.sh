@@ -12,7 +12,7 @@
 #   that records runs: `bash bench/stamp_commit.sh` and carry .commit too (the commit the JSONs name).
 # startup (issue 27: first and second start of the README command) needs the staged GGUF like bench;
 # so does ttft (issue 25: a prefix-cache hit's time to first token by host phase, with a trace).
-# masks needs the staged GGUF (its tokenizer); so do linearab (decode A/B of JEAGLE_LINEAR=0|1), adaptrounds, adaptpaired, continuous and serveab. Random-weight steps (trainstep, tp, profile, phases, kerneltests, kernelbench, kernelround, specbench, overhead, warmup, cmdbuf, tierswitch, adaptoverhead, hostcall, graphlaunch, hostopts, adaptive, autotune, dispatchthread, splitweights, prefillcall) need no staging: `bash bench/gpu_session.sh run kerneltests kernelbench kernelround`.
+# masks needs the staged GGUF (its tokenizer); so do roundevents, linearab (decode A/B of JEAGLE_LINEAR=0|1), adaptrounds, adaptpaired, continuous and serveab. Random-weight steps (trainstep, tp, profile, phases, kerneltests, kernelbench, kernelround, specbench, overhead, warmup, cmdbuf, tierswitch, adaptoverhead, hostcall, graphlaunch, hostopts, adaptive, autotune, dispatchthread, splitweights, prefillcall) need no staging: `bash bench/gpu_session.sh run kerneltests kernelbench kernelround`.
 set -uo pipefail
 mode="${1:-run}"
 stage_in() {  # whatever staged parts this call carries -> $HOME/stage; unpack the data archives once
@@ -332,6 +332,19 @@ if [[ "$steps" == *" continuous "* ]]; then  # issue 22: static waves vs continu
       decode_variant decode_continuous "batch ${bw%%:*} waves ${bw##*:} continuous admission_delay $delay" \
         --batch-sizes "${bw%%:*}" --waves "${bw##*:}" --continuous --engine-config "{\"admission_delay\": $delay}" ${CT_ARGS:-}
     done
+  done
+fi
+if [[ "$steps" == *" roundevents "* ]]; then  # issue 22: each round call's host ms by what happened before it
+  # RE_RUNS: BATCH:WAVES:MODES[:adaptive] (adaptive: the throughput policy); RE_ARGS: more probe arguments
+  # (default: the executable store that adaptivecmp uses, so later processes load what earlier ones compiled).
+  RE_ARGS="${RE_ARGS-"--engine-config {\"executable_cache_dir\":\"$JEAGLE_CACHE/exec\"}"}"
+  for spec in ${RE_RUNS:-16:5:static,continuous 48:3:static,continuous 48:1:static:adaptive}; do
+    IFS=: read -r b w modes ad <<< "$spec"
+    extra=(); [ -n "$ad" ] && extra=(--adaptive '{"policy": "throughput"}')
+    echo "== batch $b waves $w modes $modes ${ad:-static tier} ${RE_ARGS:-}" | tee -a "$OUT/round_events.log"
+    timeout "${RE_TIMEOUT:-240}" python3 bench/probes/round_events.py --prompts .data/mtbench.jsonl --batch "$b" \
+      --waves "$w" --modes "$modes" "${extra[@]}" ${RE_ARGS:-} 2>&1 | grep -v "Converting\|Loading" \
+      | tee -a "$OUT/round_events.log" | grep '^{"probe"' >> "$OUT/round_events.jsonl"
   done
 fi
 if [[ "$steps" == *" linearab "* ]]; then  # issue 22: the layers' matmuls through the linear kernel vs XLA's dot
