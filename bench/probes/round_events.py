@@ -112,7 +112,7 @@ def main(argv=None):
     prompts = [ids[i % len(ids)] for i in range(args.batch * args.waves)]
     ec = EngineConfig(max_batch_size=args.batch, max_context=max(map(len, prompts)) + args.max_new_tokens + 16,
                       kernels=KernelSettings.from_env(), **json.loads(args.engine_config or "{}"))
-    adaptive = AdaptiveConfig.from_json(args.adaptive) if args.adaptive else None
+    adaptive = AdaptiveConfig.from_dict(json.loads(args.adaptive)) if args.adaptive else None
     eng = speculative(model, head, ec, SpecConfig(*map(int, args.tier.split(","))), adaptive=adaptive)
     sp = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
     eng.warmup(batch_sizes=range(1, args.batch + 1), prefill_lengths=sorted({len(x) for x in prompts}),
