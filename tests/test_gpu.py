@@ -104,3 +104,27 @@ def test_bf16_speculative_equals_target_only_except_near_ties(smollm2_dir, tmp_p
             gap = (top2[1] - top2[0]) / abs(top2[1])
             print(f"tier {tier}: diverged at {d}, top-2 relative gap {gap:.4f}")
             assert gap < 0.01
+
+
+@pytest.mark.gpu
+def test_slot_table_reads_reuse_their_buffers():
+    """A finished request's slot-table read writes into buffers the decoder keeps: no new device allocation
+    beside the next round (one moved the round's buffers and re-recorded its command buffers, +1.7-1.9 ms
+    of host time in its call at batch 16-48: bench/HISTORY.md session 40). On a CPU the host's view of a
+    copied buffer keeps it from being donated, so this holds on a GPU only."""
+    from jeagle.engine import EngineConfig, speculative
+    from jeagle.spec.round import SpecConfig
+    from tests.spec_models import bigram_target, signed_identity_head, target_config
+
+    target = bigram_target(target_config())
+    eng = speculative(target, signed_identity_head(target, 1.0), EngineConfig(max_batch_size=4, max_context=64),
+                      SpecConfig(3, 2, 4))
+    dec = eng.decoder
+    first = dec.read_tables([0, 1])
+    where = first[1].unsafe_buffer_pointer(), first[2].unsafe_buffer_pointer()
+    tables, lengths = dec.tables_of(first)
+    assert tables.shape == (2, 64) and lengths.shape == (2,)
+    second = dec.read_tables([2])
+    assert first[1].is_deleted() and first[2].is_deleted()  # donated to the second read
+    assert (second[1].unsafe_buffer_pointer(), second[2].unsafe_buffer_pointer()) == where
+    assert dec.tables_of(second)[0].shape == (1, 64)

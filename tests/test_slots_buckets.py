@@ -190,3 +190,28 @@ def test_small_prefills_unroll_their_layers_on_a_gpu(monkeypatch):
     n = steps.SMALL_PREFILL_TOKENS
     assert steps.prefill_unroll(static, 1, n) == 3 and steps.prefill_unroll(static, 4, n // 4) == 3
     assert steps.prefill_unroll(static, 1, 2 * n) is False and steps.prefill_unroll(static, 2, n) is False
+
+
+@pytest.mark.parametrize("kind", ["target", "eagle"])
+def test_slot_table_reads_in_flight_together_each_read_their_rows(kind):
+    """Reads share a pool of output buffers (donated on a GPU: tests/test_gpu.py): two in flight at once
+    each get their own, and a buffer handed back serves the next read with that read's values."""
+    from jeagle.engine import speculative, target_only
+    from jeagle.spec.round import SpecConfig
+    from tests.spec_models import bigram_target, signed_identity_head, target_config
+
+    target = bigram_target(target_config())
+    cfg = EngineConfig(max_batch_size=3, max_context=64)
+    eng = (target_only(target, cfg) if kind == "target"
+           else speculative(target, signed_identity_head(target, 1.0), cfg, SpecConfig(3, 2, 4)))
+    dec = eng.decoder
+    dec.assign_slots([(0, 0, np.arange(10, 15)), (1, 0, np.arange(20, 23)), (2, 3, np.arange(30, 32))])
+    a, b = dec.read_tables([1]), dec.read_tables([2, 0])
+    ta, _ = dec.tables_of(a)
+    tb, lengths = dec.tables_of(b)
+    assert ta[0, :4].tolist() == [20, 21, 22, 0]
+    assert tb[0, :6].tolist() == [0, 0, 0, 30, 31, 0] and tb[1, :6].tolist() == [10, 11, 12, 13, 14, 0]
+    assert lengths.tolist() == [0, 0]  # nothing prefilled: no committed lengths
+    c = dec.read_tables([0])  # a buffer handed back above
+    assert dec.tables_of(c)[0][0, :5].tolist() == [10, 11, 12, 13, 14]
+    assert ta[0, :4].tolist() == [20, 21, 22, 0]  # the host's copies stay as read
