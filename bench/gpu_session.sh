@@ -348,25 +348,26 @@ if [[ "$steps" == *" roundevents "* ]]; then  # issue 22: each round call's host
   done
 fi
 if [[ "$steps" == *" allocab "* ]]; then  # issue 22: round_events under other device allocators / XLA command-buffer modes
-  # ALLOC_VARIANTS: NAME=ALLOCATOR[+FLAGS] ("default" = the plugin's BFC; "vmm" = the VMM allocator, which XLA's
-  # address-stable command buffers need; FLAGS appended to XLA_FLAGS). Each variant its own executable store (the
-  # flags change the executables), each a fresh process per RE_RUNS entry.
+  # ALLOC_VARIANTS: NAME|ALLOCATOR|XLA_OPTIONS_JSON entries ("default" = the plugin's BFC; "vmm" = the VMM allocator,
+  # which XLA's address-stable command buffers need; the JSON goes to JEAGLE_XLA_OPTIONS: every engine executable).
+  # Each variant its own executable store (the options change the executables), a fresh process per RE_RUNS entry.
   so=$(find / -name "xla_cuda_plugin.so" -path "*jax*" 2>/dev/null | head -1)
   echo "plugin: $so" | tee -a "$OUT/allocab.log"
-  [ -n "$so" ] && strings "$so" | grep -o "'vmm'\|xla_gpu_enable_command_buffer_va_remapping\|xla_gpu_command_buffer_update_mode\|requires the VMM allocator" \
-    | sort | uniq -c | tee -a "$OUT/allocab.log"
-  for variant in ${ALLOC_VARIANTS:-default=default vmm_va=vmm+--xla_gpu_enable_command_buffer_va_remapping=true}; do
-    name="${variant%%=*}"; spec="${variant#*=}"; alloc="${spec%%+*}"; flags=""; [[ "$spec" == *+* ]] && flags="${spec#*+}"
-    echo "== variant $name: allocator $alloc, XLA_FLAGS+=$flags" | tee -a "$OUT/allocab.log"
-    ( [ "$alloc" != default ] && export XLA_PYTHON_CLIENT_ALLOCATOR="$alloc"; export XLA_FLAGS="${XLA_FLAGS:-} $flags"
-      RE_ARGS="--engine-config {\"executable_cache_dir\":\"$JEAGLE_CACHE/exec_$name\"}" OUT="$OUT/$name" && mkdir -p "$OUT" \
-      && for spec2 in ${RE_RUNS:-48:3:static,continuous}; do
+  va='{"xla_gpu_enable_command_buffer_va_remapping": true}'
+  while IFS='|' read -r name alloc opts; do
+    [ -z "$name" ] && continue
+    echo "== variant $name: allocator $alloc, JEAGLE_XLA_OPTIONS=$opts" | tee -a "$OUT/allocab.log"
+    ( [ "$alloc" != default ] && export XLA_PYTHON_CLIENT_ALLOCATOR="$alloc"; [ -n "$opts" ] && export JEAGLE_XLA_OPTIONS="$opts"
+      mkdir -p "$OUT/$name"
+      for spec2 in ${RE_RUNS:-48:3:continuous}; do
         IFS=: read -r b w modes ad <<< "$spec2"
         timeout "${RE_TIMEOUT:-240}" python3 bench/probes/round_events.py --prompts .data/mtbench.jsonl --batch "$b" \
-          --waves "$w" --modes "$modes" $RE_ARGS 2>&1 | grep -v "Converting\|Loading" | tee -a "$OUT/round_events.log" \
-          | grep -v '^{"probe"' | tail -40 >> "$OUT/../allocab.log"
+          --waves "$w" --modes "$modes" --engine-config "{\"executable_cache_dir\":\"$JEAGLE_CACHE/exec_$name\"}" 2>&1 < /dev/null \
+          | grep -v "Converting\|Loading" | tee -a "$OUT/$name/round_events.log" | grep -v '^{"probe"' | tail -30 >> "$OUT/allocab.log"
       done )
-  done
+  done <<< "${ALLOC_VARIANTS:-"default|default|
+vmm|vmm|
+vmm_va|vmm|$va"}"
 fi
 if [[ "$steps" == *" linearab "* ]]; then  # issue 22: the layers' matmuls through the linear kernel vs XLA's dot
   for round in ${LINEAR_ROUNDS:-1 2}; do
