@@ -44,6 +44,7 @@ skipped with a message — `--plot-only JSON` draws it later), and prints one JS
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import platform
 from pathlib import Path
@@ -195,6 +196,9 @@ def jeagle_rows(target_dir, head_dir, prompts_ids, batches, max_new, repeats, ti
                         "grammar_rows_walked": stats["grammar_rows_walked"],
                         "grammar_rows_masked": stats["grammar_rows_masked"]}
             tokens[name] = stats["tokens"]
+            # The median run's tokens, digested: rows of separate processes (another allocator, another
+            # machine) can then be compared token for token.
+            row["tokens_sha1"] = hashlib.sha1(json.dumps(stats["tokens"]).encode()).hexdigest()[:16]
             if name == "jeagle-eagle":
                 row |= {"accept_length": round(stats["accept_length"], 3), "tier": list(tier)}
             elif name == "jeagle-adaptive":

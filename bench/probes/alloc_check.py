@@ -11,7 +11,6 @@ request's common prefix with target-only, and writes the tokens (JSON) for a com
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path

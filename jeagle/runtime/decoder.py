@@ -228,11 +228,13 @@ class SlotTables:
     decoders: `assign_slots` writes positions allocated after the prefill (slots on demand,
     runtime/kv.py), `read_tables` reads rows back (a speculative round swaps slots on the device).
 
-    A read writes into output buffers the decoder keeps (donated, reused once the host has the values):
-    a read that allocated its outputs left them live, beside the round dispatched next, whose buffers then
-    landed at other addresses, so that XLA re-recorded its command buffers inside the call: +1.7-1.9 ms of
-    host time in that round's call at batch 16 and 48 (H200, bench/probes/round_events.py, HISTORY
-    session 40). A slot-table update, whose outputs alias the donated state, cost next to nothing there."""
+    A read allocates nothing on the device: it copies the whole table into output buffers the decoder
+    keeps (donated, reused once the host has the values), and the host picks the rows. A read that
+    allocated its outputs (and sent its row ids) left new buffers live beside the round dispatched next,
+    whose buffers then landed at other addresses, so that XLA re-recorded its command buffers inside the
+    call: +1.7-1.9 ms of host time in that round's call at batch 16 and 48; with the outputs donated,
+    +0.7-0.8 ms (H200, bench/probes/round_events.py, HISTORY session 40). A slot-table update, whose
+    outputs alias the donated state, cost next to nothing there."""
 
     EXTEND_ROWS_SLOTS = 128  # flat slots per row of one assign call (larger requests take several calls)
 
@@ -254,11 +256,11 @@ class SlotTables:
             r2t = kernel(cache.req_to_token, rows, starts, ends, flat)
             return dataclasses.replace(state, cache=dataclasses.replace(cache, req_to_token=r2t))
 
-        def read(req_to_token, seq_len, rows, tables, lengths):  # tables, lengths: the buffers the outputs reuse
-            return req_to_token[rows], (seq_len[rows] if seq_len is not None else rows * 0)
+        def read(req_to_token, seq_len, tables, lengths):  # tables, lengths: the buffers the outputs reuse
+            return req_to_token + 0, (seq_len + 0 if seq_len is not None else lengths * 0)
 
         # Compiled here, once, for their one shape each: nothing compiles for them while serving.
-        n, per, rows = self.max_reqs, self.EXTEND_ROWS_SLOTS, self.max_reqs + 1
+        n, per = self.max_reqs, self.EXTEND_ROWS_SLOTS
         i32 = jax.ShapeDtypeStruct((n,), np.int32)
         with use(self.config.kernels):  # the engine's kernel backend, as every step's trace has it
             self._assign_fn = jax.jit(assign, donate_argnums=0).lower(
@@ -273,8 +275,8 @@ class SlotTables:
                 lambda: (jax.numpy.zeros(table.shape, np.int32), jax.numpy.zeros(table.shape[:1], np.int32)),
                 out_shardings=(sharding, sharding)).lower().compile()
             self._read_bufs = [self._read_buffers()]  # free (tables, lengths) pairs; more while reads overlap
-            self._read_fn = jax.jit(read, donate_argnums=(3, 4), keep_unused=True).lower(
-                *self._table_and_lengths(), jax.ShapeDtypeStruct((rows,), np.int32), *self._read_bufs[0]).compile()
+            self._read_fn = jax.jit(read, donate_argnums=(2, 3), keep_unused=True).lower(
+                *self._table_and_lengths(), *self._read_bufs[0]).compile()
 
     def _table_and_lengths(self):  # what a read reads: the slot table, and the rows' lengths where kept
         return self.state.cache.req_to_token, getattr(self.state.rows, "seq_len", None)
@@ -296,13 +298,14 @@ class SlotTables:
 
     def read_tables(self, rows):
         """Dispatch a read of slot-table rows `rows` and their committed lengths (speculative: the rows'
-        seq_len; target-only: 0, the host knows); returns a handle for `tables_of`."""
+        seq_len; target-only: 0, the host knows); returns a handle for `tables_of`. The device copies the
+        whole table (as many rows as a read of padded row ids returned before), so that a read sends
+        nothing to the device: its row ids had been a new device buffer beside the next round."""
         bufs = self._read_bufs.pop() if self._read_bufs else self._read_buffers()
-        tables, lengths = self._read_fn(*self._table_and_lengths(),
-                                        pad(list(rows), self.max_reqs + 1, self.scratch_row, np.int32), *bufs)
+        tables, lengths = self._read_fn(*self._table_and_lengths(), *bufs)
         tables.copy_to_host_async()
         lengths.copy_to_host_async()
-        return len(rows), tables, lengths
+        return list(rows), tables, lengths
 
     @staticmethod
     def tables_ready(handle) -> bool:
@@ -312,8 +315,7 @@ class SlotTables:
 
     def tables_of(self, handle) -> tuple[np.ndarray, np.ndarray]:
         """A read's rows and lengths on the host (waits for the copies); its buffers serve the next read."""
-        n, tables, lengths = handle
-        # Copies: on a CPU np.asarray may view the buffer itself, which the next read overwrites.
-        out = np.array(np.asarray(tables)[:n]), np.array(np.asarray(lengths)[:n])
+        rows, tables, lengths = handle
+        out = np.asarray(tables)[rows], np.asarray(lengths)[rows]  # (copies: the next read reuses the buffers)
         self._read_bufs.append((tables, lengths))
         return out
