@@ -46,6 +46,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import platform
 from pathlib import Path
 
@@ -356,6 +357,7 @@ def main(argv=None) -> dict:
     tier = tuple(int(x) for x in args.tier.split(","))
     doc = {"bench": "decode", "model": target_dir.name, "draft": str(head_dir), "prompts": args.prompts or "one prompt",
            "max_new_tokens": args.max_new_tokens, "device": device_kind(), "continuous": args.continuous,
+           "allocator": os.environ.get("XLA_PYTHON_CLIENT_ALLOCATOR", "default"),
            "jax": jax.__version__, "python": platform.python_version(), "commit": git_commit(),
            "freeze_heap": args.freeze_heap, "engine_config": engine_config,
            "sampling": json.loads(args.sampling) if args.sampling else None,
