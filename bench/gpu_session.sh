@@ -349,38 +349,38 @@ if [[ "$steps" == *" roundevents "* ]]; then  # issue 22: each round call's host
 fi
 if [[ "$steps" == *" allocab "* ]]; then  # issue 22: round_events under other device allocators / XLA command-buffer modes
   # ALLOC_VARIANTS: NAME|ALLOCATOR|XLA_OPTIONS_JSON entries ("default" = the plugin's BFC; "vmm" = the VMM allocator,
-  # which XLA's address-stable command buffers need; the JSON goes to JEAGLE_XLA_OPTIONS: every engine executable).
-  # Each variant its own executable store (the options change the executables), a fresh process per RE_RUNS entry.
+  # which XLA's address-stable command buffers need; the JSON goes to JEAGLE_XLA_OPTIONS: every engine executable;
+  # jax 0.11.2 rejects '{"xla_gpu_enable_command_buffer_va_remapping": true}', HISTORY s40). Each variant its own
+  # executable store (the options change the executables), a fresh process per ALLOC_RUNS entry (BATCH:WAVES:MODES).
   so=$(find / -name "xla_cuda_plugin.so" -path "*jax*" 2>/dev/null | head -1)
   echo "plugin: $so" | tee -a "$OUT/allocab.log"
-  va='{"xla_gpu_enable_command_buffer_va_remapping": true}'
   while IFS='|' read -r name alloc opts; do
     [ -z "$name" ] && continue
     echo "== variant $name: allocator $alloc, JEAGLE_XLA_OPTIONS=$opts" | tee -a "$OUT/allocab.log"
     ( [ "$alloc" != default ] && export XLA_PYTHON_CLIENT_ALLOCATOR="$alloc"; [ -n "$opts" ] && export JEAGLE_XLA_OPTIONS="$opts"
       mkdir -p "$OUT/$name"
-      for spec2 in ${RE_RUNS:-48:3:continuous}; do
-        IFS=: read -r b w modes ad <<< "$spec2"
+      for spec2 in ${ALLOC_RUNS:-48:3:continuous}; do
+        IFS=: read -r b w modes <<< "$spec2"
         timeout "${RE_TIMEOUT:-240}" python3 bench/probes/round_events.py --prompts .data/mtbench.jsonl --batch "$b" \
           --waves "$w" --modes "$modes" --engine-config "{\"executable_cache_dir\":\"$JEAGLE_CACHE/exec_$name\"}" 2>&1 < /dev/null \
           | grep -v "Converting\|Loading" | tee -a "$OUT/$name/round_events.log" | grep -v '^{"probe"' | tail -30 >> "$OUT/allocab.log"
       done )
   done <<< "${ALLOC_VARIANTS:-"default|default|
-vmm|vmm|
-vmm_va|vmm|$va"}"
+vmm|vmm|"}"
 fi
 if [[ "$steps" == *" vmmcheck "* ]]; then  # issue 22: is the VMM allocator's batch-1 decode.py result right? (HISTORY s40)
-  # decode.py (batch 1,16,48) under the default allocator and under vmm, each with a fresh executable store and
-  # without one (VMM_STORES), one process each; rows print their tokens' digest (tokens_sha1): equal digests across
-  # allocators = the same tokens. Then the GPU tests under vmm.
+  # decode.py (VMM_BATCHES, default batch 1: where s40's result was suspect) under the default allocator and under
+  # vmm: with an executable store (VMM_STORES "store store": the first process compiles into it, the second loads
+  # from it, as s40's suspect run did) and without one; one process each. Rows print their tokens' digest
+  # (tokens_sha1): equal digests across allocators = the same tokens. Then the GPU tests under vmm.
   for a in ${VMM_ALLOCATORS:-default vmm}; do
-    for st in ${VMM_STORES:-store nostore}; do
+    for st in ${VMM_STORES:-store store nostore}; do
       cfg='{}'; [ "$st" = store ] && cfg="{\"executable_cache_dir\":\"$JEAGLE_CACHE/exec_vmmcheck_$a\"}"
       echo "== allocator $a, $st" | tee -a "$OUT/vmmcheck.log"
       ( [ "$a" != default ] && export XLA_PYTHON_CLIENT_ALLOCATOR="$a"
         timeout "${DECODE_TIMEOUT:-200}" python3 bench/decode.py --prompts .data/mtbench.jsonl --hf-batch-sizes "" \
-          --systems jeagle,jeagle-eagle --batch-sizes "${VMM_BATCHES:-1,16,48}" --engine-config "$cfg" 2>&1 < /dev/null \
-          | grep '^{"bench"' | tee "$OUT/vmmcheck_${a}_$st.json" | python3 -c "import json,sys
+          --systems jeagle,jeagle-eagle --batch-sizes "${VMM_BATCHES:-1}" --engine-config "$cfg" 2>&1 < /dev/null \
+          | grep '^{"bench"' | tee -a "$OUT/vmmcheck_${a}_$st.jsonl" | python3 -c "import json,sys
 for r in json.load(sys.stdin)['rows']:
     print(r['system'], r['batch'], r['tokens_per_s'], r.get('accept_length'), r['tokens_sha1'], r.get('shortest_common_prefix'))" \
           | tee -a "$OUT/vmmcheck.log" )

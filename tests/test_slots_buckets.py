@@ -206,12 +206,21 @@ def test_slot_table_reads_in_flight_together_each_read_their_rows(kind):
            else speculative(target, signed_identity_head(target, 1.0), cfg, SpecConfig(3, 2, 4)))
     dec = eng.decoder
     dec.assign_slots([(0, 0, np.arange(10, 15)), (1, 0, np.arange(20, 23)), (2, 3, np.arange(30, 32))])
+    if kind == "eagle":  # committed lengths per row (speculative rows keep them on the device)
+        import dataclasses
+
+        import jax.numpy as jnp
+
+        dec.state = dataclasses.replace(dec.state, rows=dataclasses.replace(
+            dec.state.rows, seq_len=jnp.arange(4, dtype=jnp.int32) + 7))
     a, b = dec.read_tables([1]), dec.read_tables([2, 0])
-    ta, _ = dec.tables_of(a)
+    ta, la = dec.tables_of(a)
     tb, lengths = dec.tables_of(b)
     assert ta[0, :4].tolist() == [20, 21, 22, 0]
     assert tb[0, :6].tolist() == [0, 0, 0, 30, 31, 0] and tb[1, :6].tolist() == [10, 11, 12, 13, 14, 0]
-    assert lengths.tolist() == [0, 0]  # nothing prefilled: no committed lengths
+    # speculative: the rows' own lengths; target-only: zeros (the host knows them), also from a reused buffer
+    assert (la.tolist(), lengths.tolist()) == (([8], [9, 7]) if kind == "eagle" else ([0], [0, 0]))
     c = dec.read_tables([0])  # a buffer handed back above
-    assert dec.tables_of(c)[0][0, :5].tolist() == [10, 11, 12, 13, 14]
+    tc, lc = dec.tables_of(c)
+    assert tc[0, :5].tolist() == [10, 11, 12, 13, 14] and lc.tolist() == ([7] if kind == "eagle" else [0])
     assert ta[0, :4].tolist() == [20, 21, 22, 0]  # the host's copies stay as read

@@ -228,8 +228,11 @@ class SlotTables:
     decoders: `assign_slots` writes positions allocated after the prefill (slots on demand,
     runtime/kv.py), `read_tables` reads rows back (a speculative round swaps slots on the device).
 
-    A read allocates nothing on the device: it copies the whole table into output buffers the decoder
-    keeps (donated, reused once the host has the values), and the host picks the rows. A read that
+    A read sends nothing to the device and, on a GPU, allocates nothing there: it copies the whole table
+    into output buffers the decoder keeps (donated, reused once the host has the values; a new pair only
+    while more reads overlap than the pool holds; a CPU does not donate them), and the host picks the
+    rows. Each pooled pair keeps the host copy of its last read until its next (one table: (max_reqs + 1)
+    x max_ctx int32, ~8 MB at 256 x 8,192), as many as reads ever overlapped. A read that
     allocated its outputs (and sent its row ids) left new buffers live beside the round dispatched next,
     whose buffers then landed at other addresses, so that XLA re-recorded its command buffers inside the
     call: +1.7-1.9 ms of host time in that round's call at batch 16 and 48; with the outputs donated,
@@ -279,7 +282,8 @@ class SlotTables:
                 *self._table_and_lengths(), *self._read_bufs[0]).compile()
 
     def _table_and_lengths(self):  # what a read reads: the slot table, and the rows' lengths where kept
-        return self.state.cache.req_to_token, getattr(self.state.rows, "seq_len", None)
+        state = self.state  # (a property where a dispatch thread runs the calls: it joins the call in flight)
+        return state.cache.req_to_token, getattr(state.rows, "seq_len", None)
 
     def assign_slots(self, entries) -> None:
         """Write slot-table entries [(row, first position, slots)] (in as few fixed-shape calls as fit)."""
