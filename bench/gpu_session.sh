@@ -334,24 +334,26 @@ if [[ "$steps" == *" continuous "* ]]; then  # issue 22: static waves vs continu
     done
   done
 fi
+round_events_run() {  # LOG SPEC ARGS...: one bench/probes/round_events.py process for SPEC = BATCH:WAVES:MODES[:adaptive]
+  local log="$1" b w modes ad extra=(); IFS=: read -r b w modes ad <<< "$2"; shift 2
+  [ -n "$ad" ] && extra=(--adaptive '{"policy": "throughput"}')
+  echo "== batch $b waves $w modes $modes ${ad:-static tier} $*" | tee -a "$log"
+  timeout "${RE_TIMEOUT:-240}" python3 bench/probes/round_events.py --prompts .data/mtbench.jsonl --batch "$b" \
+    --waves "$w" --modes "$modes" "${extra[@]}" "$@" 2>&1 < /dev/null | grep -v "Converting\|Loading" | tee -a "$log"
+}
 if [[ "$steps" == *" roundevents "* ]]; then  # issue 22: each round call's host ms by what happened before it
   # RE_RUNS: BATCH:WAVES:MODES[:adaptive] (adaptive: the throughput policy); RE_ARGS: more probe arguments
   # (default: the executable store that adaptivecmp uses, so later processes load what earlier ones compiled).
   RE_ARGS="${RE_ARGS-"--engine-config {\"executable_cache_dir\":\"$JEAGLE_CACHE/exec\"}"}"
   for spec in ${RE_RUNS:-16:5:static,continuous 48:3:static,continuous 48:1:static:adaptive}; do
-    IFS=: read -r b w modes ad <<< "$spec"
-    extra=(); [ -n "$ad" ] && extra=(--adaptive '{"policy": "throughput"}')
-    echo "== batch $b waves $w modes $modes ${ad:-static tier} ${RE_ARGS:-}" | tee -a "$OUT/round_events.log"
-    timeout "${RE_TIMEOUT:-240}" python3 bench/probes/round_events.py --prompts .data/mtbench.jsonl --batch "$b" \
-      --waves "$w" --modes "$modes" "${extra[@]}" ${RE_ARGS:-} 2>&1 | grep -v "Converting\|Loading" \
-      | tee -a "$OUT/round_events.log" | grep '^{"probe"' >> "$OUT/round_events.jsonl"
+    round_events_run "$OUT/round_events.log" "$spec" ${RE_ARGS:-} | grep '^{"probe"' >> "$OUT/round_events.jsonl"
   done
 fi
 if [[ "$steps" == *" allocab "* ]]; then  # issue 22: round_events under other device allocators / XLA command-buffer modes
   # ALLOC_VARIANTS: NAME|ALLOCATOR|XLA_OPTIONS_JSON entries ("default" = the plugin's BFC; "vmm" = the VMM allocator,
   # which XLA's address-stable command buffers need; the JSON goes to JEAGLE_XLA_OPTIONS: every engine executable;
   # jax 0.11.2 rejects '{"xla_gpu_enable_command_buffer_va_remapping": true}', HISTORY s40). Each variant its own
-  # executable store (the options change the executables), a fresh process per ALLOC_RUNS entry (BATCH:WAVES:MODES).
+  # executable store (the options change the executables), a fresh process per ALLOC_RUNS entry (as RE_RUNS).
   so=$(find / -name "xla_cuda_plugin.so" -path "*jax*" 2>/dev/null | head -1)
   echo "plugin: $so" | tee -a "$OUT/allocab.log"
   while IFS='|' read -r name alloc opts; do
@@ -359,34 +361,12 @@ if [[ "$steps" == *" allocab "* ]]; then  # issue 22: round_events under other d
     echo "== variant $name: allocator $alloc, JEAGLE_XLA_OPTIONS=$opts" | tee -a "$OUT/allocab.log"
     ( [ "$alloc" != default ] && export XLA_PYTHON_CLIENT_ALLOCATOR="$alloc"; [ -n "$opts" ] && export JEAGLE_XLA_OPTIONS="$opts"
       mkdir -p "$OUT/$name"
-      for spec2 in ${ALLOC_RUNS:-48:3:continuous}; do
-        IFS=: read -r b w modes <<< "$spec2"
-        timeout "${RE_TIMEOUT:-240}" python3 bench/probes/round_events.py --prompts .data/mtbench.jsonl --batch "$b" \
-          --waves "$w" --modes "$modes" --engine-config "{\"executable_cache_dir\":\"$JEAGLE_CACHE/exec_$name\"}" 2>&1 < /dev/null \
-          | grep -v "Converting\|Loading" | tee -a "$OUT/$name/round_events.log" | grep -v '^{"probe"' | tail -30 >> "$OUT/allocab.log"
+      for spec in ${ALLOC_RUNS:-48:3:continuous}; do
+        round_events_run "$OUT/$name/round_events.log" "$spec" \
+          --engine-config "{\"executable_cache_dir\":\"$JEAGLE_CACHE/exec_$name\"}" | grep -v '^{"probe"' | tail -30 >> "$OUT/allocab.log"
       done )
   done <<< "${ALLOC_VARIANTS:-"default|default|
 vmm|vmm|"}"
-fi
-if [[ "$steps" == *" vmmcheck "* ]]; then  # issue 22: is the VMM allocator's batch-1 decode.py result right? (HISTORY s40)
-  # decode.py (VMM_BATCHES, default batch 1: where s40's result was suspect) under the default allocator and under
-  # vmm: with an executable store (VMM_STORES "store store": the first process compiles into it, the second loads
-  # from it, as s40's suspect run did) and without one; one process each. Rows print their tokens' digest
-  # (tokens_sha1): equal digests across allocators = the same tokens. Then the GPU tests under vmm.
-  for a in ${VMM_ALLOCATORS:-default vmm}; do
-    for st in ${VMM_STORES:-store store nostore}; do
-      cfg='{}'; [ "$st" = store ] && cfg="{\"executable_cache_dir\":\"$JEAGLE_CACHE/exec_vmmcheck_$a\"}"
-      echo "== allocator $a, $st" | tee -a "$OUT/vmmcheck.log"
-      ( [ "$a" != default ] && export XLA_PYTHON_CLIENT_ALLOCATOR="$a"
-        timeout "${DECODE_TIMEOUT:-200}" python3 bench/decode.py --prompts .data/mtbench.jsonl --hf-batch-sizes "" \
-          --systems jeagle,jeagle-eagle --batch-sizes "${VMM_BATCHES:-1}" --engine-config "$cfg" 2>&1 < /dev/null \
-          | grep '^{"bench"' | tee -a "$OUT/vmmcheck_${a}_$st.jsonl" | python3 -c "import json,sys
-for r in json.load(sys.stdin)['rows']:
-    print(r['system'], r['batch'], r['tokens_per_s'], r.get('accept_length'), r['tokens_sha1'], r.get('shortest_common_prefix'))" \
-          | tee -a "$OUT/vmmcheck.log" )
-    done
-  done
-  XLA_PYTHON_CLIENT_ALLOCATOR=vmm python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -4 | tee -a "$OUT/vmmcheck.log"
 fi
 if [[ "$steps" == *" linearab "* ]]; then  # issue 22: the layers' matmuls through the linear kernel vs XLA's dot
   for round in ${LINEAR_ROUNDS:-1 2}; do

@@ -53,10 +53,12 @@ def main(argv=None):
     engines = {"target": target_only(model, ec), "eagle": speculative(model, head, ec, SpecConfig(5, 4, 8))}
     for name, eng in engines.items():
         for mode in ("b1", f"b{args.batch}"):
-            outs = ([eng.generate([x], sp)[0] for x in ids] if mode == "b1" else eng.generate(ids, sp))
+            outs, accept = [], []  # batch 1: the questions one after another, each one's accept length
+            for group in ([[x] for x in ids] if mode == "b1" else [ids]):
+                outs += eng.generate(group, sp)
+                accept.append(eng.last_stats.accept_length)
             doc["tokens"][f"{name}_{mode}"] = [o.token_ids for o in outs]
-            if mode == "b1":
-                doc.setdefault("accept", {})[name] = getattr(eng.last_stats, "accept_length", None)
+            doc.setdefault("accept", {})[f"{name}_{mode}"] = accept
     ref = doc["tokens"]["target_b1"]
     for key, rows in doc["tokens"].items():
         print(f"{key:<10} common prefix with target_b1: {[common(a, b) for a, b in zip(rows, ref)]}")
