@@ -92,17 +92,24 @@ def prompt_logits(model, ids: list[int], last_only: bool = True):
 def median_run(fn, repeats: int) -> tuple[float, dict]:
     """fn() -> (new tokens, info); returns (tokens/s, info) of the median run. A dict info gains
     `run_tokens_per_s`: every run's, in order (a slow run among fast ones shows there)."""
-    runs = []
+    return median_runs({None: fn}, repeats)[None]
+
+
+def median_runs(fns: dict, repeats: int) -> dict:
+    """median_run of each of `fns` ({key: fn}), their runs interleaved (one of each per cycle, so that a
+    machine's drift falls on all of them alike): {key: (tokens/s, info)}."""
+    runs = {k: [] for k in fns}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        n, info = fn()
-        runs.append((n / (time.perf_counter() - t0), info))
-    rates = [round(r, 1) for r, _ in runs]
-    runs.sort(key=lambda r: r[0])
-    tps, info = runs[len(runs) // 2]
-    if isinstance(info, dict):
-        info = {**info, "run_tokens_per_s": rates}
-    return tps, info
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            n, info = fn()
+            runs[k].append((n / (time.perf_counter() - t0), info))
+    out = {}
+    for k, rs in runs.items():
+        rates = [round(r, 1) for r, _ in rs]
+        tps, info = sorted(rs, key=lambda r: r[0])[len(rs) // 2]
+        out[k] = (tps, {**info, "run_tokens_per_s": rates} if isinstance(info, dict) else info)
+    return out
 
 
 # ---- random models of a named shape ---------------------------------------------------------------------

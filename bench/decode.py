@@ -50,7 +50,7 @@ import os
 import platform
 from pathlib import Path
 
-from common import chat_ids, device_kind, emit, git_commit, median_run, plain_hf_model, read_prompts
+from common import chat_ids, device_kind, emit, git_commit, median_run, median_runs, plain_hf_model, read_prompts
 
 EAGLE_LLM_WHY = ("eagle-llm 1.2.1 (eagle.model.cnets.Model) implements EAGLE-1/2 heads (fc over [embedding | "
                  "feature], the target's lm_head); the shipped head is EAGLE-3 (three-layer features, own "
@@ -104,7 +104,7 @@ def token_agreement(got: list[list[int]], want: list[list[int]]) -> dict:
 def jeagle_rows(target_dir, head_dir, prompts_ids, batches, max_new, repeats, tier, systems=JEAGLE_SYSTEMS,
                 adaptive_config=None, engine_config: dict | None = None, sampling: dict | None = None,
                 tokenizer=None, kv_chunk: int | None = None, waves: int = 1, buckets: str = "default",
-                continuous: bool = False, freeze: bool = False) -> list[dict]:
+                continuous: bool = False, freeze: bool = False, shrink_ratios=None) -> list[dict]:
     from jeagle.adaptive import AdaptiveConfig
     from jeagle.checkpoint import load_draft, load_model
     from jeagle.engine import EngineConfig, speculative, target_only
@@ -144,7 +144,8 @@ def jeagle_rows(target_dir, head_dir, prompts_ids, batches, max_new, repeats, ti
     for batch in batches:
         wave_ids = [batch_of(prompts_ids, batch, w) for w in range(waves)]
         ids = [p for w in wave_ids for p in w]
-        tokens: dict[str, list[list[int]]] = {}
+        tokens: dict[tuple, list[list[int]]] = {}
+        first = len(rows)
         for name, eng in engines.items():
             # Compile every executable this batch can reach (the smaller buckets it shrinks into as
             # requests finish, every KV bucket, every tier of jeagle-adaptive; a grammar's rounds), then a
@@ -160,9 +161,11 @@ def jeagle_rows(target_dir, head_dir, prompts_ids, batches, max_new, repeats, ti
                 eng.generate(w, sp)
             if freeze:  # --freeze-heap: as a server does once its engine is built (jeagle/runtime/gc_clock.py)
                 freeze_heap()
-            gcs = []  # per run: Python's garbage collections during it (ms, collections, full collections)
+            gcs = {}  # per run: Python's garbage collections during it (ms, collections, full collections)
 
-            def once():
+            def once(ratio):
+                if ratio is not None:  # --bucket-shrink-ratios: the same engine, another bucket rule
+                    eng.bucket_shrink_ratio = ratio
                 eng.flush_cache()  # every run starts cold: later waves reuse only what this run prefilled
                 if name == "jeagle-adaptive":
                     eng.decoder.reset_tier()  # every run starts from the initial tier with a fresh EMA
@@ -174,43 +177,55 @@ def jeagle_rows(target_dir, head_dir, prompts_ids, batches, max_new, repeats, ti
                     n += sum(len(o.token_ids) for o in outs)
                     stats.append(eng.last_stats.to_dict() | {"tokens": [o.token_ids for o in outs]})
                 g1 = gc_totals()
-                gcs.append((round((g1["gc_s"] - g0["gc_s"]) * 1e3, 2), g1["gc_collections"] - g0["gc_collections"],
-                            g1["gc_full_collections"] - g0["gc_full_collections"]))
+                gcs.setdefault(ratio, []).append((round((g1["gc_s"] - g0["gc_s"]) * 1e3, 2),
+                                                  g1["gc_collections"] - g0["gc_collections"],
+                                                  g1["gc_full_collections"] - g0["gc_full_collections"]))
                 return n, merge_waves(stats)
 
-            tps, stats = median_run(once, repeats)
-            row = {"system": name, "batch": batch, "tokens_per_s": round(tps, 1), "buckets": buckets} | (
-                {"waves": waves} if waves > 1 else {}) | ({"continuous": True} if continuous else {}) | (
-                {"sampling": report} if report else {})
-            # Where the median run's time went: decode steps / rounds dispatched, the engine's wall, the
-            # host's blocked time per step, prompt tokens taken from the prefix cache.
-            hb = stats["host_blocked_ms"] or {}
-            row |= {"run_tokens_per_s": stats["run_tokens_per_s"], "steps": stats["steps"],
-                    "wall_s": round(stats["wall_s"], 3),
-                    "host_blocked_ms_p50": round(hb.get("p50", 0.0), 3),
-                    "cached_tokens": stats["cached_tokens"], "prefill_calls": stats["prefill_calls"],
-                    "admission_held_steps": stats["admission_held_steps"],
-                    "run_gc_ms": [g[0] for g in gcs], "run_gc_collections": [g[1] for g in gcs],
-                    "run_gc_full_collections": [g[2] for g in gcs]}
-            if "grammar" in report:  # where a grammar batch's time goes
-                row |= {"grammar_mask_ms": round(stats["grammar_mask_ms"], 1),
-                        "grammar_rows_walked": stats["grammar_rows_walked"],
-                        "grammar_rows_masked": stats["grammar_rows_masked"]}
-            tokens[name] = stats["tokens"]
-            # The median run's tokens, digested: rows of separate processes (another allocator, another
-            # machine) can then be compared token for token.
-            row["tokens_sha1"] = hashlib.sha1(json.dumps(stats["tokens"]).encode()).hexdigest()[:16]
-            if name == "jeagle-eagle":
-                row |= {"accept_length": round(stats["accept_length"], 3), "tier": list(tier)}
-            elif name == "jeagle-adaptive":
-                row |= {"accept_length": round(stats["accept_length"], 3), "tiers": stats["tiers"],
-                        "dispatches_per_tier": tier_rounds(stats), "adaptive_state": stats.get("adaptive_state")}
-            rows.append(row)
-        for row in rows[-len(engines):]:  # greedy: lossless up to bf16 near ties, per request
-            if "jeagle" in tokens and row["system"] != "jeagle":
-                row |= token_agreement(tokens[row["system"]], tokens["jeagle"])
+            ratios = shrink_ratios or [None]
+            medians = median_runs({v: (lambda v=v: once(v)) for v in ratios}, repeats)
+            for ratio in ratios:
+                tps, stats = medians[ratio]
+                rule = eng.bucket_shrink_ratio if ratio is None else ratio
+                rows.append(row_of(name, batch, tps, stats, gcs[ratio], rule, buckets, waves, continuous, report, tier))
+                tokens[(name, ratio)] = stats["tokens"]
+        for row in rows[first:]:  # greedy: lossless up to bf16 near ties, per request
+            ratio = row["bucket_shrink_ratio"] if shrink_ratios else None
+            if ("jeagle", ratio) in tokens and row["system"] != "jeagle":
+                row |= token_agreement(tokens[(row["system"], ratio)], tokens[("jeagle", ratio)])
             print(json.dumps(row), flush=True)
     return rows
+
+
+def row_of(name, batch, tps, stats, gcs, ratio, buckets, waves, continuous, report, tier) -> dict:
+    """One system's row at one batch size and bucket rule: the median run's tokens/s, where its time went."""
+    row = {"system": name, "batch": batch, "tokens_per_s": round(tps, 1), "buckets": buckets,
+           "bucket_shrink_ratio": ratio, "buckets_used": stats["buckets_used"]} | (
+        {"waves": waves} if waves > 1 else {}) | ({"continuous": True} if continuous else {}) | (
+        {"sampling": report} if report else {})
+    # Where the median run's time went: decode steps / rounds dispatched, the engine's wall, the
+    # host's blocked time per step, prompt tokens taken from the prefix cache.
+    hb = stats["host_blocked_ms"] or {}
+    row |= {"run_tokens_per_s": stats["run_tokens_per_s"], "steps": stats["steps"],
+            "wall_s": round(stats["wall_s"], 3),
+            "host_blocked_ms_p50": round(hb.get("p50", 0.0), 3),
+            "cached_tokens": stats["cached_tokens"], "prefill_calls": stats["prefill_calls"],
+            "admission_held_steps": stats["admission_held_steps"],
+            "run_gc_ms": [g[0] for g in gcs], "run_gc_collections": [g[1] for g in gcs],
+            "run_gc_full_collections": [g[2] for g in gcs]}
+    if "grammar" in report:  # where a grammar batch's time goes
+        row |= {"grammar_mask_ms": round(stats["grammar_mask_ms"], 1),
+                "grammar_rows_walked": stats["grammar_rows_walked"],
+                "grammar_rows_masked": stats["grammar_rows_masked"]}
+    # The median run's tokens, digested: rows of separate processes (another allocator, another
+    # machine) can then be compared token for token.
+    row["tokens_sha1"] = hashlib.sha1(json.dumps(stats["tokens"]).encode()).hexdigest()[:16]
+    if name == "jeagle-eagle":
+        row |= {"accept_length": round(stats["accept_length"], 3), "tier": list(tier)}
+    elif name == "jeagle-adaptive":
+        row |= {"accept_length": round(stats["accept_length"], 3), "tiers": stats["tiers"],
+                "dispatches_per_tier": tier_rounds(stats), "adaptive_state": stats.get("adaptive_state")}
+    return row
 
 
 def hf_rows(gguf: Path, prompts_ids, batches, max_new, repeats, pad_id: int, device: str = "cuda") -> list[dict]:
@@ -316,6 +331,9 @@ def main(argv=None) -> dict:
                         "each run's garbage-collection time either way: run_gc_ms)")
     p.add_argument("--buckets", default="default", choices=["default", "batches"],
                    help="default: the engine's batch buckets (what a user gets); batches: the batch sizes only")
+    p.add_argument("--bucket-shrink-ratios", default=None, metavar="X,Y,...",
+                   help="time each system under each EngineConfig.bucket_shrink_ratio, the runs interleaved on one "
+                        "engine (a row per ratio; default: the engine's own)")
     p.add_argument("--json-out", default=None)
     p.add_argument("--plot", default=None, help="PNG path")
     p.add_argument("--plot-only", default=None, metavar="JSON", help="draw --plot from an earlier --json-out")
@@ -368,7 +386,9 @@ def main(argv=None) -> dict:
     doc["rows"] += jeagle_rows(target_dir, head_dir, prompts_ids, batches, args.max_new_tokens, args.repeats, tier,
                                systems, args.adaptive_config, engine_config,
                                json.loads(args.sampling) if args.sampling else None, tok,
-                               args.kv_chunk, args.waves, args.buckets, args.continuous, args.freeze_heap)
+                               args.kv_chunk, args.waves, args.buckets, args.continuous, args.freeze_heap,
+                               [float(x) for x in args.bucket_shrink_ratios.split(",")] if args.bucket_shrink_ratios
+                               else None)
     hf_batches = [int(b) for b in args.hf_batch_sizes.split(",") if b.strip()]
     if hf_batches:
         if args.target is not None:

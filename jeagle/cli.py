@@ -65,6 +65,10 @@ def build_parser(prog: str = "python -m jeagle.generate", prompts: bool = True,
                     help="batch buckets, e.g. 1,2,4,8 (default: SGLang's list up to the batch size)")
     rt.add_argument("--max-bucket", type=int, default=None, help="cap the default bucket list")
     rt.add_argument("--disable-padding", action="store_true", help="compile one executable per exact batch size")
+    rt.add_argument("--bucket-shrink-ratio", type=float, default=EngineConfig.bucket_shrink_ratio, metavar="X",
+                    help="a running batch moves down to a smaller bucket only once its requests fill at most 1/X of "
+                         "its bucket (each bucket's first round after another's costs the host a command-buffer "
+                         "update; default %(default)s; 1: always the smallest bucket that fits, as SGLang)")
     rt.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
                     help="dispatch the next round before the host processes the last one (default on)")
     rt.add_argument("--dispatch-thread", action=argparse.BooleanOptionalAction, default=None,

@@ -87,6 +87,7 @@ class EngineSpec:
     schedule_conservativeness: float = 1.0
     admission_delay: float = EngineConfig.admission_delay
     admission_max_wait_steps: int = EngineConfig.admission_max_wait_steps
+    bucket_shrink_ratio: float = EngineConfig.bucket_shrink_ratio
     verify_done_wait: str | None = None
     rounds_per_dispatch: int = 1
     rounds_loop: str = "unrolled"  # "unrolled" | "while" (EngineConfig.unroll_rounds)
@@ -164,6 +165,7 @@ class EngineSpec:
                             schedule_conservativeness=self.schedule_conservativeness,
                             admission_delay=self.admission_delay,
                             admission_max_wait_steps=self.admission_max_wait_steps,
+                            bucket_shrink_ratio=self.bucket_shrink_ratio,
                             verify_done_wait=self.verify_done_wait, rounds_per_dispatch=self.rounds_per_dispatch,
                             unroll_rounds=self.rounds_loop == "unrolled",
                             executable_cache_dir=executable_cache_dir,

@@ -116,6 +116,20 @@ def test_batch_tables():
         pick_bucket(decode, 49)
 
 
+def test_a_running_batch_keeps_its_bucket_until_it_fills_at_most_one_over_the_ratio():
+    b = Buckets(batch=batch_buckets(48, config()), prefill_batch=(1, 48), prefill_len=(64,), kv=(1024,), max_ctx=1024,
+                max_prefill_tokens=8192)
+    assert b.decode(47, 10, current=48) == (48, 1024)  # ratio 1: the smallest bucket that fits (SGLang's)
+    assert b.decode(30, 10, current=48, shrink_ratio=2.0) == (48, 1024)  # 30 rows fill more than half of 48
+    assert b.decode(24, 10, current=48, shrink_ratio=2.0) == (24, 1024)  # half: down to the smallest that fits
+    assert b.decode(13, 10, current=24, shrink_ratio=2.0) == (24, 1024)
+    assert b.decode(11, 10, current=24, shrink_ratio=2.0) == (12, 1024)
+    assert b.decode(33, 10, current=24, shrink_ratio=2.0) == (40, 1024)  # growing is never held back
+    assert b.decode(5, 10, current=0, shrink_ratio=4.0) == (5, 1024)  # a new batch starts at its own bucket
+    with pytest.raises(ValueError, match="bucket_shrink_ratio must be >= 1"):
+        config(bucket_shrink_ratio=0.5)
+
+
 def test_plans_pick_the_smallest_covering_buckets():
     b = Buckets(batch=(1, 2, 4, 8), prefill_batch=(1, 4, 8), prefill_len=(16, 64, 256), kv=(128, 256, 512),
                 max_ctx=512, max_prefill_tokens=512)

@@ -152,10 +152,14 @@ class Buckets:
         b, t = self.prefill(n, longest)
         return n == 1 or b * t <= self.max_prefill_tokens
 
-    def decode(self, n: int, longest_prefix: int) -> tuple[int, int]:
+    def decode(self, n: int, longest_prefix: int, current: int = 0, shrink_ratio: float = 1.0) -> tuple[int, int]:
         """(batch, prefix) bucket of a decode step / round over n rows whose prefixes reach at most
-        `longest_prefix` positions."""
-        return pick_bucket(self.batch, n), pick_bucket(self.kv, min(longest_prefix, self.max_ctx))
+        `longest_prefix` positions. A batch running at bucket `current` keeps it while its rows fill more
+        than 1/shrink_ratio of it (`EngineConfig.bucket_shrink_ratio`; 1: always the smallest that fits)."""
+        b = pick_bucket(self.batch, n)
+        if b < current and n * shrink_ratio > current:
+            b = current
+        return b, pick_bucket(self.kv, min(longest_prefix, self.max_ctx))
 
     def context(self, longest_total: int) -> int:
         """The context bucket of a prefill whose rows continue cached prefixes, the longest reaching

@@ -58,6 +58,12 @@ class EngineConfig:
     # over 0, bench/HISTORY.md session 39).
     admission_delay: float = 2.0
     admission_max_wait_steps: int = 20
+    # A running batch moves down to a smaller batch bucket only once its rows fill at most 1/this of its
+    # bucket (then to the smallest that fits); 1: always the smallest that fits (SGLang's rule). The first
+    # call of a bucket's executable after others ran re-records its XLA command buffers (+0.3-1.3 ms of host
+    # time at batch 16-48 on an H200, bench/HISTORY.md session 40), and a batch draining from 48 passes up to
+    # 19 of SGLang's buckets, while a padded row costs a host-bound round little.
+    bucket_shrink_ratio: float = 1.0
     # A grammar round whose rows the host all walked (greedy, no penalties) sends each tree node's allowed
     # token ids [B, N, C] to the accept instead of vocabulary bitmasks [B, N, W] (jeagle/grammar_walk.py);
     # False: always bitmasks (an A/B switch: `bench/gpu_session.sh run serveab` with '{"grammar_token_ids":false}').
@@ -90,5 +96,7 @@ class EngineConfig:
         if self.admission_delay < 0 or self.admission_max_wait_steps < 0:
             raise ValueError(f"admission_delay and admission_max_wait_steps must be >= 0, got {self.admission_delay}, "
                              f"{self.admission_max_wait_steps}")
+        if not self.bucket_shrink_ratio >= 1:
+            raise ValueError(f"bucket_shrink_ratio must be >= 1, got {self.bucket_shrink_ratio}")
         if self.decode_steps < 1:
             raise ValueError(f"decode_steps must be >= 1, got {self.decode_steps}")

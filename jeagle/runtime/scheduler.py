@@ -58,6 +58,7 @@ class Engine(KVFlow):
                                     context_reserve=decoder.context_reserve, pool_slots=decoder.num_slots - 1)
         self.verify_done = VerifyDone(verify_done_mode(config.verify_done_wait))
         self.gate = AdmissionGate(config.admission_delay, config.admission_max_wait_steps)  # admission in groups
+        self.bucket_shrink_ratio, self._bucket = config.bucket_shrink_ratio, 0  # the live batch's bucket (`step`)
         # The queues: waiting to be admitted, admitted, dispatched but unread ((kind, requests, result)).
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
@@ -168,9 +169,8 @@ class Engine(KVFlow):
         return r
 
     def abort(self, r: Request) -> None:
-        """Stop a request now: it leaves the queue or the batch, its row and slots are free at once
-        (steps already in flight still write them, but anything that reuses them is dispatched
-        after), tokens still in flight for it are dropped. finish_reason "abort"."""
+        """Stop a request now: it leaves the queue or the batch, its row and slots are free at once (steps already in
+        flight still write them, but anything reusing them is dispatched after), its tokens in flight are dropped."""
         if r.done:
             return
         r.finish("abort")
@@ -303,7 +303,8 @@ class Engine(KVFlow):
             self._running = [r for r in self._running if not r.done]
             live = [r for r in self._running if dec.wants_step(r)]
         if live:
-            b, kv = self.buckets.decode(len(live), longest)
+            b, kv = self.buckets.decode(len(live), longest, self._bucket, self.bucket_shrink_ratio)
+            self._bucket = b
             acct["buckets_used"].add(b)
             t1, drained = time.perf_counter(), 0.0
             result = dec.step(live, b, kv, drain)
@@ -342,6 +343,7 @@ class Engine(KVFlow):
                                    self.compile_seconds != compiled)
         if not self.has_work:
             self._join_step()
+            self._bucket = 0
             self.verify_done.wait()  # nothing may stay pending once idle
             self._complete_releases()
 
@@ -388,8 +390,8 @@ class Engine(KVFlow):
         return self._warmup(self.warmup_plan(batch_sizes, prefill_lengths, kv_lengths, greedy, **modes), progress)
 
     def _warmup(self, keys, progress: bool) -> float:
-        """Compile `keys`, run each once on padding rows on a GPU (`_prime`), then let the decoder time
-        what it times (the adaptive tiers' rounds); all counted as warm-up and compile time."""
+        """Compile `keys`, run each once on padding rows on a GPU (`_prime`), then let the decoder time what it times
+        (the adaptive tiers' rounds); all counted as warm-up and compile time."""
         self.executables.warmup(keys, progress)
         if self.prime_after_warmup:
             t0 = time.perf_counter()
@@ -400,9 +402,8 @@ class Engine(KVFlow):
         return self.executables.warmup_seconds
 
     def _prime(self, key) -> None:
-        """`decoder.prime(key)` once per executable: its first run on the device (kernels and constants
-        loaded, 15-17 ms for a freshly compiled 256-token prefill on an H100, bench/HISTORY.md session 22)
-        then falls in the warm-up, not in the first request's time to first token."""
+        """`decoder.prime(key)` once per executable: its first run on the device (kernels and constants loaded, 15-17 ms
+        for a fresh 256-token prefill on an H100, HISTORY session 22) falls in the warm-up, not in a first token."""
         if key not in self._primed:
             self._primed.add(key)
             self.decoder.prime(key)
@@ -431,11 +432,10 @@ class Engine(KVFlow):
         return self._warmup(self.plan_for(prompt_lengths, max_new_tokens, greedy, **modes), progress)
 
     def preload_for(self, prompt_lengths, max_new_tokens: int, greedy=(True, False), **modes) -> int:
-        """A warm start's warm-up, which compiles nothing: of what these prompts can dispatch (`plan_for`), what
-        the executable store holds loads now, in parallel, and each runs once on padding rows (`decoder.prime`),
-        so that neither its loading nor its first run on the device (~0.2 s for a prefill on an H100) falls in
-        a request's time to first token. The rest compiles on first use. Counted as compile time; returns how
-        many loaded."""
+        """A warm start's warm-up, which compiles nothing: of what these prompts can dispatch (`plan_for`), what the
+        executable store holds loads now, in parallel, and each runs once on padding rows (`decoder.prime`), so that
+        neither its loading nor its first run on the device (~0.2 s for a prefill on an H100) falls in a request's
+        time to first token. The rest compiles on first use. Counted as compile time; returns how many loaded."""
         keys = self.plan_for(prompt_lengths, max_new_tokens, greedy, **modes)
         loaded = self.executables.preload(keys, self._prime)
         self.decoder.calibrate_keys(keys, compile=False)
