@@ -12,7 +12,7 @@
 #   that records runs: `bash bench/stamp_commit.sh` and carry .commit too (the commit the JSONs name).
 # startup (issue 27: first and second start of the README command) needs the staged GGUF like bench;
 # so does ttft (issue 25: a prefix-cache hit's time to first token by host phase, with a trace).
-# masks needs the staged GGUF (its tokenizer); so do roundevents, allocab, vmmcheck, linearab (decode A/B of JEAGLE_LINEAR=0|1), adaptrounds, adaptpaired, continuous and serveab. Random-weight steps (trainstep, tp, profile, phases, kerneltests, kernelbench, kernelround, specbench, overhead, warmup, cmdbuf, tierswitch, adaptoverhead, hostcall, graphlaunch, hostopts, adaptive, autotune, dispatchthread, splitweights, prefillcall) need no staging: `bash bench/gpu_session.sh run kerneltests kernelbench kernelround`.
+# masks needs the staged GGUF (its tokenizer); so do roundevents, allocab, vmmcheck, shrink, linearab (decode A/B of JEAGLE_LINEAR=0|1), adaptrounds, adaptpaired, continuous and serveab. Random-weight steps (trainstep, tp, profile, phases, kerneltests, kernelbench, kernelround, specbench, overhead, warmup, cmdbuf, tierswitch, adaptoverhead, hostcall, graphlaunch, hostopts, adaptive, autotune, dispatchthread, splitweights, prefillcall) need no staging: `bash bench/gpu_session.sh run kerneltests kernelbench kernelround`.
 set -uo pipefail
 mode="${1:-run}"
 stage_in() {  # whatever staged parts this call carries -> $HOME/stage; unpack the data archives once
@@ -463,6 +463,21 @@ if [[ "$steps" == *" adaptivecmp "* ]]; then  # issue 22: the adaptive policies 
       esac
       decode_variant adaptivecmp "batch $b, waves $waves: $sys" --batch-sizes "$b" --waves "$waves" "${args[@]}" ${ACMP_ARGS:-}
     done
+  done
+fi
+if [[ "$steps" == *" shrink "* ]]; then  # issue 22: EngineConfig.bucket_shrink_ratio, the ratios interleaved on one engine
+  # SH_BATCHES: batch groups of single waves (target-only, (5,4,8), the throughput policy: SH_SYSTEMS); SH_CONT:
+  # BATCH:WAVES of continuous batching (target-only, (5,4,8)); SH_RATIOS: the ratios; one process per group.
+  echo '{"policy": "throughput"}' > "$OUT/throughput.json"
+  SH_ARGS="${SH_ARGS-"--engine-config {\"executable_cache_dir\":\"$JEAGLE_CACHE/exec\"}"}"
+  for b in ${SH_BATCHES-16,48}; do
+    decode_variant shrink "batch $b single wave, ratios ${SH_RATIOS:-1,1.5,2,3}" --batch-sizes "$b" \
+      --systems "${SH_SYSTEMS:-jeagle,jeagle-eagle,jeagle-adaptive}" --adaptive-config "$OUT/throughput.json" \
+      --bucket-shrink-ratios "${SH_RATIOS:-1,1.5,2,3}" ${SH_ARGS:-}
+  done
+  for bw in ${SH_CONT-}; do
+    decode_variant shrink "batch ${bw%%:*} waves ${bw##*:} continuous, ratios ${SH_RATIOS:-1,1.5,2,3}" \
+      --batch-sizes "${bw%%:*}" --waves "${bw##*:}" --continuous --bucket-shrink-ratios "${SH_RATIOS:-1,1.5,2,3}" ${SH_ARGS:-}
   done
 fi
 if [[ "$steps" == *" adaptpaired "* ]]; then  # issue 22: adaptive engines ÷ static, paired run by run in one process
