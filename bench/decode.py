@@ -401,17 +401,18 @@ def main(argv=None) -> dict:
             except Exception as e:  # a peer that cannot run is reported, not fatal
                 doc["peers_not_run"]["hf"] = f"{type(e).__name__}: {e}"[:500]
                 print(f"hf peer not run: {doc['peers_not_run']['hf']}", flush=True)
-    base = {r["batch"]: r["tokens_per_s"] for r in doc["rows"] if r["system"] == "jeagle"}
+    # Against target-only at the same batch size (and bucket rule, with --bucket-shrink-ratios)
+    base = {(r["batch"], r.get("bucket_shrink_ratio")): r["tokens_per_s"] for r in doc["rows"] if r["system"] == "jeagle"}
     hf = {r["batch"]: r["tokens_per_s"] for r in doc["rows"] if r["system"] == "hf"}
     for r in doc["rows"]:
-        if r["batch"] in base:
-            r["vs_jeagle_target_only"] = round(r["tokens_per_s"] / base[r["batch"]], 2)
+        if (key := (r["batch"], r.get("bucket_shrink_ratio"))) in base:
+            r["vs_jeagle_target_only"] = round(r["tokens_per_s"] / base[key], 2)
         if r["batch"] in hf:
             r["vs_hf"] = round(r["tokens_per_s"] / hf[r["batch"]], 2)
-    print(f"\n{'system':<16} {'batch':>5} {'tokens/s':>10} {'vs jeagle':>9} {'vs hf':>6} {'accept':>7}")
+    print(f"\n{'system':<16} {'batch':>5} {'shrink':>6} {'tokens/s':>10} {'vs jeagle':>9} {'vs hf':>6} {'accept':>7}")
     for r in doc["rows"]:
-        print(f"{r['system']:<16} {r['batch']:>5} {r['tokens_per_s']:>10.1f} {r.get('vs_jeagle_target_only', ''):>9} "
-              f"{r.get('vs_hf', ''):>6} {r.get('accept_length', ''):>7}")
+        print(f"{r['system']:<16} {r['batch']:>5} {r.get('bucket_shrink_ratio', ''):>6} {r['tokens_per_s']:>10.1f} "
+              f"{r.get('vs_jeagle_target_only', ''):>9} {r.get('vs_hf', ''):>6} {r.get('accept_length', ''):>7}")
     for peer, why in doc["peers_not_run"].items():
         print(f"not run: {peer}: {why}")
     if args.plot:
