@@ -312,7 +312,7 @@ decode_variant() {  # STEM LABEL ARGS...: one bench/decode.py run (jeagle system
   local stem="$1" label="$2"; shift 2
   echo "$label" | tee -a "$OUT/$stem.log"
   ${DECODE_TIMEOUT:+timeout "$DECODE_TIMEOUT"} python3 bench/decode.py --prompts .data/mtbench.jsonl --hf-batch-sizes "" \
-    --systems jeagle,jeagle-eagle "$@" 2>&1 \
+    --systems jeagle,jeagle-eagle "$@" 2>&1 | tee -a "$OUT/$stem.raw" \
     | grep '^{"bench"' | tee -a "$OUT/$stem.jsonl" \
     | python3 -c "import json,sys; [print(r) for r in json.load(sys.stdin)['rows']]" | tee -a "$OUT/$stem.log"
 }
