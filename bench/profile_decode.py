@@ -151,7 +151,7 @@ def main(argv=None):
         for _ in range(warm_steps):
             engine.step()
         dec = engine.decoder  # its device state (donated through every step) and, speculative, its accept lengths
-        compiled0, acc0 = engine.compile_seconds, len(getattr(dec, "accept_lengths", ()))
+        compiled0, window = engine.compile_seconds, dec.stats_window() if dec.speculative else None
         jax.block_until_ready(dec.state)
         t0 = time.perf_counter()
         for _ in range(args.steps):
@@ -171,7 +171,7 @@ def main(argv=None):
                   "figures include compilation", flush=True)
         if any(r.done for r in reqs):
             raise RuntimeError(f"batch {batch}: a request finished while measured (max_new {max_new})")
-        accepted = list(getattr(dec, "accept_lengths", ()))[acc0:]  # request-rounds of both windows
+        accept = dec.stats(window).accept_length if window is not None else 1.0  # both windows' request-rounds
         # The optimized HLO of what ran: the warm-up plan's decode executables, all in memory by now.
         want_hlo = phases or args.dump
         hlo = [engine.executables.get(k).as_text() for k in plan if "prefill" not in k.label] if want_hlo else []
@@ -195,7 +195,7 @@ def main(argv=None):
                "prefill_excluded": prefill_excluded,
                "traced_wall_ms_per_step": 1e3 * traced_wall / n, "device_idle_ms_per_step": idle_us / 1e3 / n, "largest_gaps_us": [round(g, 1) for g in gaps],
                "busy_ms_by_module": {m: round(t / 1e3, 3) for m, t in modules.most_common(8)},
-               "accept_length": sum(accepted) / len(accepted) if accepted else 1.0,
+               "accept_length": accept,
                "top": sorted(((name, c / n, t / n) for name, (c, t) in by_name.items()),
                              key=lambda x: -x[2])[: args.top]}
         if phases:

@@ -118,6 +118,28 @@ def test_oracle_accepts_every_step_and_adversary_one(target, prompts):
         assert adversary.last_stats.accept_length == 1.0
 
 
+def test_a_stats_window_counts_its_own_request_rounds(target, prompts):
+    """Accept statistics are counts since start, a window their difference (session 41: a history trimmed at
+    100,000 request-rounds read accept length 1.0 for a window that began before the trim)."""
+    sp = SamplingParams(max_new_tokens=25, ignore_eos=True)
+    engine = speculative(target, signed_identity_head(target, +1.0, noise=0.08), EngineConfig(max_batch_size=8,
+                         max_context=128), SpecConfig(3, 2, 5))
+    windows = []
+    for _ in range(3):
+        engine.generate(prompts, sp)
+        windows.append(engine.last_stats.speculative)
+    first = windows[0]
+    hist = {int(k): v for k, v in first.accept_length_histogram.items()}
+    assert sum(hist.values()) == first.rounds > len(prompts) and set(hist) == set(range(1, 5))
+    assert first.accept_length == pytest.approx(sum(k * v for k, v in hist.items()) / first.rounds)
+    assert 1.0 < first.accept_length < 4.0  # partial acceptance
+    for w in windows[1:]:  # the same greedy requests again: the same rounds, counted apart from the earlier ones
+        assert (w.rounds, w.accept_length_histogram, w.accept_length) == (first.rounds, first.accept_length_histogram,
+                                                                           first.accept_length)
+    recent = engine.decoder.recent_accepts
+    assert engine.decoder.info()["avg_spec_accept_length"] == pytest.approx(sum(recent) / len(recent))
+
+
 def test_eos_and_max_new_tokens_inside_an_accepted_run(target, prompts):
     oracle = signed_identity_head(target, +1.0)
     free = target_only_tokens(target, prompts[:4], SamplingParams(max_new_tokens=30, ignore_eos=True))

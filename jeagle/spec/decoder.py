@@ -45,7 +45,6 @@ from jeagle.spec.round import MAX_STOP, RoundResult, RowLayout, SpecConfig, pack
 from jeagle.spec.steps import DraftKey, RoundKey, SpecPrefillInputs, SpecPrefillKey, SpecState, SpecStatic, init_state
 from jeagle.spec.timing import TierTiming
 
-ACCEPT_HISTORY = 100_000  # accept lengths kept between stats windows (a server runs for days)
 
 
 class SpecDecoder(TierTiming, SlotTables, GrammarMasks, FlatParams, Dispatching):
@@ -119,7 +118,10 @@ class SpecDecoder(TierTiming, SlotTables, GrammarMasks, FlatParams, Dispatching)
                                        compile_processes=config.compile_processes)
         self._rng = np.random.default_rng()
         self._init_tables()
-        self.accept_lengths: list[int] = []  # tokens per request-round, bonus included (bounded)
+        # Request-rounds by tokens emitted (bonus included), counted since start: a stats window is the
+        # difference of two counts, however long the engine runs; the last few for /server_info.
+        self.accept_counts = np.zeros(self.row_layout.num_steps + 2, np.int64)
+        self.recent_accepts: deque[int] = deque(maxlen=512)
         self.rounds_dispatched = 0
         self.tier_log: list[tuple[int, SpecConfig]] = []  # (round index, tier) at every change of tier
         # Dispatched, unread rounds: (tier index, bucket (b, kv, greedy), dispatch time, a prefill ran
@@ -388,9 +390,8 @@ class SpecDecoder(TierTiming, SlotTables, GrammarMasks, FlatParams, Dispatching)
         ran_round = acc >= 0
         accepted = acc[ran_round]
         if accepted.size:
-            self.accept_lengths.extend((accepted + 1).tolist())
-            if len(self.accept_lengths) > ACCEPT_HISTORY:
-                del self.accept_lengths[: -ACCEPT_HISTORY // 2]
+            self.accept_counts += np.bincount(accepted + 1, minlength=self.accept_counts.size)
+            self.recent_accepts.extend((accepted + 1).tolist())
             if self.controller is not None:
                 would = None if nest is None or not self.controller.observes() else nest[live][ran_round]
                 self.controller.on_verify_complete(accepted, ran, bucket, would)
@@ -400,16 +401,17 @@ class SpecDecoder(TierTiming, SlotTables, GrammarMasks, FlatParams, Dispatching)
     # ---- stats -------------------------------------------------------------------------------------------
     def stats_window(self):
         """Where a stats window starts."""
-        return (len(self.accept_lengths), self.rounds_dispatched, len(self.tier_log), self.spec,
+        return (self.accept_counts.copy(), self.rounds_dispatched, len(self.tier_log), self.spec,
                 self.grammar_rows_walked, self.grammar_rows_masked, Counter(self.bucket_rounds))
 
     def stats(self, window) -> SpecStats:
         acc0, round0, log0, start_tier, walked0, masked0, buckets0 = window
-        acc = self.accept_lengths[acc0:]
+        acc = self.accept_counts - acc0  # request-rounds of this window by tokens emitted
+        rounds = int(acc.sum())
         history = {0: start_tier} | {i - round0: t for i, t in self.tier_log[log0:]}
-        return SpecStats(rounds=len(acc), round_dispatches=self.rounds_dispatched - round0,
-                         accept_length=float(np.mean(acc)) if acc else 1.0,
-                         accept_length_histogram={str(k): acc.count(k) for k in range(1, self.row_layout.num_steps + 2)},
+        return SpecStats(rounds=rounds, round_dispatches=self.rounds_dispatched - round0,
+                         accept_length=float(acc @ np.arange(acc.size)) / rounds if rounds else 1.0,
+                         accept_length_histogram={str(k): int(acc[k]) for k in range(1, acc.size)},
                          adaptive=self.controller is not None, tiers=[list(t.shape) for t in self.tiers],
                          tier_history={str(i): list(t.shape) for i, t in sorted(history.items())},
                          tier_switches=len(history) - 1, rounds_per_dispatch=self.rounds_per_dispatch,
@@ -443,7 +445,7 @@ class SpecDecoder(TierTiming, SlotTables, GrammarMasks, FlatParams, Dispatching)
         return out
 
     def info(self) -> dict:
-        acc = self.accept_lengths[-512:]
+        acc = self.recent_accepts
         return {"speculative_num_steps": self.spec.num_steps, "speculative_tier": list(self.spec.shape),
                 "avg_spec_accept_length": sum(acc) / len(acc) if acc else None} | (
                     {"adaptive": self.adaptive_state()} if self.controller is not None else {}) | (
