@@ -368,6 +368,26 @@ if [[ "$steps" == *" allocab "* ]]; then  # issue 22: round_events under other d
   done <<< "${ALLOC_VARIANTS:-"default|default|
 vmm|vmm|"}"
 fi
+if [[ "$steps" == *" vmmcheck "* ]]; then  # issue 22: is the VMM allocator's batch-1 decode.py result right? (HISTORY s40)
+  # decode.py (VMM_BATCHES, default batch 1: where s40's result was suspect) under the default allocator and under
+  # vmm: with an executable store (VMM_STORES "store store": the first process compiles into it, the second loads
+  # from it, as s40's suspect run did) and without one; one process each. Rows print their tokens' digest
+  # (tokens_sha1): equal digests across allocators = the same tokens. Then the GPU tests under vmm.
+  for a in ${VMM_ALLOCATORS:-default vmm}; do
+    for st in ${VMM_STORES:-store store nostore}; do
+      cfg='{}'; [ "$st" = store ] && cfg="{\"executable_cache_dir\":\"$JEAGLE_CACHE/exec_vmmcheck_$a\"}"
+      echo "== allocator $a, $st" | tee -a "$OUT/vmmcheck.log"
+      ( [ "$a" != default ] && export XLA_PYTHON_CLIENT_ALLOCATOR="$a"
+        timeout "${DECODE_TIMEOUT:-200}" python3 bench/decode.py --prompts .data/mtbench.jsonl --hf-batch-sizes "" \
+          --systems jeagle,jeagle-eagle --batch-sizes "${VMM_BATCHES:-1}" --engine-config "$cfg" 2>&1 < /dev/null \
+          | grep '^{"bench"' | tee -a "$OUT/vmmcheck_${a}_$st.jsonl" | python3 -c "import json,sys
+for r in json.load(sys.stdin)['rows']:
+    print(r['system'], r['batch'], r['tokens_per_s'], r.get('accept_length'), r['tokens_sha1'], r.get('shortest_common_prefix'))" \
+          | tee -a "$OUT/vmmcheck.log" )
+    done
+  done
+  XLA_PYTHON_CLIENT_ALLOCATOR=vmm python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_gpu.py 2>&1 | tail -4 | tee -a "$OUT/vmmcheck.log"
+fi
 if [[ "$steps" == *" linearab "* ]]; then  # issue 22: the layers' matmuls through the linear kernel vs XLA's dot
   for round in ${LINEAR_ROUNDS:-1 2}; do
     for on in ${LINEAR_CHOICES:-0 1}; do
