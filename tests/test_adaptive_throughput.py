@@ -305,9 +305,9 @@ def test_nested_tiers_accept_lengths_equal_running_those_tiers():
         small = speculative(target, head, cfg, SpecConfig(s, 4, n))
         first[s] = []
         for p in prompts:
-            small.decoder.accept_lengths.clear()
+            small.decoder.recent_accepts.clear()
             small.generate([p], [params])
-            first[s].append(small.decoder.accept_lengths[0] - 1)
+            first[s].append(small.decoder.recent_accepts[0] - 1)
     would, ran_big = [], []
     for p in prompts:
         seen.clear()

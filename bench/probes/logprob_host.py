@@ -76,7 +76,8 @@ def run(kind: str, b: int, w: int, k: int | None, steps: int, reps: int, seed: i
         reqs, loop = make_requests(b, k, max_new=10 ** 9)
         if kind == "spec":
             dec = SimpleNamespace(_dispatches=deque((1, None, 0.0, False, 0) for _ in range(steps)), timed=False,
-                                  last_read=None, rounds_per_dispatch=1, accept_lengths=[], controller=None,
+                                  last_read=None, rounds_per_dispatch=1, accept_counts=np.zeros(w + 1, np.int64),
+                                  recent_accepts=deque(maxlen=512), controller=None,
                                   tiers=[SimpleNamespace(num_steps=w - 1)] * 2)
             unpack = SpecDecoder.unpack
         else:
