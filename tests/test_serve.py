@@ -217,6 +217,7 @@ def test_aborted_stream_frees_its_slots(server):
             assert time.time() < deadline, info
             time.sleep(0.1)
         assert info["speculative_tier"] == [3, 2, 5] and info["queued_requests"] == 0
+        assert info["bucket_shrink_ratio"] == 2.0  # the default bucket rule, reported
 
 
 @pytest.mark.parametrize("body,param", [

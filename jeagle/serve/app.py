@@ -149,7 +149,7 @@ async def server_info(request: Request):
         "model": s.model_name, "max_running_requests": f.max_running_requests, "max_context": f.max_context,
         "batch_buckets": list(f.batch_buckets), "overlap": f.overlap, "verify_done_wait": f.verify_done_wait,
         "speculative": f.speculative, "adaptive": f.adaptive, "slice_fusion": f.slice_fusion,
-        "dispatch_thread": f.dispatch_thread})
+        "dispatch_thread": f.dispatch_thread, "bucket_shrink_ratio": f.bucket_shrink_ratio})
 
 
 async def flush_cache(request: Request):

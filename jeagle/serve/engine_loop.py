@@ -56,13 +56,14 @@ class EngineFacts:
     adaptive: bool
     slice_fusion: bool  # XLA's dynamic-slice fusions (KernelSettings.slice_fusion; the server's default: off)
     dispatch_thread: bool  # the executables called on a thread of their own (the server's default: on)
+    bucket_shrink_ratio: float  # a draining batch keeps its bucket until it fills at most 1/this of it
 
     @classmethod
     def of(cls, engine) -> "EngineFacts":
         return cls(tuple(engine.model_cfg.eos_token_ids), engine.model_cfg.vocab_size, engine.max_context,
                    engine.context_reserve, engine.max_running, tuple(engine.batch_buckets), engine.config.overlap,
                    engine.verify_done_mode, engine.speculative, engine.adaptive, engine.config.kernels.slice_fusion,
-                   engine.config.dispatch_thread)
+                   engine.config.dispatch_thread, engine.bucket_shrink_ratio)
 
 
 def rejection(e: Exception) -> tuple[str, int]:

@@ -46,7 +46,6 @@ from jeagle.spec.steps import DraftKey, RoundKey, SpecPrefillInputs, SpecPrefill
 from jeagle.spec.timing import TierTiming
 
 
-
 class SpecDecoder(TierTiming, SlotTables, GrammarMasks, FlatParams, Dispatching):
     speculative = True
     swaps_slots = True  # a round's commit swaps tree slots into positions: read the tables back to know them
