@@ -487,12 +487,13 @@ if [[ "$steps" == *" adaptivecmp "* ]]; then  # issue 22: the adaptive policies 
 fi
 if [[ "$steps" == *" shrink "* ]]; then  # issue 22: EngineConfig.bucket_shrink_ratio, the ratios interleaved on one engine
   # SH_BATCHES: batch groups of single waves (target-only, (5,4,8), the throughput policy: SH_SYSTEMS); SH_CONT:
-  # BATCH:WAVES of continuous batching (target-only, (5,4,8)); SH_RATIOS: the ratios; one process per group.
-  echo '{"policy": "throughput"}' > "$OUT/throughput.json"
+  # BATCH:WAVES of continuous batching (target-only, (5,4,8)); SH_RATIOS: the ratios; SH_POLICY: jeagle-adaptive's
+  # policy (throughput, or ema: SGLang's, the default); one process per group.
+  echo "{\"policy\": \"${SH_POLICY:-throughput}\"}" > "$OUT/adaptive.json"
   SH_ARGS="${SH_ARGS-"--engine-config {\"executable_cache_dir\":\"$JEAGLE_CACHE/exec\"}"}"
   for b in ${SH_BATCHES-16,48}; do
     decode_variant shrink "batch $b single wave, ratios ${SH_RATIOS:-1,1.5,2,3}" --batch-sizes "$b" \
-      --systems "${SH_SYSTEMS:-jeagle,jeagle-eagle,jeagle-adaptive}" --adaptive-config "$OUT/throughput.json" \
+      --systems "${SH_SYSTEMS:-jeagle,jeagle-eagle,jeagle-adaptive}" --adaptive-config "$OUT/adaptive.json" \
       --bucket-shrink-ratios "${SH_RATIOS:-1,1.5,2,3}" ${SH_ARGS:-}
   done
   for bw in ${SH_CONT-}; do
