@@ -372,6 +372,9 @@ def main(argv=None) -> dict:
     if "kernels" in engine_config:
         p.error("--engine-config: kernels follow from the environment (JEAGLE_KERNELS, JEAGLE_PAGED_ATTENTION_SPLITS, "
                 "JEAGLE_TRITON_GEMM, JEAGLE_XLA_OPTIONS)")
+    ratios = sorted({float(x) for x in args.bucket_shrink_ratios.split(",")}) if args.bucket_shrink_ratios else None
+    if ratios and ratios[0] < 1:
+        p.error("--bucket-shrink-ratios: each at least 1")
     tier = tuple(int(x) for x in args.tier.split(","))
     doc = {"bench": "decode", "model": target_dir.name, "draft": str(head_dir), "prompts": args.prompts or "one prompt",
            "max_new_tokens": args.max_new_tokens, "device": device_kind(), "continuous": args.continuous,
@@ -387,8 +390,7 @@ def main(argv=None) -> dict:
                                systems, args.adaptive_config, engine_config,
                                json.loads(args.sampling) if args.sampling else None, tok,
                                args.kv_chunk, args.waves, args.buckets, args.continuous, args.freeze_heap,
-                               [float(x) for x in args.bucket_shrink_ratios.split(",")] if args.bucket_shrink_ratios
-                               else None)
+                               ratios)
     hf_batches = [int(b) for b in args.hf_batch_sizes.split(",") if b.strip()]
     if hf_batches:
         if args.target is not None:
@@ -405,7 +407,8 @@ def main(argv=None) -> dict:
     base = {(r["batch"], r.get("bucket_shrink_ratio")): r["tokens_per_s"] for r in doc["rows"] if r["system"] == "jeagle"}
     hf = {r["batch"]: r["tokens_per_s"] for r in doc["rows"] if r["system"] == "hf"}
     for r in doc["rows"]:
-        if (key := (r["batch"], r.get("bucket_shrink_ratio"))) in base:
+        key = (r["batch"], r.get("bucket_shrink_ratio", doc["rows"][0].get("bucket_shrink_ratio")))  # hf: the first's
+        if key in base:
             r["vs_jeagle_target_only"] = round(r["tokens_per_s"] / base[key], 2)
         if r["batch"] in hf:
             r["vs_hf"] = round(r["tokens_per_s"] / hf[r["batch"]], 2)

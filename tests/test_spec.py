@@ -124,13 +124,14 @@ def test_a_stats_window_counts_its_own_request_rounds(target, prompts):
     sp = SamplingParams(max_new_tokens=25, ignore_eos=True)
     engine = speculative(target, signed_identity_head(target, +1.0, noise=0.08), EngineConfig(max_batch_size=8,
                          max_context=128), SpecConfig(3, 2, 5))
+    engine.decoder.accept_counts[3] += 10**6  # a long history before the windows: none of it may count
     windows = []
     for _ in range(3):
         engine.generate(prompts, sp)
         windows.append(engine.last_stats.speculative)
     first = windows[0]
     hist = {int(k): v for k, v in first.accept_length_histogram.items()}
-    assert sum(hist.values()) == first.rounds > len(prompts) and set(hist) == set(range(1, 5))
+    assert len(prompts) < first.rounds < 1000 and hist[4] < 1000
     assert first.accept_length == pytest.approx(sum(k * v for k, v in hist.items()) / first.rounds)
     assert 1.0 < first.accept_length < 4.0  # partial acceptance
     for w in windows[1:]:  # the same greedy requests again: the same rounds, counted apart from the earlier ones

@@ -58,7 +58,7 @@ class Engine(KVFlow):
                                     context_reserve=decoder.context_reserve, pool_slots=decoder.num_slots - 1)
         self.verify_done = VerifyDone(verify_done_mode(config.verify_done_wait))
         self.gate = AdmissionGate(config.admission_delay, config.admission_max_wait_steps)  # admission in groups
-        self.bucket_shrink_ratio, self._bucket = config.bucket_shrink_ratio, 0  # the live batch's bucket (`step`)
+        self.bucket_shrink_ratio, self._bucket = 1.0 if config.disable_padding else config.bucket_shrink_ratio, 0  # `step`
         # The queues: waiting to be admitted, admitted, dispatched but unread ((kind, requests, result)).
         self._waiting: deque[Request] = deque()
         self._running: list[Request] = []
@@ -184,7 +184,7 @@ class Engine(KVFlow):
         """Abort every request (waiting, running, in flight) and leave the engine idle: after a failed
         step, nothing in flight is read. Returns the requests aborted."""
         self.decoder.settle()  # a call still on the dispatch thread: waited for, its error dropped (not raised again)
-        self._unjoined = None
+        self._unjoined, self._bucket = None, 0
         reqs = [*self._waiting, *self._admitting, *self._running] + [r for _, batch, _ in self._pending for r in batch]
         reqs = list({id(r): r for r in reqs if not r.done}.values())
         for r in reqs:
