@@ -62,9 +62,10 @@ class EngineConfig:
     # bucket (then to the smallest that fits); 1: always the smallest that fits (SGLang's rule). The first
     # call of a bucket's executable after others ran re-records its XLA command buffers (+0.3-1.3 ms of host
     # time at batch 16-48 on an H200, bench/HISTORY.md session 40), and a batch draining from 48 passes up to
-    # 19 of SGLang's buckets, while a padded row costs a host-bound round little. 2 against 1 on an H200
-    # (SmolLM2, MT-bench, one engine, runs interleaved; session 41): the throughput-policy adaptive engine
-    # +14 % / +4 % at batch 16 / 48, static (5,4,8) and continuous batching within +-2 %, target-only unmoved.
+    # 19 of SGLang's buckets, while a padded row costs a host-bound round little. 2 against 1 on three H200s
+    # (SmolLM2, MT-bench, one engine, runs interleaved; session 41), batch 16 / 48: the throughput policy
+    # +9-14 % / +4 %, the EMA policy -3 % (inside its spread) / +6.5 %, continuous batching 0-7 %, static
+    # (5,4,8) and target-only unmoved. Not measured on a device-bound model, where 1 may serve better.
     bucket_shrink_ratio: float = 2.0
     # A grammar round whose rows the host all walked (greedy, no penalties) sends each tree node's allowed
     # token ids [B, N, C] to the accept instead of vocabulary bitmasks [B, N, W] (jeagle/grammar_walk.py);
