@@ -121,3 +121,23 @@ def test_abort_all_after_a_failed_step_leaves_the_engine_idle_and_usable(engines
     while eng.has_work:
         eng.step()
     assert again.out.token_ids == alone[0]
+
+
+@pytest.mark.parametrize("name", ["target-only", "eagle"])
+def test_a_batch_after_abort_all_starts_at_its_own_bucket(engines, alone, name):
+    """The bucket a running batch holds (`bucket_shrink_ratio`, default 2) is let go by `abort_all`:
+    two requests after an abort at bucket 3 run at bucket 2 (held, 2 rows would keep 3: 2 > 3 / 2)."""
+    eng = engines[name]
+    assert eng.bucket_shrink_ratio == 2.0
+    reqs = [eng.submit(p, SamplingParams(max_new_tokens=40, ignore_eos=True)) for p in PROMPTS[:3]]
+    eng.reset_stats()
+    for _ in range(3):
+        eng.step()
+    assert eng.stats(reqs).buckets_used == [3] and not any(r.done for r in reqs)
+    eng.abort_all()
+    eng.reset_stats()
+    again = [eng.submit(p, sp) for p, sp in zip(PROMPTS[:2], PARAMS[:2])]
+    while eng.has_work:
+        eng.step()
+    assert [r.out.token_ids for r in again] == alone[:2]
+    assert eng.stats(again).buckets_used == [1, 2]  # 2 rows, then 1 (1 <= 2 / 2)
