@@ -34,8 +34,9 @@ batch: a batch whose requests finish at different rounds shrinks into the next s
 (the default until session 24) makes the timed batch sizes the only buckets (fewer executables to
 compile; a speculative batch's last rounds then run at the full bucket until 16 or 1 rows remain).
 
-Prints a table, writes `--plot` (tokens/s vs batch, one line per system; needs matplotlib, else
-skipped with a message — `--plot-only JSON` draws it later), and prints one JSON line last.
+Prints a table, writes `--plot` (tokens/s vs batch, one line per system and bucket rule; needs
+matplotlib, else skipped with a message — `--plot-only JSON` draws it later), and prints one JSON line
+last.
 
     python bench/decode.py --prompts .data/mtbench.jsonl --batch-sizes 1,4,16,48 --hf-batch-sizes 1,16 \
         --json-out decode.json --plot decode.png
@@ -274,6 +275,18 @@ def hf_rows(gguf: Path, prompts_ids, batches, max_new, repeats, pad_id: int, dev
     return rows
 
 
+def plot_series(rows: list[dict]) -> dict[str, list[tuple[int, float]]]:
+    """The plot's lines: one per system and per value of whatever else varies between the rows (bucket
+    rule, waves, continuous batching), each its (batch, tokens/s) points in batch order."""
+    varying = [k for k in ("bucket_shrink_ratio", "waves", "continuous")
+               if len({json.dumps(r.get(k)) for r in rows}) > 1]
+    series: dict[str, list[tuple[int, float]]] = {}
+    for r in rows:
+        label = ", ".join([r["system"]] + [f"{k} {r.get(k)}" for k in varying])
+        series.setdefault(label, []).append((r["batch"], r["tokens_per_s"]))
+    return {label: sorted(pts) for label, pts in series.items()}
+
+
 def plot(doc: dict, path: str) -> None:
     try:
         import matplotlib
@@ -284,9 +297,8 @@ def plot(doc: dict, path: str) -> None:
         print(f"matplotlib not installed: no plot (later: python bench/decode.py --plot-only JSON --plot {path})")
         return
     fig, ax = plt.subplots(figsize=(6, 4))
-    for system in dict.fromkeys(r["system"] for r in doc["rows"]):
-        pts = sorted((r["batch"], r["tokens_per_s"]) for r in doc["rows"] if r["system"] == system)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=system)
+    for label, pts in plot_series(doc["rows"]).items():
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("batch (requests)")
