@@ -70,9 +70,15 @@ WAVE_SUMS = ("rounds", "round_dispatches", "steps", "wall_s", "new_tokens", "pro
 
 def merge_waves(stats: list[dict]) -> dict:
     """One run's stats over its waves: the counters and times summed, tokens listed wave after wave, the
-    accept length weighted by each wave's request-rounds; the rest (latencies, tier history) the last wave's."""
+    accept length weighted by each wave's request-rounds, the round dispatches per tier summed over the
+    waves' tier histories; the rest (latencies, tier history itself) the last wave's."""
     out = dict(stats[-1]) | {k: sum(s[k] for s in stats) for k in WAVE_SUMS}
     out["tokens"] = [t for s in stats for t in s["tokens"]]
+    per_tier: dict[str, int] = {}
+    for s in stats:  # each wave's history counts from its own first dispatch
+        for key, n in tier_rounds(s).items():
+            per_tier[key] = per_tier.get(key, 0) + n
+    out["dispatches_per_tier"] = per_tier
     rounds = out["rounds"]
     out["accept_length"] = sum(s["accept_length"] * s["rounds"] for s in stats) / rounds if rounds else 1.0
     return out
@@ -225,7 +231,7 @@ def row_of(name, batch, tps, stats, gcs, ratio, buckets, waves, continuous, repo
         row |= {"accept_length": round(stats["accept_length"], 3), "tier": list(tier)}
     elif name == "jeagle-adaptive":
         row |= {"accept_length": round(stats["accept_length"], 3), "tiers": stats["tiers"],
-                "dispatches_per_tier": tier_rounds(stats), "adaptive_state": stats.get("adaptive_state")}
+                "dispatches_per_tier": stats["dispatches_per_tier"], "adaptive_state": stats.get("adaptive_state")}
     return row
 
 
