@@ -284,11 +284,11 @@ def hf_rows(gguf: Path, prompts_ids, batches, max_new, repeats, pad_id: int, dev
 def plot_series(rows: list[dict]) -> dict[str, list[tuple[int, float]]]:
     """The plot's lines: one per system and per value of whatever else varies between the rows (bucket
     rule, waves, continuous batching), each its (batch, tokens/s) points in batch order."""
-    varying = [k for k in ("bucket_shrink_ratio", "waves", "continuous")
-               if len({json.dumps(r.get(k)) for r in rows}) > 1]
+    varying = [k for k in ("bucket_shrink_ratio", "waves", "continuous")  # hf rows carry none of them
+               if len({json.dumps(r[k]) for r in rows if r.get(k) is not None}) > 1]
     series: dict[str, list[tuple[int, float]]] = {}
     for r in rows:
-        label = ", ".join([r["system"]] + [f"{k} {r.get(k)}" for k in varying])
+        label = ", ".join([r["system"]] + [f"{k} {r[k]}" for k in varying if r.get(k) is not None])
         series.setdefault(label, []).append((r["batch"], r["tokens_per_s"]))
     return {label: sorted(pts) for label, pts in series.items()}
 

@@ -46,3 +46,7 @@ def test_plot_draws_a_line_per_system_and_bucket_rule():
     assert series["jeagle, bucket_shrink_ratio 2.0"] == [(1, 2.0), (16, 32.0)]
     one_rule = decode.plot_series([r for r in rows if r["bucket_shrink_ratio"] == 2.0])
     assert sorted(one_rule) == ["jeagle", "jeagle-eagle"]
+    hf = [{"system": "hf", "batch": 1, "tokens_per_s": 3.0}]  # the transformers peer's rows: no bucket rule
+    ratio2 = [r for r in rows if r["bucket_shrink_ratio"] == 2.0]
+    assert sorted(decode.plot_series(ratio2 + hf)) == ["hf", "jeagle", "jeagle-eagle"]
+    assert "hf" in decode.plot_series(rows + hf)
