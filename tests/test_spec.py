@@ -131,7 +131,7 @@ def test_a_stats_window_counts_its_own_request_rounds(target, prompts):
         windows.append(engine.last_stats.speculative)
     first = windows[0]
     hist = {int(k): v for k, v in first.accept_length_histogram.items()}
-    assert len(prompts) < first.rounds < 1000 and hist[4] < 1000
+    assert sum(hist.values()) == first.rounds and len(prompts) < first.rounds < 1000 and hist[4] < 1000
     assert first.accept_length == pytest.approx(sum(k * v for k, v in hist.items()) / first.rounds)
     assert 1.0 < first.accept_length < 4.0  # partial acceptance
     for w in windows[1:]:  # the same greedy requests again: the same rounds, counted apart from the earlier ones
