@@ -53,6 +53,18 @@ export PYTHONPATH="$HOME/site:$PWD" PYTHONUNBUFFERED=1 JEAGLE_TEST_GPU=1 TOKENIZ
 python3 -c "import jax, flax, transformers; print(jax.__version__, flax.__version__, transformers.__version__, jax.devices())"
 shift || true
 steps=" ${*:-tests bench} "
+if [[ "$steps" == *" gputests "* ]]; then  # the GPU runner's suite: README "Tests"
+  start=$(date +%s)
+  python3 -m pytest -q -m gpu --durations=25 ${GPUTESTS_ARGS:-} 2>&1 | grep -v "Converting\|Loading" | tee "$OUT/pytest_gpu.log"
+  echo "pytest -m gpu wall: $(( $(date +%s) - start )) s" | tee -a "$OUT/pytest_gpu.log"
+fi
+if [[ "$steps" == *" partings "* ]]; then  # where bf16 EAGLE parts from target-only; deterministic mode's equality and cost
+  for spec in ${PARTINGS_RUNS:-default:1,16 deterministic:1,16,48}; do
+    python3 bench/probes/partings.py --prompts .data/mtbench.jsonl --num-prompts 48 --batch1-prompts "${PARTINGS_B1:-4}" \
+      --max-new-tokens "${PARTINGS_TOKENS:-128}" --modes "${spec%%:*}" --batch-sizes "${spec#*:}" \
+      --json-out "$OUT/partings_${spec%%:*}.json" 2>&1 | grep -v "Converting\|Loading\|^{" | tee -a "$OUT/partings.log"
+  done
+fi
 if [[ "$steps" == *" tests "* ]]; then
   python3 -m pytest -q -m gpu -s tests/test_gpu.py 2>&1 | grep -v "Converting\|Loading" | tee "$OUT/pytest_gpu.log"
   python3 -m pytest -q -x tests/test_parity_hf.py tests/test_cache.py tests/test_engine.py 2>&1 | tail -5 | tee "$OUT/pytest_cpu_suite_on_gpu.log"

@@ -98,7 +98,7 @@ def pytest_collection_modifyitems(config, items):
     on_gpu = jax.default_backend() == "gpu"
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU (run with JEAGLE_TEST_GPU=1 -m gpu on the GPU runner)")
     for item in items:
-        if "gpu" in item.keywords and not on_gpu:
+        if ("gpu" in item.keywords or "gpu_slow" in item.keywords) and not on_gpu:
             item.add_marker(skip)
         if item.nodeid in SLOW_ON_CPU:
             item.add_marker(pytest.mark.slow)

@@ -172,3 +172,35 @@ def test_deterministic_option():
         EngineSpec(deterministic=True, tp=2)
     with pytest.raises(ValueError, match="bool"):
         KernelSettings(deterministic=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bs", [16, 48])
+def test_deterministic_kernels_on_the_gpu_equal_target_only_at_every_batch(bs):
+    """On a GPU deterministic mode runs on its own kernels (`linear_invariant`, `ordered_attention`): greedy EAGLE
+    in bf16 at batch 16 / 48 — the static (5,4,8) tier, a chain and the adaptive set — equals greedy target-only
+    at batch 1, every request, and the forms' logits are the same bits (the first test above, on the kernels)."""
+    from jeagle.models.deterministic import kernels_serve
+
+    target = near_tie_target()
+    with use(DET):
+        assert kernels_serve(target)
+    test_a_tokens_logits_do_not_depend_on_the_rest_of_the_call(target)
+    rng = np.random.default_rng(bs)
+    prompts = [[int(t) for t in rng.integers(5, 2048, size=int(n))] for n in rng.integers(3, 120, size=bs)]
+    sp = SamplingParams(max_new_tokens=48, ignore_eos=True)
+    want = [o.token_ids for o in target_only(target, EngineConfig(max_batch_size=1, max_context=256, kernels=DET)
+                                             ).generate(prompts, sp)]
+    head = signed_identity_head(target, +1.0)
+    ec = EngineConfig(max_batch_size=bs, max_context=256, kernels=DET)
+    from jeagle.adaptive import AdaptiveConfig
+
+    for name, eng in [("(5,4,8)", speculative(target, head, ec, SpecConfig(5, 4, 8))),
+                      ("chain (4,1,5)", speculative(target, head, ec, SpecConfig(4, 1, 5))),
+                      ("adaptive", speculative(target, head, ec, SpecConfig(5, 4, 8), adaptive=AdaptiveConfig(
+                          candidate_tiers=((1, 4, 3), (3, 4, 5), (5, 4, 8)), ema_alpha=0.5, warmup_batches=2,
+                          update_interval=1, policy="ema")))]:
+        got = [o.token_ids for o in eng.generate(prompts, sp)]
+        parted = [i for i, (a, b) in enumerate(zip(got, want)) if a != b]
+        assert not parted, f"{name} at batch {bs}: requests {parted} part from target-only"
+        assert eng.last_stats.to_dict()["accept_length"] > 1.3, name

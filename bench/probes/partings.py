@@ -1,5 +1,5 @@
 """Where greedy EAGLE parts from greedy target-only in bf16, how close a tie each parting is, and what
-deterministic mode costs (issue 27).
+deterministic mode costs.
 
 For each mode (the default, `--deterministic`): greedy target-only and greedy EAGLE (shipped head,
 (5,4,8)) over the MT-bench first turns, `--max-new-tokens` each (EOS ignored), at batch 16 (all
@@ -63,6 +63,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch1-prompts", type=int, default=4)
     p.add_argument("--max-new-tokens", type=int, default=256)
     p.add_argument("--modes", default="default,deterministic")
+    p.add_argument("--batch-sizes", default="16,1",
+                   help="comma list; batch 1 takes the first --batch1-prompts prompts, batch B > 1 the first B (one wave)")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
 
@@ -92,7 +94,8 @@ def main(argv=None) -> int:
     for mode in args.modes.split(","):
         ks = dataclasses.replace(base, deterministic=mode == "deterministic")
         out = {}
-        for bs, ps in ((16, prompts), (1, prompts[:args.batch1_prompts])):
+        for bs in (int(x) for x in args.batch_sizes.split(",")):
+            ps = prompts[:args.batch1_prompts] if bs == 1 else prompts[:bs]
             ec = EngineConfig(max_batch_size=bs, max_context=ctx, kernels=ks)
             want, t_stats = timed(target_only(model, ec), ps, sp)
             got, s_stats = timed(speculative(model, head, ec, SpecConfig(5, 4, 8)), ps, sp)

@@ -35,7 +35,7 @@ from jax.experimental.pallas import triton as plgpu
 from jeagle.kernels.backend import backend
 from jeagle.kernels.settings import KernelSettings, current
 
-__all__ = ["linear", "linear_reference", "linear_serves", "linear_tiles", "MAX_ROWS"]
+__all__ = ["linear", "linear_invariant", "linear_reference", "linear_serves", "linear_tiles", "MAX_ROWS", "ROW_TILE"]
 
 # Rows (M) up to which `linear_serves` by default (`KernelSettings.linear_max_rows`, JEAGLE_LINEAR_MAX_ROWS);
 # beyond, XLA's GEMMs, which measured faster from ~128 rows in device time (verifies of 144 and 432 rows
@@ -50,6 +50,11 @@ MAX_WEIGHT = 8 * 1024 * 1024
 BLOCK_N = 32  # columns per program; 16-wide blocks measured slower (1.011 vs 0.990 ms a batch-1 step)
 TARGET_PROGRAMS = 132  # K is split until column blocks x splits reach about one program per H100 SM
 MAX_SPLITS = 8
+# `linear_invariant`'s rows per program, whatever M is: every row of every call goes through the same
+# [ROW_TILE, BK] x [BK, BN] products (one row tile at a decode step's B rows, two at a batch-16 verify's 128),
+# so a row's result cannot depend on how many rows share the call (a tile of another height may lower to
+# another MMA instruction). 64: Hopper's warpgroup MMA height.
+ROW_TILE = 64
 
 
 def linear_reference(x, w, layer=None, *, transposed=False, out_dtype=None):
@@ -117,33 +122,52 @@ def _kernel(layer_ref, x_ref, w_ref, o_ref, *, bk, bn, blocks, splits, transpose
         o_ref[0, :, :] = acc
 
 
-def _pallas(x, w, layer, tiles, *, transposed, out_dtype, interpret):
+def _pallas(x, w, layer, tiles, *, transposed, out_dtype, interpret, row_tiles=None):
+    """The kernel. row_tiles None: every row in one program's tile of `tiles[0]` rows, the K splits summed by
+    XLA. A count (`linear_invariant`): a grid axis over that many tiles of `tiles[0]` rows, each program one
+    tile, and the splits added in split order."""
+    invariant = row_tiles is not None
+    row_tiles = row_tiles or 1
     m, k = x.shape
     n = w.shape[-2] if transposed else w.shape[-1]
     mp, bk, bn, splits = tiles
     w3 = w if w.ndim == 3 else w[None]
-    xp = jnp.pad(x, ((0, mp - m), (0, 0)))
+    xp = jnp.pad(x, ((0, mp * row_tiles - m), (0, 0)))
     layer_arr = jnp.reshape(jnp.asarray(layer, jnp.int32), (1,))
     kernel = functools.partial(_kernel, bk=bk, bn=bn, blocks=k // bk, splits=splits, transposed=transposed)
-    if splits == 1:
+    x_spec = pl.no_block_spec
+    if not invariant and splits == 1:
         grid = (n // bn,)
         out_specs = pl.BlockSpec((mp, bn), lambda j: (0, j))
-        out_shape = jax.ShapeDtypeStruct((mp, n), out_dtype)
-    else:
+    elif not invariant:
         grid = (n // bn, splits)
         out_specs = pl.BlockSpec((1, mp, bn), lambda j, s: (s, 0, j))
-        out_shape = jax.ShapeDtypeStruct((splits, mp, n), jnp.float32)
+    else:  # the split axis stays second (the kernel's program_id(1)); row tiles last
+        grid = (n // bn, splits, row_tiles)
+        x_spec = pl.BlockSpec((mp, k), lambda j, s, r: (r, 0))
+        out_specs = (pl.BlockSpec((mp, bn), lambda j, s, r: (r, j)) if splits == 1
+                     else pl.BlockSpec((1, mp, bn), lambda j, s, r: (s, r, j)))
+    rows = mp * row_tiles
+    out_shape = (jax.ShapeDtypeStruct((rows, n), out_dtype) if splits == 1
+                 else jax.ShapeDtypeStruct((splits, rows, n), jnp.float32))
     out = pl.pallas_call(
         kernel,
         grid=grid,
-        in_specs=[pl.no_block_spec, pl.no_block_spec, pl.no_block_spec],
+        in_specs=[pl.no_block_spec, x_spec, pl.no_block_spec],
         out_specs=out_specs,
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=3),
         interpret=interpret,
         name="linear",
     )(layer_arr, xp, w3)
-    if splits > 1:
+    if splits > 1 and invariant:
+        # The splits added in split order, one add at a time: a reduction over them may pair them in an
+        # order that depends on the array's other dimensions (its rows).
+        total = out[0]
+        for part in range(1, splits):
+            total = total + out[part]
+        out = total.astype(out_dtype)
+    elif splits > 1:
         out = jnp.sum(out, axis=0).astype(out_dtype)
     return out[:m]
 
@@ -176,3 +200,34 @@ def linear(x, w, layer=None, *, tiles=None, transposed=False, out_dtype=None):
         return linear_reference(x, w, layer, transposed=transposed, out_dtype=out_dtype)
     return _pallas(x, w, 0 if layer is None else layer, tiles or linear_tiles(m, k, n), transposed=transposed,
                    out_dtype=out_dtype, interpret=backend() == "interpret")
+
+
+def invariant_tiles(k: int, n: int) -> tuple[int, int, int, int] | None:
+    """`linear_invariant`'s (row tile, K block, N block, K splits) for [*, k] x [k, n]: functions of k and n
+    only, never of the rows; None when k or n is not a multiple of 16 (Triton's smallest dot)."""
+    bk = _largest_pow2_divisor(k, 16, 128)
+    if bk is None or n % 16:
+        return None
+    bn = _largest_pow2_divisor(n, 16, BLOCK_N)
+    return ROW_TILE, bk, bn, max(1, min(k // bk, MAX_SPLITS, TARGET_PROGRAMS // (n // bn)))
+
+
+def linear_invariant(x, w, layer=None, *, transposed=False, out_dtype=None):
+    """`linear` whose every row is computed the same way whatever M is (deterministic mode's products): rows in
+    tiles of ROW_TILE, one program per (column block, K split, row tile), the splits added in a fixed order.
+    Any M and any weight size (no `linear_serves` limits: those pick the faster path, this one must not
+    depend on the call). The reference backend, or a k or n Triton cannot tile, gives `linear_reference`
+    (XLA's dot, batch-invariance then up to XLA)."""
+    kdim = -1 if transposed else -2
+    if x.ndim != 2 or w.ndim not in (2, 3) or w.shape[kdim] != x.shape[1]:
+        want = "[L, N, K] or [N, K]" if transposed else "[L, K, N] or [K, N]"
+        raise ValueError(f"x must be [M, K] and w {want} with the same K, got {x.shape}, {w.shape}")
+    if (w.ndim == 3) != (layer is not None):
+        raise ValueError("a stacked weight [L, K, N] needs its layer, a [K, N] one none")
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    (m, k), n = x.shape, w.shape[-2] if transposed else w.shape[-1]
+    tiles = invariant_tiles(k, n)
+    if backend() == "reference" or tiles is None:
+        return linear_reference(x, w, layer, transposed=transposed, out_dtype=out_dtype)
+    return _pallas(x, w, 0 if layer is None else layer, tiles, transposed=transposed, out_dtype=out_dtype,
+                   interpret=backend() == "interpret", row_tiles=max(1, -(-m // ROW_TILE)))

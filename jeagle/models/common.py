@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jeagle.config import RopeScaling, rope_inv_freq
-from jeagle.kernels.linear import linear, linear_serves
+from jeagle.kernels.linear import linear, linear_invariant, linear_serves
+from jeagle.kernels.ordered_attention import ordered_attention
 from jeagle.kernels.paged_attention import dense_attention, kernel_serves, paged_attention
 from jeagle.kernels.settings import current
 from jeagle.sharding import context_tp, over_kv_heads
@@ -24,10 +25,11 @@ from jeagle.sharding import context_tp, over_kv_heads
 class LayerWeights(Mapping):
     """One layer's view of weights stacked over layers ([L, ...] arrays, some None): `wi[name]` is that
     layer's slice (taken lazily, where used), and `project` multiplies by a stacked matrix in place
-    (the `linear` kernel reads layer `layer` of the stack, so the loop copies no weight slice)."""
+    (the `linear` kernel reads layer `layer` of the stack, so the loop copies no weight slice).
+    `invariant`: every product through `linear_invariant` (deterministic mode's kernels)."""
 
-    def __init__(self, stacked: Mapping, layer):
-        self.stacked, self.layer = stacked, layer
+    def __init__(self, stacked: Mapping, layer, invariant: bool = False):
+        self.stacked, self.layer, self.invariant = stacked, layer, invariant
 
     def __getitem__(self, name):
         a = self.stacked[name]
@@ -47,6 +49,8 @@ def project(x: jax.Array, wi: Mapping, name: str) -> jax.Array:
     if isinstance(wi, LayerWeights):
         w = wi.stacked[name]
         m, k, n = math.prod(x.shape[:-1]), x.shape[-1], w.shape[-1]
+        if wi.invariant:
+            return linear_invariant(x.reshape(m, k), w, wi.layer).reshape(*x.shape[:-1], n)
         if _linear_takes(m, k, n):
             return linear(x.reshape(m, k), w, wi.layer).reshape(*x.shape[:-1], n)
     return x @ wi[name]
@@ -214,7 +218,10 @@ def attention_sublayer(x, wi: dict, layer, k_pool, v_pool, cos, sin, attn: AttnI
     # Write this step's K/V first so the new tokens attend to themselves through the pool.
     k_pool = write_kv(k_pool, layer, attn.write_slots, k)
     v_pool = write_kv(v_pool, layer, attn.write_slots, v)
-    if attn.extra_slots is not None:
+    if isinstance(wi, LayerWeights) and wi.invariant:  # deterministic mode's target: every query the same bits in every form
+        o = ordered_attention(q, k_pool, v_pool, layer, attn.kv_slots, attn.kv_len, attn.positions, attn.extra_slots,
+                              attn.extra_mask)
+    elif attn.extra_slots is not None:
         o = over_kv_heads(paged_attention, q, k_pool, v_pool, layer, attn.kv_slots, attn.kv_len, attn.extra_slots,
                           attn.extra_mask)  # per KV-head shard under tensor parallelism
     elif attn.mask is None and kernel_serves(q.shape[-1]) and current().prefill_attention == "paged":

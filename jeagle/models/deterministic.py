@@ -35,6 +35,9 @@ import math
 import jax
 import jax.numpy as jnp
 
+from jeagle.kernels.backend import backend
+from jeagle.kernels.linear import invariant_tiles
+from jeagle.kernels.ordered_attention import ordered_attention_serves
 from jeagle.models.common import (AttnInputs, attention_output, mlp_sublayer, qkv_rope, rms_norm, rope_cos_sin,
                                    run_layers_with_aux, write_kv)
 
@@ -43,6 +46,20 @@ KV_BLOCK = 64  # key positions per online-softmax step
 
 
 UNROLL_TILES = 8  # up to this many tiles run as straight-line code; more go through a lax.map loop
+
+
+def kernels_serve(model) -> bool:
+    """Whether deterministic mode runs on its kernels here (`linear_invariant` for every product,
+    `ordered_attention`): a kernel backend (pallas, interpret), one device, and shapes the kernels tile. Else
+    `forward` below, in plain jnp (the reference backend: CPUs by default)."""
+    cfg = model.cfg
+    if backend() == "reference" or model.tp_groups != 1 or model.vocab_split:
+        return False
+    if not ordered_attention_serves(cfg.head_dim, cfg.num_heads // cfg.num_kv_heads):
+        return False
+    i, h = cfg.intermediate_size, cfg.hidden_size
+    shapes = [(h, cfg.q_size + 2 * cfg.kv_size), (cfg.q_size, h), (h, 2 * i), (i, h), (h, cfg.vocab_size)]
+    return all(invariant_tiles(k, n) is not None for k, n in shapes)
 
 
 def tiled(fn, *xs):
@@ -66,7 +83,16 @@ def tiled(fn, *xs):
 
     tiles = tuple(split(x) for x in xs)
     if n <= UNROLL_TILES:
-        outs = [one(tuple(x[i] for x in tiles)) for i in range(n)]
+        # Each tile waits on the one before (its inputs pass a barrier with that tile's outputs): tiles that do
+        # not depend on each other are fair game for XLA's dot merger, which would run two tiles' products on
+        # the same weight as one product of 2·TILE rows — another GEMM algorithm, other bits (greedy EAGLE
+        # parted from target-only at batch 16, whose verify is two tiles, and not at 8, whose verify is one).
+        outs = []
+        for i in range(n):
+            inputs = tuple(x[i] for x in tiles)
+            if outs:
+                inputs, _ = jax.lax.optimization_barrier((inputs, outs[-1]))
+            outs.append(one(inputs))
         out = jax.tree.map(lambda *ys: jnp.stack(ys), *outs)
     else:
         out = jax.lax.map(one, tiles)

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jeagle.config import ModelConfig
+from jeagle.kernels.linear import linear_invariant
 from jeagle.kernels.settings import current
 from jeagle.models import deterministic
 from jeagle.models.common import (AttnInputs, LayerWeights, abstract_module, attention_sublayer, fp32_logits,
@@ -86,7 +87,7 @@ class Llama(nnx.Module):
     def _layer(self, i, h, k_pool, v_pool, w, cos, sin, attn: AttnInputs):
         """One decoder layer. `i` is a Python int (unrolled) or a traced index (loop)."""
         cfg = self.cfg
-        wi = LayerWeights(w, i)
+        wi = LayerWeights(w, i, invariant=current().deterministic)
         o, k_pool, v_pool = attention_sublayer(rms_norm(h, wi["attn_norm"], cfg.rms_norm_eps), wi, i, k_pool,
                                                v_pool, cos, sin, attn, cfg, self.tp_groups)
         h = h + o
@@ -106,7 +107,8 @@ class Llama(nnx.Module):
     ) -> ForwardOut:
         cfg = self.cfg
         w = {name: (getattr(self, name)[...] if getattr(self, name) is not None else None) for name in LAYER_PARAMS}
-        if current().deterministic:  # batch- and token-count-invariant logits (jeagle/models/deterministic.py)
+        deterministic_kernels = current().deterministic and deterministic.kernels_serve(self)
+        if current().deterministic and not deterministic_kernels:  # batch-invariant jnp (models/deterministic.py)
             return ForwardOut(*deterministic.forward(self, w, tokens, attn, k_pool, v_pool, logits_index=logits_index,
                                                      aux_layers=aux_layers, unroll=unroll))
         embed = self.embed[...]
@@ -120,7 +122,11 @@ class Llama(nnx.Module):
         hidden = rms_norm(h, self.final_norm[...], cfg.rms_norm_eps)
         head = embed if self.lm_head is None else self.lm_head[...]
         x = hidden if logits_index is None else hidden[jnp.arange(hidden.shape[0]), logits_index]
-        logits = fp32_logits(x, head)
+        if deterministic_kernels:
+            logits = linear_invariant(x.reshape(-1, x.shape[-1]), head, transposed=True, out_dtype=jnp.float32)
+            logits = logits.reshape(*x.shape[:-1], -1)
+        else:
+            logits = fp32_logits(x, head)
         return ForwardOut(logits=logits, hidden=hidden, aux_hidden=aux_hidden, k=k_pool, v=v_pool)
 
 

@@ -29,7 +29,7 @@ def test_lossless_with_interpreted_kernels():
     run("interpret")
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu_slow  # engines on the reference and the kernels; tests/test_gpu_engine.py runs the kernels' engines
 def test_lossless_with_compiled_kernels():
     run("pallas")
 
@@ -51,7 +51,7 @@ def test_sampling_kernel_draws_what_the_reference_draws():
     assert sampled("interpret")[0] == want
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu_slow  # engines on the reference and the kernels; tests/test_gpu_engine.py runs the kernels' engines
 def test_sampling_kernel_compiled_draws_what_the_reference_draws():
     want, _ = sampled("reference")
     assert sampled("pallas")[0] == want
@@ -96,7 +96,7 @@ def test_paged_attention_kernel_in_the_engines():
     assert got == want
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu_slow  # engines on the reference and the kernels; tests/test_gpu_engine.py runs the kernels' engines
 def test_paged_attention_kernel_in_the_engines_compiled():
     want, _, _ = paged("reference")
     got, plain_kv, spec_kv = paged("pallas")
@@ -142,6 +142,6 @@ def test_prefills_after_cache_hits_through_the_causal_kernel(monkeypatch):
     assert not calls
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu_slow  # engines on the reference and the kernels; tests/test_gpu_engine.py runs the kernels' engines
 def test_prefills_after_cache_hits_through_the_causal_kernel_compiled():
     assert cached_prefills("pallas") == cached_prefills("reference")
