@@ -10,8 +10,10 @@ from jeagle.runtime.config import EngineConfig
 
 def build_parser(prog: str = "python -m jeagle.generate", prompts: bool = True,
                  description: str = "Generate text with a Llama-family model (default: SmolLM2-135M-Instruct).",
-                 ) -> argparse.ArgumentParser:
-    """Every engine option (shared by `jeagle.generate` and `jeagle.serve`), plus prompts if asked."""
+                 warmup: bool = False) -> argparse.ArgumentParser:
+    """Every engine option (shared by `jeagle.generate` and `jeagle.serve`), plus prompts if asked.
+    warmup: the entry point warms up unless told not to (`--no-warmup`; `--warmup` is accepted and changes
+    nothing); else only with `--warmup`."""
     p = argparse.ArgumentParser(prog=prog, description=description)
     if prompts:
         p.add_argument("prompts", nargs="*", help="prompts (each one request)")
@@ -103,8 +105,14 @@ def build_parser(prog: str = "python -m jeagle.generate", prompts: bool = True,
                          "in place); off: the slice is copied first, a little more device time for about a fifth less "
                          "host work per call. Default: on for jeagle.generate, off for jeagle.serve (whose host "
                          "sets the pace: +6-10%% at 16-32 clients on the H100, bench/HISTORY.md session 31)")
-    rt.add_argument("--warmup", action="store_true",
-                    help="compile every (phase, bucket) executable at start-up (progress on stderr)")
+    if warmup:  # the server: a compilation on a request's path holds up every request in the batch
+        rt.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
+                        help="compile (or load from the executable store) every (phase, bucket) executable before "
+                             "serving, progress on stderr (default on; --no-warmup: each compiles on first use, "
+                             "in the time of the requests that need it)")
+    else:
+        rt.add_argument("--warmup", action="store_true",
+                        help="compile every (phase, bucket) executable at start-up (progress on stderr)")
     rt.add_argument("--compile-cache-dir", default=None,
                     help="persistent compilation cache and, under executables/, the serialized executables a "
                          "warm start loads without tracing (default: $JEAGLE_CACHE/xla)")

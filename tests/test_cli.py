@@ -251,7 +251,9 @@ def test_adaptive_flag_errors(smollm2_head, tmp_path):
 
 
 def test_serve_cli_end_to_end(smollm2_dir):
-    """`python -m jeagle.serve` on the default model: starts, answers a chat completion, stops."""
+    """`python -m jeagle.serve` on the default model: starts, answers a chat completion, stops. Without
+    its warm-up (the executables compile on first use): the default model's warm-up on a CPU takes minutes
+    (tests/test_serve.py starts one with the warm-up on, over a tiny model)."""
     import socket
     import time
 
@@ -261,7 +263,7 @@ def test_serve_cli_end_to_end(smollm2_dir):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     proc = subprocess.Popen([sys.executable, "-m", "jeagle.serve", "--dtype", "float32", "--port", str(port),
-                             "--max-context", "256", "--batch-size", "2", "--api-key", "k"],
+                             "--max-context", "256", "--batch-size", "2", "--api-key", "k", "--no-warmup"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
@@ -283,6 +285,7 @@ def test_serve_cli_end_to_end(smollm2_dir):
         assert info["model"] == "SmolLM2-135M-Instruct-float32" and info["max_running_requests"] == 2
         assert info["slice_fusion"] is False  # the server's default (jeagle.serve.options.SERVER_SLICE_FUSION)
         assert info["dispatch_thread"] is True  # (SERVER_DISPATCH_THREAD): the answer above came through it
+        assert info["warmup_s"] is None and info["compilations_after_warmup"] is None and info["compilations"] > 0
     finally:
         proc.terminate()
         proc.wait(timeout=60)
@@ -316,6 +319,19 @@ def test_dispatch_thread_flag_reaches_the_engine_config():
     assert gen() is False and gen("--dispatch-thread") is True
     assert serve_args([]).engine.engine_config(1, None).dispatch_thread is True
     assert serve_args(["--no-dispatch-thread"]).engine.engine_config(1, None).dispatch_thread is False
+
+
+def test_the_server_warms_up_unless_told_generate_only_when_told():
+    """jeagle.serve warms up by default (`--no-warmup` opts out; `--warmup` is still accepted); jeagle.generate
+    only with `--warmup`, and knows no `--no-warmup`."""
+    from jeagle import generate
+    from jeagle.serve.options import parse_args as serve_args
+
+    assert serve_args([]).warmup is True and serve_args(["--warmup"]).warmup is True
+    assert serve_args(["--no-warmup"]).warmup is False
+    assert generate.parse_args([QUESTION]).warmup is False and generate.parse_args(["--warmup", QUESTION]).warmup
+    with pytest.raises(SystemExit):
+        generate.parse_args(["--no-warmup", QUESTION])
 
 
 def test_serve_cli_bad_target_fails_fast_with_one_line():

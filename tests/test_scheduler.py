@@ -189,6 +189,7 @@ def test_preload_for_a_warm_start_compiles_nothing(target, head, workload, tmp_p
         assert stats.compilations == 0 and warm.compile_seconds == compile_s and stats.compile_s == 0
         assert warm.executables.store.saved == 0 and stats.executables_from_store == stored
         assert stats.compilations_after_warmup is None  # a preload is not a warm-up
+        assert warm.xla_compilations_after_warmup == 0  # JAX's count since the preload: nothing compiled either
 
 
 def test_warmup_primes_each_executable_once_where_asked(target, head, workload):

@@ -344,6 +344,8 @@ def test_the_engine_in_its_own_process_serves_what_the_thread_serves(server, par
             assert info["running_requests"] == 0 and info["prefix_cache_slots"] > 0
             assert info["kv_slots_free"] + info["prefix_cache_slots"] == info["kv_slots_total"]
             assert info["speculative"] is True and info["compilations"] > 0
+            assert info["warmup_s"] is None and info["compilations_after_warmup"] is None  # this build's: none
+            assert info["internal_states"][0]["avg_spec_accept_length"] == info["avg_spec_accept_length"] > 1
             # The engine's process froze its start-up heap (the counting itself: tests/test_gc_clock.py).
             tot = info["host_totals"]
             assert tot["gc_frozen"] > 10_000 and {"gc_collections", "gc_full_collections", "gc_s"} <= set(tot)
@@ -361,3 +363,89 @@ def test_the_engine_in_its_own_process_serves_what_the_thread_serves(server, par
 
     with pytest.raises(EngineFailed, match="no-such-model"):  # the child's error, not a hang
         EngineProcess(tiny_engine_build, (8, "/no-such-model"))
+
+
+def idle_info(c: httpx.Client, until=lambda info: True, timeout: float = 30) -> dict:
+    """/server_info once nothing runs and `until(info)` holds (the counters follow the answers)."""
+    deadline = time.time() + timeout
+    while True:
+        info = c.get("/server_info").json()
+        if info["running_requests"] == 0 and until(info):
+            return info
+        assert time.time() < deadline, info
+        time.sleep(0.05)
+
+
+def test_server_info_has_sglangs_internal_states(parts):
+    """SGLang's `internal_states`, one per scheduler (its bench_serving reads `internal_states[0]
+    ["avg_spec_accept_length"]`): the accept length on SGLang's scale, tokens per request and round with the
+    bonus token, once a round ran (before, left out, as SGLang does); the top-level figure is the same."""
+    app, engine = make_app(parts)
+    srv, thread, url = start_server(app)
+    try:
+        with httpx.Client(base_url=url, timeout=60) as c:
+            assert c.get("/server_info").json()["internal_states"] == [{"last_gen_throughput": 0.0}]
+            r = c.post("/v1/completions", json={"prompt": PROMPTS[2], "max_tokens": 24, "temperature": 0,
+                                                "ignore_eos": True})
+            assert r.status_code == 200, r.text
+            info = idle_info(c, lambda i: "avg_spec_accept_length" in i["internal_states"][0])
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=30)
+    (state,) = info["internal_states"]
+    # The engine's stats count the same rounds apart, from its histogram of tokens per request-round.
+    rounds = engine.stats([]).speculative
+    assert 0 < rounds.rounds < 512 and rounds.accept_length > 1
+    assert state["avg_spec_accept_length"] == pytest.approx(rounds.accept_length)
+    assert state["avg_spec_accept_length"] == info["avg_spec_accept_length"]
+    assert state["last_gen_throughput"] > 0
+
+
+def test_the_server_warms_up_by_default(tiny_target_dir, tmp_path):
+    """`python -m jeagle.serve` with its defaults (the engine in a process of its own) warms up before it
+    serves and says so on stderr; requests of the warmed sizes (greedy, sampled, after a prefix-cache hit)
+    compile nothing after it: JAX's count, read in the engine's process, reaches /server_info. Target-only:
+    no accept length in `internal_states`."""
+    import subprocess
+    import sys
+
+    port = free_port()
+    log = tmp_path / "stderr.txt"
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "jeagle.serve", "--target", str(tiny_target_dir),
+                                 "--speculative-algorithm", "none", "--batch-size", "1", "--max-context", "64",
+                                 "--compile-cache-dir", str(tmp_path / "xla"), "--port", str(port)],
+                                stdout=subprocess.DEVNULL, stderr=err)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.time() + 300
+        while True:
+            assert proc.poll() is None, log.read_text()[-2000:]
+            try:
+                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.time() < deadline, "server did not come up"
+            time.sleep(0.2)
+        with httpx.Client(base_url=url, timeout=120) as c:
+            warmed = idle_info(c)
+            assert warmed["warmup_s"] > 0 and warmed["compilations_after_warmup"] == 0
+            for body in ({"prompt": "The quick brown fox jumps", "max_tokens": 8, "temperature": 0},
+                         {"prompt": "The quick brown fox jumps over the dog", "max_tokens": 12,  # a cached prefix
+                          "temperature": 0},
+                         {"prompt": "abc", "max_tokens": 6, "temperature": 0.8, "seed": 1}):
+                r = c.post("/v1/completions", json=body | {"ignore_eos": True})
+                assert r.status_code == 200, r.text
+            info = idle_info(c)
+        assert info["cached_tokens_total"] > 0  # the second prompt continued the first's prefix
+        assert info["compilations_after_warmup"] == 0 and info["compilations"] == warmed["compilations"]
+        assert info["warmup_s"] == warmed["warmup_s"]
+        assert info["internal_states"] == [{"last_gen_throughput": info["internal_states"][0]["last_gen_throughput"]}]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    line = re.search(r"\[jeagle\.serve\] warm-up: (\d+) executables in ([\d.]+) s \(no executable store\)",
+                     log.read_text())
+    assert line is not None, log.read_text()[-2000:]
+    assert int(line[1]) == warmed["compilations"] and float(line[2]) == pytest.approx(warmed["warmup_s"], abs=0.05)

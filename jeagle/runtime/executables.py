@@ -155,6 +155,10 @@ class Executables:
         self._exes: dict = {}
         self.compile_seconds = 0.0  # compiling and loading, on first use or in warm-up (start-up, not serving)
         self.warmup_seconds: float | None = None
+        # Of the last warm-up's executables, those loaded that the store held when it began (None without a
+        # store): what a cold warm-up's worker processes compile comes back through the store too, so
+        # `loaded_from_store` alone would count a cold start's as stored.
+        self.warmup_from_store: int | None = None
 
     @property
     def num_compiled(self) -> int:
@@ -223,6 +227,7 @@ class Executables:
             cold = [(k, store.path(k, builds[k].args).name) for k in todo
                     if store is not None and not store.has(k, builds[k].args)]
             processes = self._processes(len(cold))
+            compiled_now, held = {k for k, _ in cold}, 0
             if processes > 1:
                 bar.set_postfix_str(f"compiling {len(cold)} in {processes} processes")
                 compile_in_processes(cold, store, processes)
@@ -232,6 +237,7 @@ class Executables:
                 for key, exe in zip(todo, list(loads)):
                     if exe is not None:
                         self._exes[key] = exe
+                        held += key not in compiled_now
                         bar.update(1)
                     else:
                         lowered = lower(builds[key], key, self.shapes.mesh)
@@ -247,6 +253,7 @@ class Executables:
             bar.close()
         self.warmup_seconds = time.perf_counter() - t0
         self.compile_seconds += self.warmup_seconds
+        self.warmup_from_store = held if store is not None else None
         return self.warmup_seconds
 
     def preload(self, keys, prime: Callable | None = None) -> int:

@@ -27,6 +27,7 @@ import jax
 import numpy as np
 
 from jeagle.runtime.admission import AdmissionGate
+from jeagle.runtime.compile_count import CompilationsAfterWarmup
 from jeagle.runtime.decoder import wants_grammar
 from jeagle.runtime.dispatch import resolve
 from jeagle.runtime.gc_clock import gc_totals
@@ -43,7 +44,7 @@ log = logging.getLogger("jeagle.runtime")
 HISTORY = 100_000  # per-step records kept between reset_stats() calls (a server runs for days)
 
 
-class Engine(KVFlow):
+class Engine(KVFlow, CompilationsAfterWarmup):
     def __init__(self, decoder, config):
         self.decoder, self.config = decoder, config
         self.model_cfg = decoder.model_cfg
@@ -378,15 +379,14 @@ class Engine(KVFlow):
     # ---- warm-up -------------------------------------------------------------------------------------------
     def warmup(self, batch_sizes=None, prefill_lengths=None, kv_lengths=None, greedy=(True, False),
                progress: bool = True, **modes) -> float:
-        """Compile ahead of time every executable `generate()` can dispatch for the given sizes (None:
-        all of them): prefill for every (batch, length) bucket pair within max_prefill_tokens, decode
-        steps / rounds (every tier's) for every (batch, prefix) bucket pair in each mode of `greedy`;
-        all of them in each mode of `logprobs` (True: the executables that also return logprobs) and
-        the decode steps / rounds in each mode of `penalties` (True: those that apply penalties), and
-        the prefills in each mode of `prefix` (True: those that continue a cached prefix, every context
-        bucket; a server with the prefix cache on wants both), the decode steps / rounds in each mode
-        of `grammar` (True: those grammar batches run). Afterwards generate() compiles nothing for those
-        shapes (its stats count any compilation as `compilations_after_warmup`). Returns the seconds."""
+        """Compile ahead of time every executable `generate()` can dispatch for the given sizes (None: all of them):
+        prefill for every (batch, length) bucket pair within max_prefill_tokens, decode steps / rounds (every tier's)
+        for every (batch, prefix) bucket pair in each mode of `greedy`; all of them in each mode of `logprobs` (True:
+        the executables that also return logprobs) and the decode steps / rounds in each mode of `penalties` (True:
+        those that apply penalties), and the prefills in each mode of `prefix` (True: those that continue a cached
+        prefix, every context bucket; a server with the prefix cache on wants both), the decode steps / rounds in
+        each mode of `grammar` (True: those grammar batches run). Afterwards generate() compiles nothing for those
+        shapes (stats: `compilations_after_warmup`; JAX's count: `xla_compilations_after_warmup`). Returns the seconds."""
         return self._warmup(self.warmup_plan(batch_sizes, prefill_lengths, kv_lengths, greedy, **modes), progress)
 
     def _warmup(self, keys, progress: bool) -> float:
@@ -399,7 +399,7 @@ class Engine(KVFlow):
                 self._prime(key)
             self.executables.add_startup_seconds(time.perf_counter() - t0)
         self.decoder.calibrate_keys(keys)
-        return self.executables.warmup_seconds
+        return self._warmed_up(self.executables.warmup_seconds)
 
     def _prime(self, key) -> None:
         """`decoder.prime(key)` once per executable: its first run on the device (kernels and constants loaded, 15-17 ms
@@ -439,7 +439,7 @@ class Engine(KVFlow):
         keys = self.plan_for(prompt_lengths, max_new_tokens, greedy, **modes)
         loaded = self.executables.preload(keys, self._prime)
         self.decoder.calibrate_keys(keys, compile=False)
-        return loaded
+        return self._warmed_up(loaded)
 
     # ---- stats -----------------------------------------------------------------------------------------------
     def reset_stats(self) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from jeagle.serve.options import ServeArgs, load, parse_args, parse_options
+from jeagle.serve.options import ServeArgs, load, parse_args, parse_options, warmup_line
 
 
 def serve(args: ServeArgs, link=None) -> int:
@@ -28,6 +28,8 @@ def serve(args: ServeArgs, link=None) -> int:
         engine, facts = link, link.extra
         tokenizer = Tokenizer.from_dir(facts["target_dir"])
     where = "its own process" if link is not None else "a thread"
+    if (line := warmup_line(facts.get("warmup"))) is not None:
+        print(line, file=sys.stderr)
     print(f"[jeagle.serve] {facts['name']} ({facts['dtype']}) loaded in {facts['load_s']:.1f} s, the engine in {where}; "
           f"serving on http://{args.host}:{args.port}", file=sys.stderr)
     uvicorn.run(create_app(engine, tokenizer, facts["name"], args.api_key, facts["aliases"]), host=args.host,

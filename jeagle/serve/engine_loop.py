@@ -19,6 +19,7 @@ import asyncio
 import queue
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,6 +88,27 @@ def by_loop(events: list) -> None:
         loop.call_soon_threadsafe(put_all, batch)
 
 
+class GenThroughput:
+    """SGLang's `last_gen_throughput`: the tokens the engine emitted per second over its last `steps` steps (SGLang's
+    `decode_log_interval`), or over its last busy stretch when that ended sooner; 0.0 before any. Unlike SGLang's, the
+    time the engine sat idle between requests is left out: the figure is what it emits while it works."""
+
+    def __init__(self, steps: int = 40):
+        self.steps, self.value = steps, 0.0
+        self._tokens, self._seconds, self._n = 0, 0.0, 0
+        self._last: float | None = None  # the end of the last step, while the engine has work
+
+    def stepped(self, started: float, tokens: int, busy: bool) -> None:
+        """After a step begun at `started` (perf_counter) that emitted `tokens`; busy: the engine has work
+        left, so the time until the next step's end (the hand-over, the commands) counts too."""
+        now = time.perf_counter()
+        self._seconds += now - (started if self._last is None else self._last)
+        self._tokens, self._n, self._last = self._tokens + tokens, self._n + 1, now if busy else None
+        if self._n >= self.steps or not busy:
+            self.value = self._tokens / self._seconds if self._seconds > 0 else 0.0
+            self._tokens, self._seconds, self._n = 0, 0.0, 0
+
+
 class EngineLoop(threading.Thread):
     """Owns the engine (`submit`, `abort`, `abort_all`, `step`, `has_work`, `info`, `flush_cache`).
     deliver(events): where a step's (job, event) pairs go (default: their jobs' event loops)."""
@@ -97,9 +119,11 @@ class EngineLoop(threading.Thread):
         self.facts = EngineFacts.of(engine)
         self.commands: queue.Queue = queue.Queue()
         self.jobs: dict[int, Job] = {}  # engine request index → job
+        self._out: list = []  # (job, event) of this step, handed over together after it
+        self._emitted = 0  # tokens handed out in this step (`_tokens`), for `throughput`
+        self.throughput = GenThroughput()
         self._lock = threading.Lock()  # guards _info, which /server_info reads
         self._info: dict = self._read_info()  # the engine is idle until the thread starts
-        self._out: list = []  # (job, event) of this step, handed over together after it
         self.stopped = threading.Event()
 
     def submit(self, job: Job) -> None:
@@ -122,7 +146,18 @@ class EngineLoop(threading.Thread):
             return dict(self._info)
 
     def _read_info(self) -> dict:
-        return self.engine.info() | {"compilations": self.engine.num_compiled}
+        # Read here, in the engine's process: JAX's count of compilations is that process's (`compile_count`).
+        eng = self.engine
+        info = eng.info() | {"compilations": eng.num_compiled, "warmup_s": eng.executables.warmup_seconds,
+                             "compilations_after_warmup": eng.xla_compilations_after_warmup}
+        # SGLang's /server_info `internal_states`, one per scheduler (here one engine), under SGLang's names:
+        # its bench_serving reads `avg_spec_accept_length` there. The decoder's figure is already on SGLang's
+        # scale, tokens per request-round with the bonus token (accepted drafts + 1); without speculation, or
+        # before any round, SGLang leaves the key out, and so does this.
+        state = {"last_gen_throughput": self.throughput.value}
+        if info.get("avg_spec_accept_length") is not None:
+            state["avg_spec_accept_length"] = info["avg_spec_accept_length"]
+        return info | {"internal_states": [state]}
 
     def _tokens_of(self, index: int, ids: list[int]) -> None:  # the engine's on_tokens
         self._tokens(self.jobs[index], ids)
@@ -131,6 +166,7 @@ class EngineLoop(threading.Thread):
         r, facts = job.request, None
         if not job.told:
             job.told, facts = True, {"cached_tokens": r.cached_tokens, "prompt_logprobs": r.out.prompt_logprobs}
+        self._emitted += len(ids)
         rows = r.out.logprob_rows  # the packed blocks as they arrived: the last len(ids) are these tokens'
         self._out.append((job, ("tokens", (ids, None if rows is None else rows.tail_bytes(len(ids)), facts))))
 
@@ -187,7 +223,9 @@ class EngineLoop(threading.Thread):
                 return
             self._hand_over()  # acceptances before the step's tokens
             if self.engine.has_work:
+                started, self._emitted = time.perf_counter(), 0
                 self._step()
+                self.throughput.stepped(started, self._emitted, self.engine.has_work)
             for index, j in list(self.jobs.items()):
                 if j.request.done:
                     self._out.append((j, ("done", j.request.out.finish_reason)))

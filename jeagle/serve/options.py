@@ -30,13 +30,13 @@ class ServeArgs:
     port: int = 8000
     api_key: str | None = None
     served_model_name: str | None = None  # None: the target's folder name
-    warmup: bool = False
+    warmup: bool = True  # every executable compiled (or loaded from the store) before the first request
 
 
 def parse_options(argv: list[str] | None = None):
     """The options, checked, without building anything (the server's process never touches the GPU
     when the engine runs in its own)."""
-    p = build_parser("python -m jeagle.serve", prompts=False,
+    p = build_parser("python -m jeagle.serve", prompts=False, warmup=True,
                      description="OpenAI-compatible server (default model: SmolLM2-135M-Instruct).")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
@@ -71,11 +71,21 @@ def load(args: ServeArgs):
     target_dir = resolve_target(spec.target, dtype=spec.dtype, quiet=False)
     tokenizer = Tokenizer.from_dir(target_dir)
     engine, load_s = build_engine(spec, target_dir)
-    if args.warmup:
-        engine.warmup(progress=True, prefix=(False, True))  # prefills after a prefix-cache hit too
+    warmup = None
+    if args.warmup:  # the store's executables load, the rest compile (`Executables.warmup`)
+        seconds = engine.warmup(progress=True, prefix=(False, True))  # prefills after a prefix-cache hit too
+        warmup = {"s": seconds, "executables": engine.num_compiled, "from_store": engine.executables.warmup_from_store}
     aliases = (spec.target, str(target_dir)) if spec.target else (str(target_dir),)
     return engine, tokenizer, {"name": args.served_model_name or target_dir.name, "dtype": spec.dtype,
-                               "load_s": load_s, "aliases": aliases, "target_dir": str(target_dir)}
+                               "load_s": load_s, "aliases": aliases, "target_dir": str(target_dir), "warmup": warmup}
+
+
+def warmup_line(warmup: dict | None) -> str | None:
+    """The start-up line on the warm-up (`load`'s facts["warmup"]), None without one."""
+    if warmup is None:
+        return None
+    store = "no executable store" if warmup["from_store"] is None else f"{warmup['from_store']} from the store"
+    return f"[jeagle.serve] warm-up: {warmup['executables']} executables in {warmup['s']:.1f} s ({store})"
 
 
 def load_from_argv(argv: list[str]):
