@@ -145,6 +145,20 @@ def test_deterministic_bf16_speculative_equals_target_only(target, prompts, dete
     assert eng.last_stats.to_dict()["accept_length"] > 1.3  # the verify's deeper nodes were used
 
 
+def test_deterministic_at_batch_16_continuous_and_after_prefix_cache_hits(target, prompts, deterministic_reference):
+    """(5,4,8) at batch 16: the 24 prompts under continuous batching (rows admitted as others finish; the
+    verify is two 64-token tiles of the jnp path, where batch 8's is one), then again, every prompt now a
+    prefix-cache hit: token for token target-only's at batch 1, both times."""
+    head = signed_identity_head(target, +1.0)
+    sp = SamplingParams(max_new_tokens=48, ignore_eos=True)
+    eng = speculative(target, head, EngineConfig(max_batch_size=16, max_context=128, kernels=DET), SpecConfig(5, 4, 8))
+    for run in ("first", "again"):
+        outs = [o.token_ids for o in eng.generate(prompts, sp)]
+        parted = [i for i, (a, b) in enumerate(zip(outs, deterministic_reference)) if a != b]
+        assert not parted, f"{run} run: requests {parted} part from target-only"
+    assert eng.last_stats.cached_tokens > 0
+
+
 def test_first_token_equal_in_bf16_without_deterministic_mode(target, prompts):
     """The first token comes from the prefill, the same computation with and without a draft (an
     EAGLE-3 head, whose prefill also reads the target's aux layers): equal in bf16 by default."""
