@@ -6,26 +6,33 @@ Why the default forward is not: a matmul's reduction order depends on its M (cuB
 other algorithms, split-K or tiles for M = 1, 8 or 128), so the one-token decode step and the tree
 verify over N tokens round a token's activations differently in bf16, and greedy EAGLE parts from
 greedy target-only at near ties. SGLang's `--enable-deterministic-inference` fixes this with
-batch-invariant Triton kernels (fixed tiles, no split-K) and fixed attention splits; this module does
-the same with plain JAX, so it runs on every backend:
+batch-invariant Triton kernels (fixed tiles, no split-K) and fixed attention splits. jeagle has two
+forms of the same idea:
 
-- **Per-token work in fixed tiles.** Everything between the attentions (RMSNorm, q|k|v, RoPE, the output
-  projection, the MLP, the residual adds, the final norm and the lm_head) runs through `tiled`: the
-  call's tokens, flattened and padded to a multiple of `TILE`, go through one `lax.map` whose body
-  sees `TILE` tokens. The body is the same computation in every executable, and no op in it mixes
-  rows, so a token's result depends only on the token. (On a GPU the executables also compile with
-  cuBLAS for every matmul and no autotuning: `runtime.executables.compiler_options`.)
-- **Attention in position order, in fixed blocks.** Each query gathers its keys by *position*
-  (0..p: the prefix from the slot table, then — in a tree verify — its ancestors' tree slots at the
-  positions they would have in target-only decoding) and runs an online softmax over blocks of
-  `KV_BLOCK` positions, `TILE` queries at a time. A block past a query's position is masked entirely
-  and leaves (max, sum, accumulator) bit-for-bit unchanged (x·1 + 0), so the number of blocks a call
-  loops over does not matter; a partly visible block holds the same keys at the same offsets in every
-  form. Scores and sums are explicit products and reductions of fixed shapes (no batched dots).
+- **On its kernels** (a kernel backend: `pallas` on a GPU, `interpret`; `kernels_serve` below): the
+  model's ordinary forward with every product through `linear_invariant` (fixed 64-row tiles, K splits
+  added in a fixed order) and attention through `ordered_attention` (each query's keys walked by
+  position in fixed blocks, one program per query and KV head). What stays in XLA between them (RMSNorm,
+  RoPE, SwiGLU, residual adds) works row by row.
+- **In plain jnp** (`forward` below: the reference backend, CPUs by default), so it runs on every backend:
+  - *Per-token work in fixed tiles.* Everything between the attentions (RMSNorm, q|k|v, RoPE, the output
+    projection, the MLP, the residual adds, the final norm and the lm_head) runs through `tiled`: the
+    call's tokens, flattened and padded to a multiple of `TILE`, go through the same computation `TILE`
+    tokens at a time, one tile after another, and no op in it mixes rows, so a token's result depends
+    only on the token. (On a GPU these executables also compile with cuBLAS for every matmul and no
+    autotuning: `runtime.executables.compiler_options`.)
+  - *Attention in position order, in fixed blocks.* Each query gathers its keys by *position*
+    (0..p: the prefix from the slot table, then — in a tree verify — its ancestors' tree slots at the
+    positions they would have in target-only decoding) and runs an online softmax over blocks of
+    `KV_BLOCK` positions, `TILE` queries at a time. A block past a query's position is masked entirely
+    and leaves (max, sum, accumulator) bit-for-bit unchanged (x·1 + 0), so the number of blocks a call
+    loops over does not matter; a partly visible block holds the same keys at the same offsets in every
+    form. Scores and sums are explicit products and reductions of fixed shapes (no batched dots).
 
-The cost (measured on the GPU in bench/RESULTS.md): the tiles re-read each layer's weights once per
-`TILE` tokens, and attention gathers its keys instead of reading them in place. The draft head keeps
-the fast path: its numbers never reach the output.
+The cost (measured on the GPU in bench/RESULTS.md): the kernels' fixed tiles re-read a layer's weights
+once per 64 rows and walk each query's keys alone; the jnp tiles also re-read the weights per tile and
+gather the keys instead of reading them in place. The draft head keeps the fast path: its numbers never
+reach the output.
 """
 
 from __future__ import annotations
