@@ -177,20 +177,25 @@ def linear_serves(m: int, k: int, n: int) -> bool:
     return backend() != "reference" and linear_tiles(m, k, n) is not None
 
 
-def linear(x, w, layer=None, *, tiles=None, transposed=False, out_dtype=None):
-    """x [M, K] times layer `layer` of w [L, K, N] (or w [K, N], layer None): the kernel where
-    `linear_serves`, else the reference. Returns [M, N] in `out_dtype` (default x's dtype).
-    `transposed`: w is [L, N, K] or [N, K] (an output head) and the product x @ w.T. `tiles` (rows
-    padded, K block, N block, K splits) replaces `linear_tiles`' choice: for measuring
-    (bench/probes/linear.py)."""
+def _operands(x, w, layer, transposed, out_dtype):
+    """(M, K, N, out dtype) of `linear`'s operands, after refusing mismatched ones (ValueError)."""
     kdim = -1 if transposed else -2
     if x.ndim != 2 or w.ndim not in (2, 3) or w.shape[kdim] != x.shape[1]:
         want = "[L, N, K] or [N, K]" if transposed else "[L, K, N] or [K, N]"
         raise ValueError(f"x must be [M, K] and w {want} with the same K, got {x.shape}, {w.shape}")
     if (w.ndim == 3) != (layer is not None):
         raise ValueError("a stacked weight [L, K, N] needs its layer, a [K, N] one none")
-    out_dtype = jnp.dtype(out_dtype or x.dtype)
     (m, k), n = x.shape, w.shape[-2] if transposed else w.shape[-1]
+    return m, k, n, jnp.dtype(out_dtype or x.dtype)
+
+
+def linear(x, w, layer=None, *, tiles=None, transposed=False, out_dtype=None):
+    """x [M, K] times layer `layer` of w [L, K, N] (or w [K, N], layer None): the kernel where
+    `linear_serves`, else the reference. Returns [M, N] in `out_dtype` (default x's dtype).
+    `transposed`: w is [L, N, K] or [N, K] (an output head) and the product x @ w.T. `tiles` (rows
+    padded, K block, N block, K splits) replaces `linear_tiles`' choice: for measuring
+    (bench/probes/linear.py)."""
+    m, k, n, out_dtype = _operands(x, w, layer, transposed, out_dtype)
     if tiles is not None:
         mp, bk, bn, splits = tiles
         if mp < m or mp < 16 or mp & (mp - 1) or k % bk or n % bn or not 1 <= splits <= k // bk:
@@ -218,14 +223,7 @@ def linear_invariant(x, w, layer=None, *, transposed=False, out_dtype=None):
     Any M and any weight size (no `linear_serves` limits: those pick the faster path, this one must not
     depend on the call). The reference backend, or a k or n Triton cannot tile, gives `linear_reference`
     (XLA's dot, batch-invariance then up to XLA)."""
-    kdim = -1 if transposed else -2
-    if x.ndim != 2 or w.ndim not in (2, 3) or w.shape[kdim] != x.shape[1]:
-        want = "[L, N, K] or [N, K]" if transposed else "[L, K, N] or [K, N]"
-        raise ValueError(f"x must be [M, K] and w {want} with the same K, got {x.shape}, {w.shape}")
-    if (w.ndim == 3) != (layer is not None):
-        raise ValueError("a stacked weight [L, K, N] needs its layer, a [K, N] one none")
-    out_dtype = jnp.dtype(out_dtype or x.dtype)
-    (m, k), n = x.shape, w.shape[-2] if transposed else w.shape[-1]
+    m, k, n, out_dtype = _operands(x, w, layer, transposed, out_dtype)
     tiles = invariant_tiles(k, n)
     if backend() == "reference" or tiles is None:
         return linear_reference(x, w, layer, transposed=transposed, out_dtype=out_dtype)

@@ -39,7 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jeagle.kernels.backend import backend
-from jeagle.kernels.paged_attention import paged_attention_reference
+from jeagle.kernels.paged_attention import check_pools, paged_attention_reference
 
 __all__ = ["ordered_attention", "ordered_attention_serves", "BLOCK"]
 
@@ -140,13 +140,7 @@ def ordered_attention(q, k_pool, v_pool, layer, kv_slots, kv_len, positions, ext
     kv_len [B]; extra_slots [B,T] and extra_mask [B,T,T] (the call's own tokens as extra keys: decode steps,
     tree verifies) or both None (the causal form). → [B,T,Hq,D]; see the module docstring. The kernel where
     `ordered_attention_serves`, else `paged_attention_reference`."""
-    if q.ndim != 4 or k_pool.ndim != 4 or k_pool.shape != v_pool.shape:
-        raise ValueError(f"q must be [B,T,Hq,D] and the pools equal [L,slots,Hkv,D], got {q.shape}, {k_pool.shape}, "
-                         f"{v_pool.shape}")
-    b, t, hq, d = q.shape
-    if k_pool.shape[3] != d or hq % k_pool.shape[2]:
-        raise ValueError(f"head_dim {d} / heads {hq} do not match the pool's {k_pool.shape[2]} KV heads of "
-                         f"{k_pool.shape[3]}")
+    b, t, hq, d = check_pools(q, k_pool, v_pool)
     if kv_slots.ndim != 2 or kv_slots.shape[0] != b or kv_len.shape != (b,) or positions.shape != (b, t):
         raise ValueError(f"kv_slots must be [B={b}, S], kv_len [B] and positions [B, T={t}], got {kv_slots.shape}, "
                          f"{kv_len.shape}, {positions.shape}")

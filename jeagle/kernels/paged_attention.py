@@ -261,9 +261,8 @@ def _pallas(q, k_pool, v_pool, layer, kv_slots, kv_len, extra_slots, extra_mask,
     return out.reshape(b, t, hq, d)
 
 
-def paged_attention(q, k_pool, v_pool, layer, kv_slots, kv_len, extra_slots=None, extra_mask=None, positions=None):
-    """See paged_attention_reference; the kernel when `kernel_serves(head_dim)`, else the reference.
-    Either the decode form (extra keys, or none) or the causal form (`positions`), not both."""
+def check_pools(q, k_pool, v_pool) -> tuple[int, int, int, int]:
+    """q's (B, T, Hq, D) after refusing queries and pools that do not fit each other (ValueError)."""
     if q.ndim != 4 or k_pool.ndim != 4 or k_pool.shape != v_pool.shape:
         raise ValueError(f"q must be [B,T,Hq,D] and the pools equal [L,slots,Hkv,D], got {q.shape}, {k_pool.shape}, "
                          f"{v_pool.shape}")
@@ -271,6 +270,13 @@ def paged_attention(q, k_pool, v_pool, layer, kv_slots, kv_len, extra_slots=None
     if k_pool.shape[3] != d or hq % k_pool.shape[2]:
         raise ValueError(f"head_dim {d} / heads {hq} do not match the pool's {k_pool.shape[2]} KV heads of "
                          f"{k_pool.shape[3]}")
+    return b, t, hq, d
+
+
+def paged_attention(q, k_pool, v_pool, layer, kv_slots, kv_len, extra_slots=None, extra_mask=None, positions=None):
+    """See paged_attention_reference; the kernel when `kernel_serves(head_dim)`, else the reference.
+    Either the decode form (extra keys, or none) or the causal form (`positions`), not both."""
+    b, t, hq, d = check_pools(q, k_pool, v_pool)
     if kv_slots.ndim != 2 or kv_slots.shape[0] != b or kv_len.shape != (b,):
         raise ValueError(f"kv_slots must be [B={b}, S] and kv_len [B], got {kv_slots.shape}, {kv_len.shape}")
     if (extra_slots is None) != (extra_mask is None):
