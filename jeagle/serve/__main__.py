@@ -32,8 +32,8 @@ def serve(args: ServeArgs, link=None) -> int:
         print(line, file=sys.stderr)
     print(f"[jeagle.serve] {facts['name']} ({facts['dtype']}) loaded in {facts['load_s']:.1f} s, the engine in {where}; "
           f"serving on http://{args.host}:{args.port}", file=sys.stderr)
-    uvicorn.run(create_app(engine, tokenizer, facts["name"], args.api_key, facts["aliases"]), host=args.host,
-                port=args.port, log_level="warning")
+    app = create_app(engine, tokenizer, facts["name"], args.api_key, facts["aliases"], metrics=args.metrics)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 
 
@@ -51,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except KeyboardInterrupt:  # Ctrl-C while it loads (the engine's process stops on the same signal)
         return 130
-    args = ServeArgs(None, host=a.host, port=a.port, api_key=a.api_key, served_model_name=a.served_model_name)
+    args = ServeArgs(None, host=a.host, port=a.port, api_key=a.api_key, served_model_name=a.served_model_name,
+                     metrics=not a.disable_metrics)
     return serve(args, link)
 
 

@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import dataclasses
 import hmac
-import json
 import time
 import uuid
 from dataclasses import dataclass
@@ -26,11 +25,13 @@ from starlette.routing import Route
 
 from jeagle import logprobs
 from jeagle.engine import PromptTooLong
+from jeagle.serve import native
 from jeagle.serve.engine_loop import EngineLoop, Job
+from jeagle.serve.metrics import Metrics, metered
 from jeagle.serve.protocol import (CHAT_KEYS, COMPLETION_KEYS, BadRequest, StopMatcher, TokenJSON,
                                    chat_logprobs_packed, chat_prompt_ids, check_model, choice_body, completion_body,
-                                   completion_logprobs, completion_prompt_ids, error_body, grammar_request,
-                                   parse_common, sampling_params, stream_chunk, usage_body, usage_chunk)
+                                   completion_logprobs, completion_prompt_ids, error_body, parse_common,
+                                   request_params, seeded, stream_chunk, usage_body, usage_chunk)
 from jeagle.tokenizer import StreamDecoder
 
 
@@ -45,6 +46,7 @@ class Served:
     aliases: tuple[str, ...] = ()  # other names requests may give as `model` (besides "default")
     grammars: dict = dataclasses.field(default_factory=dict)  # the GrammarBackend, built on first use
     token_json: TokenJSON | None = None  # chat logprobs' per-token JSON pieces (made from `tokenizer`)
+    metrics: Metrics | None = None  # /metrics' series (None: --disable-metrics)
 
     def __post_init__(self):
         if self.token_json is None:
@@ -67,13 +69,14 @@ class Served:
             raise BadRequest(str(e), "response_format" if kind.startswith("json") else kind) from None
 
 
-def create_app(engine, tokenizer, model_name: str, api_key: str | None = None, aliases: tuple[str, ...] = ()
-               ) -> Starlette:
+def create_app(engine, tokenizer, model_name: str, api_key: str | None = None, aliases: tuple[str, ...] = (),
+               metrics: bool = True) -> Starlette:
     """engine: an `Engine` (run by a thread of this process) or an `EngineProcess` (its own process).
     aliases: names besides `model_name` and "default" that requests may give as `model` (the server
-    passes the target's path as given and as resolved)."""
+    passes the target's path as given and as resolved). metrics: serve Prometheus' /metrics."""
     link = engine if hasattr(engine, "facts") else EngineLoop(engine)
-    served = Served(link, tokenizer, model_name, api_key, int(time.time()), tuple(a for a in aliases if a))
+    served = Served(link, tokenizer, model_name, api_key, int(time.time()), tuple(a for a in aliases if a),
+                    metrics=Metrics(link, model_name) if metrics else None)
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -88,7 +91,9 @@ def create_app(engine, tokenizer, model_name: str, api_key: str | None = None, a
                             Route("/v1/models", keyed(models), methods=["GET"]),
                             Route("/health", health, methods=["GET"]),
                             Route("/server_info", keyed(server_info), methods=["GET"]),
-                            Route("/flush_cache", keyed(flush_cache), methods=["POST"])],
+                            Route("/flush_cache", keyed(flush_cache), methods=["POST"]),
+                            Route("/generate", keyed(generate), methods=["POST"]),
+                            *([Route("/metrics", served.metrics.endpoint, methods=["GET"])] if metrics else [])],
                     lifespan=lifespan, exception_handlers={404: not_found, 405: bad_method})
     app.state.served = served
     app.state.engine_loop = served.loop
@@ -180,20 +185,14 @@ class Ask:
 
 async def complete(request: Request, chat: bool):
     """Check the request, then run it: `n` engine requests (one per choice), streamed or whole."""
+    arrived = time.perf_counter()  # where /metrics' latencies start
     s: Served = request.app.state.served
     try:
         body = await read_json(request)
         opts = parse_common(body, CHAT_KEYS if chat else COMPLETION_KEYS)
         check_model(body, s.model_name, s.aliases)
         ids = chat_prompt_ids(body, s.tokenizer) if chat else completion_prompt_ids(body, s.tokenizer)
-        facts = s.loop.facts
-        params = sampling_params(opts, len(ids), chat, facts.max_context, facts.context_reserve)
-        asked = grammar_request(body)
-        if asked is not None:
-            params = dataclasses.replace(params, grammar=s.grammar(*asked))
-        bad = [t for t, _ in params.logit_bias if not 0 <= t < facts.vocab_size]
-        if bad:
-            raise BadRequest(f"'logit_bias' names token ids outside the vocabulary: {bad[:5]}", "logit_bias")
+        params = request_params(body, opts, len(ids), chat, s.loop.facts, s.grammar)
     except BadRequest as e:
         return error(e.status, e.message, e.kind, e.param)
     except (PromptTooLong, ValueError) as e:
@@ -206,28 +205,39 @@ async def complete(request: Request, chat: bool):
     ask = Ask(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", chat, opts, ids, prompt_text)
     loop = asyncio.get_running_loop()
     # n choices: n requests, each with its own seed stream (seed + i when the request gives a seed).
-    jobs = [Job(ids, params if i == 0 or params.seed is None else
-                dataclasses.replace(params, seed=(params.seed + i) % 2**32), loop) for i in range(opts["n"])]
-    for job in jobs:
-        s.loop.submit(job)
-    for job in jobs:  # the engine's own checks (prompt length, vocabulary, slots): a rejected request queued nothing
-        kind, value = await job.events.get()
-        if kind == "rejected":
-            for other in jobs:
-                s.loop.abort(other)
-            message, status = value
-            return error(status, message, *(("invalid_request_error", "messages" if chat else "prompt")
-                                            if status == 400 else ("server_error", None)))
+    jobs = [Job(ids, p, loop, arrived=arrived) for p in seeded(params, opts["n"])]
+    refused = await admitted(s, jobs, "messages" if chat else "prompt")
+    if refused is not None:
+        return refused
     if opts["stream"]:
         return StreamingResponse(sse(s, jobs, ask), media_type="text/event-stream")
     return await whole(s, jobs, ask)
 
 
+async def admitted(s: Served, jobs: list[Job], param: str):
+    """Submit the jobs; after the engine's own checks (prompt length, vocabulary, slots), None or a
+    rejected one's error (every job aborted: a rejected request queued nothing)."""
+    for job in jobs:
+        s.loop.submit(job)
+    for job in jobs:
+        kind, value = await job.events.get()
+        if kind == "rejected":
+            for other in jobs:
+                s.loop.abort(other)
+            message, status = value
+            return error(status, message, *(("invalid_request_error", param) if status == 400 else
+                                            ("server_error", None)))
+    return None
+
+
 async def read_json(request: Request):
+    """The body, parsed by orjson: it stops at 1,024 levels of nesting with an error (the standard
+    library's parser recursed into a RecursionError, a 500) and takes no NaN or Infinity, which no
+    field accepts."""
     try:
-        return json.loads(await request.body())
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise BadRequest(f"invalid JSON: {e}") from e
+        return orjson.loads(await request.body())
+    except orjson.JSONDecodeError as e:
+        raise BadRequest(f"invalid JSON body: {e}") from e
 
 
 @dataclass
@@ -237,6 +247,9 @@ class Piece:
     n_tokens: int  # the choice's tokens so far (its EOS included)
     ids: list | tuple = ()  # the tokens behind `text` when logprobs were asked ...
     packed: bytes = b""  # ... and their logprob blocks (`logprobs.to_bytes`)
+    tokens: list | tuple = ()  # every token since the last piece, EOS and stop tokens included ...
+    tokens_packed: bytes = b""  # ... and their logprob blocks, when asked
+    matched: int | str | None = None  # what stopped the choice: a stop token's id or a stop string
 
 
 def kept(ids: list[int], packed: bytes, keep: list[int]) -> tuple[list[int], bytes]:
@@ -248,12 +261,13 @@ def kept(ids: list[int], packed: bytes, keep: list[int]) -> tuple[list[int], byt
     return [ids[i] for i in keep], b"".join([packed[i * row:(i + 1) * row] for i in keep])
 
 
+@metered  # /metrics' token counts and latencies, taken as the pieces pass
 async def pieces(s: Served, job: Job, stops: list[str]):
     """Pieces of one choice as its tokens arrive; aborts the job on a stop string (the tokens after
     the one that completed it are dropped, with their logprobs). An engine error raises RuntimeError."""
     decoder, matcher = StreamDecoder(s.tokenizer), StopMatcher(stops)
-    eos = set(s.loop.facts.eos_token_ids)
-    n_tokens, pending = 0, None
+    ends = set(() if job.params.ignore_eos else s.loop.facts.eos_token_ids) | set(job.params.stop_token_ids)
+    n_tokens, pending, held, held_lps, last = 0, None, [], [], None  # held: the tokens since the last piece
     while True:
         kind, value = pending or await job.events.get()
         pending = None
@@ -266,34 +280,43 @@ async def pieces(s: Served, job: Job, stops: list[str]):
                 if pending[0] != "tokens":
                     break
                 ids, lps, pending = ids + pending[1][0], None if lps is None else lps + pending[1][1], None
-            text, keep = "", []
+            text, keep, last = "", [], ids[-1]
+            held += ids
+            if lps is not None:
+                held_lps.append(lps)
             for i, t in enumerate(ids):
                 n_tokens += 1
-                if t in eos and not job.params.ignore_eos:
+                if t in ends:
                     continue
                 text += matcher.push(decoder.push(t))
                 if lps is not None:
                     keep.append(i)
                 if matcher.stopped:
                     s.loop.abort(job)
-                    yield Piece(text, "stop", n_tokens, *kept(ids, lps, keep)) if keep else Piece(text, "stop",
-                                                                                                   n_tokens)
+                    cut = len(held) - len(ids) + i + 1
+                    yield Piece(text, "stop", n_tokens, *(kept(ids, lps, keep) if keep else ((), b"")), held[:cut],
+                                b"".join(held_lps)[:cut * logprobs.BLOCK_BYTES], matcher.matched)
                     return
             if text or keep:
-                yield Piece(text, None, n_tokens, *kept(ids, lps, keep)) if keep else Piece(text, None, n_tokens)
+                yield Piece(text, None, n_tokens, *(kept(ids, lps, keep) if keep else ((), b"")), held,
+                            b"".join(held_lps))
+                held, held_lps = [], []
         elif kind == "done":
             tail = matcher.push(decoder.flush()) + matcher.flush()
-            yield Piece(tail, "stop" if value in ("stop", "abort") else value, n_tokens)
+            yield Piece(tail, "stop" if value in ("stop", "abort") else value, n_tokens, (), b"", held,
+                        b"".join(held_lps), last if value == "stop" and last in ends else None)
             return
         else:
             raise RuntimeError(value)
 
 
-async def merged(s: Served, jobs: list[Job], stops: list[str]):
-    """(choice index, Piece or RuntimeError) from every job as they come."""
+async def merged(s: Served, jobs: list[Job], stops: list[str], each: list[list[str]] | None = None):
+    """(choice index, Piece or RuntimeError) from every job as they come; stop strings `stops`, or one
+    list per job (`each`: a /generate batch)."""
+    each = each or [stops] * len(jobs)
     if len(jobs) == 1:  # no queue in between
         try:
-            async for piece in pieces(s, jobs[0], stops):
+            async for piece in pieces(s, jobs[0], each[0]):
                 yield 0, piece
         except RuntimeError as e:
             yield 0, e
@@ -302,7 +325,7 @@ async def merged(s: Served, jobs: list[Job], stops: list[str]):
 
     async def pump(i, job):
         try:
-            async for piece in pieces(s, job, stops):
+            async for piece in pieces(s, job, each[i]):
                 await queue.put((i, piece))
         except RuntimeError as e:
             await queue.put((i, e))
@@ -423,3 +446,42 @@ async def whole(s: Served, jobs: list[Job], ask: Ask):
                                    LogprobsOut(s, ask)(ids[i], b"".join(packed[i]), prefix)))
     return JSONBody(completion_body(ask.rid, s.model_name, ask.chat, choices, len(ask.prompt_ids), sum(counts),
                                         cached_tokens(jobs)))
+
+
+# ---- SGLang's native /generate ------------------------------------------------------------------------
+async def generate(request: Request):
+    """SGLang's POST /generate (`native`): text or token ids, one prompt or a batch, whole or streamed;
+    its requests run as the OpenAI endpoints' do (the same checks, jobs and pieces)."""
+    arrived, s = time.perf_counter(), request.app.state.served  # arrived: where /metrics' latencies start
+    try:
+        call = native.parse(await read_json(request), s.tokenizer, s.loop.facts, s.grammar)
+    except BadRequest as e:
+        return error(e.status, e.message, e.kind, e.param)
+    except ClientDisconnect:
+        return error(400, "client disconnected")
+    jobs = [Job(one.ids, p, asyncio.get_running_loop(), arrived=arrived) for one in call.items for p in one.samples]
+    refused = await admitted(s, jobs, call.field)
+    if refused is not None:
+        return refused
+    answers = generate_answers(s, jobs, native.Answers(s.tokenizer, call, jobs), call.stream)
+    if call.stream:
+        return StreamingResponse(answers, media_type="text/event-stream")
+    async with contextlib.aclosing(answers):
+        return [last async for last in answers][-1]
+
+
+async def generate_answers(s: Served, jobs: list[Job], answers, stream: bool):
+    """/generate's answer: streamed, the answer so far of a piece's request after each piece, then
+    [DONE]; whole, one response at the end."""
+    try:
+        async for i, piece in merged(s, jobs, [], [one.stops for one in answers.items]):
+            answers.add(i, piece)
+            if stream:
+                yield sse_event(answers.event(i))
+        yield b"data: [DONE]\n\n" if stream else JSONBody(answers.body())
+    except RuntimeError as e:
+        yield sse_event(error_body(str(e), "server_error")) if stream else error(500, str(e), "server_error")
+    finally:  # ended, failed, or the client went away: free what still runs
+        for job in jobs:
+            if job.request is None or not job.request.done:
+                s.loop.abort(job)

@@ -40,6 +40,7 @@ class Job:
     cached_tokens: int = 0  # from the first tokens event: prompt tokens the prefix cache gave
     prompt_logprobs: list | None = None  # from the first tokens event, when asked (echo)
     told: bool = False  # (engine side) the first tokens event, with the request's facts, went out
+    arrived: float = field(default_factory=time.perf_counter)  # (handler side) when its HTTP request came in
 
 
 @dataclass(frozen=True)
@@ -157,6 +158,11 @@ class EngineLoop(threading.Thread):
         state = {"last_gen_throughput": self.throughput.value}
         if info.get("avg_spec_accept_length") is not None:
             state["avg_spec_accept_length"] = info["avg_spec_accept_length"]
+        # The speculative decoder's request-rounds since start by tokens emitted (index k: rounds that
+        # emitted k, bonus included), for /metrics' histogram: a few ints it already keeps.
+        counts = getattr(eng.decoder, "accept_counts", None)
+        if counts is not None:
+            info["spec_accept_length_counts"] = counts.tolist()
         return info | {"internal_states": [state]}
 
     def _tokens_of(self, index: int, ids: list[int]) -> None:  # the engine's on_tokens

@@ -31,6 +31,7 @@ class ServeArgs:
     api_key: str | None = None
     served_model_name: str | None = None  # None: the target's folder name
     warmup: bool = True  # every executable compiled (or loaded from the store) before the first request
+    metrics: bool = True  # Prometheus' /metrics (--disable-metrics: off)
 
 
 def parse_options(argv: list[str] | None = None):
@@ -41,8 +42,10 @@ def parse_options(argv: list[str] | None = None):
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=os.environ.get("JEAGLE_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on every endpoint but /health (or JEAGLE_API_KEY)")
+                   help="require 'Authorization: Bearer KEY' on every endpoint but /health and /metrics "
+                   "(or JEAGLE_API_KEY)")
     p.add_argument("--served-model-name", default=None, help="the model id clients name (default: the target's name)")
+    p.add_argument("--disable-metrics", action="store_true", help="serve no Prometheus /metrics (default: served)")
     p.add_argument("--engine-thread", action="store_true",
                    help="run the engine in a thread of the HTTP server's process (default: a process of its own, "
                    "so building responses never holds up the engine)")
@@ -56,7 +59,8 @@ def parse_args(argv: list[str] | None = None) -> ServeArgs:
     return ServeArgs(EngineSpec.from_namespace(a, kernels=kernel_settings(a, slice_fusion=SERVER_SLICE_FUSION),
                                                dispatch_thread=dispatch_thread(a, default=SERVER_DISPATCH_THREAD)),
                      host=a.host, port=a.port,
-                     api_key=a.api_key, served_model_name=a.served_model_name, warmup=a.warmup)
+                     api_key=a.api_key, served_model_name=a.served_model_name, warmup=a.warmup,
+                     metrics=not a.disable_metrics)
 
 
 def load(args: ServeArgs):

@@ -8,6 +8,7 @@ with orjson; chat logprobs come pre-encoded (`TokenJSON`, `chat_logprobs_packed`
 
 from __future__ import annotations
 
+import dataclasses
 import struct
 import time
 
@@ -20,6 +21,10 @@ from jeagle.sampling import SamplingParams
 MAX_STOP_STRINGS = 4
 
 MAX_N = 16  # completions per request (`n`)
+
+INT32_MAX = 2**31 - 1  # fields the device reads as int32: a larger value failed the whole batch's step
+
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")  # OpenAI's (no tool calls or functions here)
 
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "stream_options", "n",
           "user", "ignore_eos", "logprobs", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_tokens",
@@ -109,14 +114,14 @@ def parse_common(body: dict, allowed: set[str]) -> dict:
                                                                                            integer=True),
         "temperature": _number(body, "temperature", 0.0, 2.0, default=1.0),
         "top_p": _number(body, "top_p", 0.0, 1.0, default=1.0, lo_open=True),
-        "top_k": _number(body, "top_k", -1, integer=True, default=0),
+        "top_k": _number(body, "top_k", -1, INT32_MAX, integer=True, default=0),
         "seed": _number(body, "seed", 0, 2**32 - 1, integer=True),
         "stop": stop, "stream": stream, "ignore_eos": ignore_eos, "n": n, "logprobs": logprobs, "echo": echo,
         "include_usage": bool((options or {}).get("include_usage", False)),
         "frequency_penalty": _number(body, "frequency_penalty", -2.0, 2.0, default=0.0),
         "presence_penalty": _number(body, "presence_penalty", -2.0, 2.0, default=0.0),
         "repetition_penalty": _number(body, "repetition_penalty", 0.0, 10.0, default=1.0, lo_open=True),
-        "min_tokens": _number(body, "min_tokens", 0, integer=True, default=0),
+        "min_tokens": _number(body, "min_tokens", 0, INT32_MAX, integer=True, default=0),
         "logit_bias": _logit_bias(body),
     }
 
@@ -208,6 +213,10 @@ def chat_prompt_ids(body: dict, tokenizer) -> list[int]:
                        for m in messages)):
         raise BadRequest("'messages' must be a non-empty list of {role, content} objects with string content",
                          "messages")
+    # A template renders any role it is given, so an unknown one would reach the model as text of its own.
+    role = next((m["role"] for m in messages if m["role"] not in CHAT_ROLES), None)
+    if role is not None:
+        raise BadRequest(f"message role {role!r} is not one of {', '.join(CHAT_ROLES)}", "messages")
     if not tokenizer.has_chat_template:
         raise BadRequest("this model's tokenizer has no chat template: use /v1/completions", "messages")
     try:
@@ -216,9 +225,11 @@ def chat_prompt_ids(body: dict, tokenizer) -> list[int]:
         raise BadRequest(f"chat template: {e}", "messages") from e
 
 
-def sampling_params(opts: dict, n_prompt: int, chat: bool, max_context: int, reserve: int) -> SamplingParams:
+def sampling_params(opts: dict, n_prompt: int, chat: bool, max_context: int, reserve: int,
+                    default_max_tokens: int = 16) -> SamplingParams:
     """The request's SamplingParams; max_tokens checked against the room the context leaves (`reserve`
-    positions kept free for speculation) and defaulted as OpenAI does (completions: 16)."""
+    positions kept free for speculation) and defaulted as OpenAI does (chat: the room; completions:
+    `default_max_tokens`, OpenAI's 16, within the room)."""
     room = max_context - n_prompt - reserve
     if room < 1:
         raise BadRequest(f"the prompt has {n_prompt} tokens; the context holds {max_context} "
@@ -226,7 +237,7 @@ def sampling_params(opts: dict, n_prompt: int, chat: bool, max_context: int, res
                          else "prompt", kind="invalid_request_error")
     max_tokens = opts["max_tokens"]
     if max_tokens is None:
-        max_tokens = room if chat else min(16, room)  # OpenAI: completions default to 16
+        max_tokens = room if chat else min(default_max_tokens, room)
     elif max_tokens > room:
         raise BadRequest(f"max_tokens {max_tokens} + the prompt's {n_prompt} tokens exceed the context of "
                          f"{max_context} ({reserve} reserved for speculation): at most {room}", "max_tokens")
@@ -243,12 +254,34 @@ def sampling_params(opts: dict, n_prompt: int, chat: bool, max_context: int, res
         raise BadRequest(str(e)) from e
 
 
+def request_params(body: dict, opts: dict, n_prompt: int, chat: bool, facts, grammar,
+                   default_max_tokens: int = 16) -> SamplingParams:
+    """A checked body's SamplingParams with its grammar: `sampling_params` on `parse_common`'s `opts`,
+    the structured output `grammar_request` finds compiled by `grammar(kind, source)`, the logit bias's
+    token ids checked against the vocabulary. facts: the engine's (`EngineFacts`)."""
+    params = sampling_params(opts, n_prompt, chat, facts.max_context, facts.context_reserve, default_max_tokens)
+    asked = grammar_request(body)
+    if asked is not None:
+        params = dataclasses.replace(params, grammar=grammar(*asked))
+    bad = [t for t, _ in params.logit_bias if not 0 <= t < facts.vocab_size]
+    if bad:
+        raise BadRequest(f"'logit_bias' names token ids outside the vocabulary: {bad[:5]}", "logit_bias")
+    return params
+
+
+def seeded(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """The params of `n` samples of one prompt: each its own seed stream (seed + i when one is given)."""
+    return [params if i == 0 or params.seed is None else dataclasses.replace(params, seed=(params.seed + i) % 2**32)
+            for i in range(n)]
+
+
 # ---- results out --------------------------------------------------------------------------------------
 class StopMatcher:
-    """Text → (text safe to emit, stopped). Holds back a tail that may be the start of a stop string."""
+    """Text → (text safe to emit, stopped). Holds back a tail that may be the start of a stop string;
+    `matched`: the stop string that ended the text."""
 
     def __init__(self, stops: list[str]):
-        self.stops, self.buffer, self.stopped = stops, "", False
+        self.stops, self.buffer, self.stopped, self.matched = stops, "", False, None
 
     def push(self, text: str) -> str:
         if self.stopped:
@@ -256,10 +289,14 @@ class StopMatcher:
         self.buffer += text
         hits = [(self.buffer.find(s), s) for s in self.stops if s in self.buffer]
         if hits:
-            cut = min(i for i, _ in hits)
+            cut, self.matched = min(hits)
             out, self.buffer, self.stopped = self.buffer[:cut], "", True
             return out
-        hold = max((k for s in self.stops for k in range(len(s) - 1, 0, -1) if self.buffer.endswith(s[:k])), default=0)
+        # The longest tail of the buffer that starts a stop string: tails no longer than the buffer, so a
+        # long stop string costs what the text does (slicing every prefix of it took seconds a token).
+        n = len(self.buffer)
+        hold = max((next((k for k in range(min(len(s) - 1, n), 0, -1) if s.startswith(self.buffer[n - k:])), 0)
+                    for s in self.stops), default=0)
         out, self.buffer = self.buffer[: len(self.buffer) - hold], self.buffer[len(self.buffer) - hold:]
         return out
 
