@@ -255,9 +255,10 @@ def test_serve_cli_end_to_end(smollm2_dir):
     its warm-up (the executables compile on first use): the default model's warm-up on a CPU takes minutes
     (tests/test_serve.py starts one with the warm-up on, over a tiny model)."""
     import socket
-    import time
 
     import httpx
+
+    from tests.test_serve import wait_until_healthy
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -267,16 +268,7 @@ def test_serve_cli_end_to_end(smollm2_dir):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.time() + 300
-        while True:
-            assert proc.poll() is None, proc.communicate()[1][-2000:]
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.time() < deadline, "server did not come up"
-            time.sleep(0.5)
+        wait_until_healthy(url, proc, lambda: proc.communicate()[1])
         r = httpx.post(f"{url}/v1/chat/completions", headers={"Authorization": "Bearer k"}, timeout=300,
                        json={"messages": [{"role": "user", "content": QUESTION}], "max_tokens": 8, "temperature": 0})
         assert r.status_code == 200, r.text

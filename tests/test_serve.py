@@ -401,6 +401,20 @@ def test_server_info_has_sglangs_internal_states(parts):
     assert state["last_gen_throughput"] > 0
 
 
+def wait_until_healthy(url: str, proc, stderr, timeout: float = 300) -> None:
+    """Poll `url`/health until it answers 200; fails with the server's stderr (`stderr()`) if its process ends."""
+    deadline = time.time() + timeout
+    while True:
+        assert proc.poll() is None, stderr()[-2000:]
+        try:
+            if httpx.get(f"{url}/health", timeout=5).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert time.time() < deadline, "server did not come up"
+        time.sleep(0.2)
+
+
 def test_the_server_warms_up_by_default(tiny_target_dir, tmp_path):
     """`python -m jeagle.serve` with its defaults (the engine in a process of its own) warms up before it
     serves and says so on stderr; requests of the warmed sizes (greedy, sampled, after a prefix-cache hit)
@@ -418,16 +432,7 @@ def test_the_server_warms_up_by_default(tiny_target_dir, tmp_path):
                                 stdout=subprocess.DEVNULL, stderr=err)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.time() + 300
-        while True:
-            assert proc.poll() is None, log.read_text()[-2000:]
-            try:
-                if httpx.get(f"{url}/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.time() < deadline, "server did not come up"
-            time.sleep(0.2)
+        wait_until_healthy(url, proc, lambda: log.read_text())
         with httpx.Client(base_url=url, timeout=120) as c:
             warmed = idle_info(c)
             assert warmed["warmup_s"] > 0 and warmed["compilations_after_warmup"] == 0

@@ -90,10 +90,10 @@ def tiled(fn, *xs):
 
     tiles = tuple(split(x) for x in xs)
     if n <= UNROLL_TILES:
-        # Each tile waits on the one before (its inputs pass a barrier with that tile's outputs): tiles that do
-        # not depend on each other are fair game for XLA's dot merger, which would run two tiles' products on
-        # the same weight as one product of 2·TILE rows — another GEMM algorithm, other bits (greedy EAGLE
-        # parted from target-only at batch 16, whose verify is two tiles, and not at 8, whose verify is one).
+        # Each tile waits on the one before (its inputs pass a barrier with that tile's outputs): XLA may merge
+        # the products of independent tiles on the same weight (its dot merger) into one of 2·TILE rows, another
+        # GEMM algorithm with other bits. The suspected cause of greedy EAGLE parting from target-only at batch
+        # 16, whose verify is two tiles, and not at 8, whose verify is one (bench/HISTORY.md 2026-12-07).
         outs = []
         for i in range(n):
             inputs = tuple(x[i] for x in tiles)
