@@ -65,6 +65,17 @@ if [[ "$steps" == *" partings "* ]]; then  # where bf16 EAGLE parts from target-
       --json-out "$OUT/partings_${spec%%:*}.json" 2>&1 | grep -v "Converting\|Loading\|^{" | tee -a "$OUT/partings.log"
   done
 fi
+if [[ "$steps" == *" detcost "* ]]; then  # deterministic mode's cost at batch 16: as built, with autotuning on, and by phase
+  python3 bench/probes/deterministic_cost.py --shape smollm2 --batch-sizes ${DETCOST_BATCHES:-16} --tau 3.2 \
+    --json-out "$OUT/detcost.json" 2>&1 | grep -v '^{"probe"' | tee "$OUT/detcost.log"
+  JEAGLE_XLA_OPTIONS='{"xla_gpu_autotune_level": 4}' python3 bench/probes/deterministic_cost.py --shape smollm2 \
+    --batch-sizes ${DETCOST_BATCHES:-16} --tau 3.2 --json-out "$OUT/detcost_autotune.json" 2>&1 | grep -v '^{"probe"' \
+    | sed 's/^/autotune4: /' | tee -a "$OUT/detcost.log"
+  for det in "" --deterministic; do
+    timeout 240 python3 bench/profile_decode.py --shape smollm2 --batch-sizes 16 --spec 5,4,8 --simulate-accept 3.2 \
+      --steps 16 --top 15 $det 2>&1 | grep -v "Converting\|Loading" | tee -a "$OUT/detcost_profile.log"
+  done
+fi
 if [[ "$steps" == *" tests "* ]]; then
   python3 -m pytest -q -m gpu -s tests/test_gpu.py 2>&1 | grep -v "Converting\|Loading" | tee "$OUT/pytest_gpu.log"
   python3 -m pytest -q -x tests/test_parity_hf.py tests/test_cache.py tests/test_engine.py 2>&1 | tail -5 | tee "$OUT/pytest_cpu_suite_on_gpu.log"
@@ -600,15 +611,6 @@ if [[ "$steps" == *" hostprof "* ]]; then  # the host's time per round, real mod
         | grep -v "Converting\|Loading" | tee -a "$OUT/hostprof.log" | grep '^{"bench"' >> "$OUT/hostprof_$tree.jsonl")
     done
   done
-fi
-if [[ "$steps" == *" partings "* ]]; then  # issue 27: where bf16 EAGLE parts from target-only, fp32 gaps; --deterministic cost
-  # The default mode over every question; deterministic mode (its cost, its equality) over the first DET_PROMPTS.
-  python3 bench/probes/partings.py --prompts .data/mtbench.jsonl --num-prompts "${PARTINGS_PROMPTS:-80}" \
-    --max-new-tokens "${PARTINGS_TOKENS:-256}" --modes default --json-out "$OUT/partings_default.json" 2>&1 \
-    | grep -v '^{"probe"' | tee "$OUT/partings.log"
-  python3 bench/probes/partings.py --prompts .data/mtbench.jsonl --num-prompts "${DET_PROMPTS:-16}" \
-    --max-new-tokens "${PARTINGS_TOKENS:-256}" --modes default,deterministic --json-out "$OUT/partings_det.json" \
-    2>&1 | grep -v '^{"probe"' | tee -a "$OUT/partings.log"
 fi
 if [[ "$steps" == *" features "* ]]; then  # issue 24: logprobs, penalties, grammars: their tests on the GPU and their cost
   # FEATURE_TESTS=0 skips the tests; FEATURE_SET picks the decode rows (FEATURE_ARGS: more decode.py arguments,

@@ -100,9 +100,13 @@ def main(argv=None):
     p.add_argument("--dump", default=None, metavar="DIR",
                    help="write every device op of one traced step (name, count, us per step) and the optimized "
                         "HLO of the decode executables there, to read what each fusion computes")
+    p.add_argument("--deterministic", action="store_true",
+                   help="profile the deterministic mode (its batch-invariant kernels and compile options)")
     args = p.parse_args(argv)
     phases = bool(args.spec) if args.phases is None else args.phases
     extra = json.loads(args.sampling) if args.sampling else {}
+
+    import dataclasses
 
     import jax
 
@@ -134,7 +138,7 @@ def main(argv=None):
         per_call = (tier.num_steps + 1) if args.spec else args.decode_steps  # most tokens one call emits
         max_new = per_call * (warm_steps + 2 * args.steps + 8)
         ec = EngineConfig(max_batch_size=batch, max_context=args.context + max_new + 64,
-                          decode_steps=args.decode_steps, unroll_layers=unroll, kernels=KernelSettings.from_env())
+                          decode_steps=args.decode_steps, unroll_layers=unroll, kernels=dataclasses.replace(KernelSettings.from_env(), deterministic=args.deterministic))
         engine = (speculative(model, head, ec, tier, simulate_accept=args.simulate_accept) if args.spec
                   else target_only(model, ec))
         sp = SamplingParams(max_new_tokens=max_new, ignore_eos=True, **extra)
