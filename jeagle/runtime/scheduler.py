@@ -31,6 +31,7 @@ from jeagle.runtime.compile_count import CompilationsAfterWarmup
 from jeagle.runtime.decoder import wants_grammar
 from jeagle.runtime.dispatch import resolve
 from jeagle.runtime.gc_clock import gc_totals
+from jeagle.runtime.host_clock import StepClock
 from jeagle.runtime.kv import KVManager
 from jeagle.runtime.kv_flow import KVFlow
 from jeagle.runtime.requests import Output, Request, RequestLimits, make_request
@@ -272,33 +273,29 @@ class Engine(KVFlow, CompilationsAfterWarmup):
             raise OutOfSlots(f"cannot admit request {r.index} although nothing is running (it was dropped)")
 
     def step(self) -> None:
-        """One scheduler step: the verify_done wait, admission and prefill of what fits, one decode
-        step or round over the live batch (dispatched before the previous one is processed, with
-        overlap), and processing of the results that are due."""
-        dec, pending, acct = self.decoder, self._pending, self._acct
-        start, tables0, compiled = time.perf_counter(), self.tables_waited_s, self.compile_seconds
-        prefill0 = self.host_totals["prefill_dispatch_s"]
-        joined = self._join_step()
-        # The next host step starts with the wait on the last round's verify results (sync: hard).
-        blocked = self.verify_done.wait()
+        """One scheduler step: wait (verify_done) → admit (prefill what fits) → dispatch one decode step or
+        round over the live batch → process the results that are due (with overlap, the previous step's:
+        this one stays in flight) → release finished requests' slots. Host time: `StepClock`."""
+        dec, pending = self.decoder, self._pending
+        clock = StepClock(self)
+        clock.joined(self._join_step())
+        clock.waited(self.verify_done.wait())  # the last round's verify results (sync: a hard wait)
         if not self._running:  # nothing runs that waiting on the finished requests' table reads would stall
             self._ask_tables()
             self._complete_releases()
+
         self._admit_waiting()
-        live = [r for r in self._running if dec.wants_step(r)]
-        longest = 0
+
+        live, longest = [r for r in self._running if dec.wants_step(r)], 0
         if live:
             live, waited, longest = self._reserve(live)
-            blocked += waited
-        grammar, drained = wants_grammar(live), 0.0
+            clock.waited(waited)
+        grammar = wants_grammar(live)
 
         def drain():  # grammar masks need every token in flight: target-only first, EAGLE inside its round
-            nonlocal blocked, drained
-            t1 = time.perf_counter()
-            while pending:
-                self._process(*pending.popleft())
-            blocked += time.perf_counter() - t1
-            drained += time.perf_counter() - t1
+            with clock.waiting():
+                while pending:
+                    self._process(*pending.popleft())
         if grammar and pending and not dec.speculative:
             drain()
             self._running = [r for r in self._running if not r.done]
@@ -306,46 +303,35 @@ class Engine(KVFlow, CompilationsAfterWarmup):
         if live:
             b, kv = self.buckets.decode(len(live), longest, self._bucket, self.bucket_shrink_ratio)
             self._bucket = b
-            acct["buckets_used"].add(b)
-            t1, drained = time.perf_counter(), 0.0
-            result = dec.step(live, b, kv, drain)
-            dispatch = time.perf_counter() - t1 - drained + joined  # (a grammar round reads the last one inside)
+            self._acct["buckets_used"].add(b)
+            with clock.dispatching():
+                result = dec.step(live, b, kv, drain)
             pending.append(("step", live, result))
             self._unjoined = result
             if not dec.threaded:  # else its call runs beside this step's processing and the server's hand-over
                 self._join_step()  # (the calling thread's result: its verify_done handle recorded at dispatch)
-        # Overlap: keep this step in flight while the host processes the previous one; without
-        # overlap (or with nothing more to dispatch) process everything now.
-        # A target-only grammar step is processed at once: its requests' next masks need its tokens.
+
+        # Overlap: keep this step in flight while the host processes the previous one; without overlap (or
+        # with nothing more to dispatch) process everything now. A target-only grammar step is processed at
+        # once: its requests' next masks need its tokens.
         keep = 1 if live and self.config.overlap and (dec.speculative or not grammar) else 0
         while len(pending) > keep:
-            blocked += self._process(*pending.popleft())
+            clock.waited(self._process(*pending.popleft()))
         self._running = [r for r in self._running if not r.done]
-        # The finished requests' slot tables are read when their rows and slots are wanted (requests
-        # wait) or nothing else runs: a read between two rounds stalls the device more than a round's
-        # host work would (bench/HISTORY.md session 20), and until then their KV stays where it is.
+
+        # The finished requests' slot tables are read when their rows and slots are wanted (requests wait) or
+        # nothing else runs: a read between two rounds stalls the device more than a round's host work would
+        # (bench/HISTORY.md, 2026-11-26), and until then their KV stays where it is.
         if self._waiting or not self._running:
             self._ask_tables()
         self._complete_releases(wait=False)  # after the dispatch: their host work overlaps the device's
         if live:
-            blocked += self.tables_waited_s - tables0  # slot-table reads waited on (admission, releases)
-            busy = time.perf_counter() - start - blocked
-            dec.host_step(busy - dispatch)  # the adaptive throughput policy's round-time model
-            acct["blocked_per_step"].append(blocked)
-            acct["busy_per_step"].append(busy)
-            acct["dispatch_per_step"].append(dispatch)
-            tot = self.host_totals
-            tot["steps"] += 1
-            tot["busy_s"] += busy
-            tot["blocked_s"] += blocked
-            tot["dispatch_s"] += dispatch
+            clock.book()
             self._decay_ratio()
-            self.gate.observe_step(time.perf_counter() - start - (tot["prefill_dispatch_s"] - prefill0),
-                                   self.compile_seconds != compiled)
-        if not self.has_work:
+        if not self.has_work:  # idle: nothing may stay pending
             self._join_step()
             self._bucket = 0
-            self.verify_done.wait()  # nothing may stay pending once idle
+            self.verify_done.wait()
             self._complete_releases()
 
     def _join_step(self) -> float:
