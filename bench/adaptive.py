@@ -1,6 +1,6 @@
 """Adaptive tiers vs every static tier on a phased workload: tokens/s per phase and overall.
 
-The workload alternates acceptance phases. No trained EAGLE head exists here yet (issue 8), so the
+The workload alternates acceptance phases. No trained EAGLE head existed when this was written, so the
 acceptance is made, not found: the target has SmolLM2's shapes (so every step costs what SmolLM2's
 does) with its attention and MLP outputs zeroed and its lm_head a row permutation of its embedding,
 which makes its next token a fixed permutation of the current one; a one-layer EAGLE-1 head whose fc maps the token embedding through (identity + noise)

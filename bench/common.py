@@ -114,7 +114,7 @@ def median_runs(fns: dict, repeats: int) -> dict:
 
 # ---- random models of a named shape ---------------------------------------------------------------------
 # The draft vocabulary of a shape's random EAGLE-3 head: the shipped SmolLM2 head's 8,192 (its draft top-K
-# then takes the same kernel as the real head's), the published 8B heads' 32,000. Until session 24 every
+# then takes the same kernel as the real head's), the published 8B heads' 32,000. Until 2026-11-26 every
 # shape's random head had min(32000, vocab): SmolLM2 rounds measured before then drafted over 32,000.
 DRAFT_VOCAB = {"smollm2": 8192, "llama8b": 32000}
 
@@ -214,11 +214,6 @@ def plain_hf_model(gguf: Path, dtype: str = "bfloat16"):
 
 
 # ---- profiler traces ------------------------------------------------------------------------------------
-def device_events(trace_dir: str):
-    """(name, duration_us) of every op the trace puts on a GPU stream."""
-    return [e for evs in device_events_by_device(trace_dir).values() for e in evs]
-
-
 def trace_events(trace_dir: str) -> list[dict]:
     """Every event of the latest trace json under `trace_dir` (a `jax.profiler.trace` folder)."""
     files = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)

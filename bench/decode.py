@@ -31,7 +31,7 @@ common prefix (greedy speculation is lossless; in bf16 the verify's different ba
 target-only at a near tie). `--engine-config JSON` sets more EngineConfig fields for every jeagle system.
 `--buckets default` gives the engines the batch buckets a user gets (SGLang's list up to the largest
 batch: a batch whose requests finish at different rounds shrinks into the next smaller one); `batches`
-(the default until session 24) makes the timed batch sizes the only buckets (fewer executables to
+(the default until 2026-11-26) makes the timed batch sizes the only buckets (fewer executables to
 compile; a speculative batch's last rounds then run at the full bucket until 16 or 1 rows remain).
 
 Prints a table, writes `--plot` (tokens/s vs batch, one line per system and bucket rule; needs
@@ -248,7 +248,7 @@ def hf_rows(gguf: Path, prompts_ids, batches, max_new, repeats, pad_id: int, dev
     # transformers' own compile of a static-cache decode (generate compiles the decode forward, not the
     # prefill; CUDA graphs via reduce-overhead). Wrapping model.forward in torch.compile by hand instead
     # also compiles the prefill, and under transformers 5.17 its CUDA-graph outputs get overwritten
-    # (RuntimeError in session 7). It engages only on CUDA (checked after the first warm-up below).
+    # (RuntimeError on 2026-11-23, bench/HISTORY.md). It engages only on CUDA (checked after the first warm-up below).
     model.generation_config.compile_config = CompileConfig(fullgraph=True, mode="reduce-overhead")
     rows = []
     for batch in batches:

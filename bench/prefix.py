@@ -1,4 +1,4 @@
-"""Prefix caching, slots on demand and retraction on SmolLM2-135M-Instruct (issue 25), at the engine
+"""Prefix caching, slots on demand and retraction on SmolLM2-135M-Instruct, at the engine
 level (submit / step, the server's engine loop without HTTP), EAGLE (the shipped head) and target-only.
 
 ttft      A ~1,000-token system prompt shared by every request, one MT-bench question each, sent one
@@ -47,7 +47,7 @@ def compare(rows: list[dict], name: str, ratio) -> list[dict]:
 
 
 def reserve_policy(eng) -> None:
-    """The policy before issue 25 on a default engine: admission takes the request's whole context,
+    """The policy before the prefix cache on a default engine: admission takes the request's whole context,
     which is never trimmed back (the default's `_trim_running` gives unused tails back before turning
     a request away: here that would trim the reservations, regrow them the next step, and so on)."""
     eng.kv.chunk = 1 << 30
@@ -56,7 +56,7 @@ def reserve_policy(eng) -> None:
 
 def policy_engine(kind, policy, model, head, args, tier, prefill_lengths):
     """An engine of `--concurrent` rows over a pool of `--pool-contexts` contexts under `policy`
-    ("reserve": the policy before issue 25; "on-demand": the default; "on-demand-eager": the default
+    ("reserve": the policy before the prefix cache; "on-demand": the default; "on-demand-eager": the default
     without admission control, `schedule_conservativeness` 0; "on-demand:C": that conservativeness),
     warmed up for these prompt lengths (prefills after cache hits included)."""
     from jeagle.engine import EngineConfig

@@ -32,7 +32,7 @@ import time
 
 from common import DRAFT_VOCAB, SHAPES, device_events_by_device, emit, git_commit, median_run, random_eagle3_head
 
-# SGLang's published single-H100 Llama-3.1-8B figures (issue 9): tokens/s at batch 1.
+# SGLang's published single-H100 Llama-3.1-8B figures: tokens/s at batch 1.
 SGLANG_H100 = {"target_only": 158.3, "eagle3_tau_4.68": 361.7, "eagle3_mtbench": 373.3}
 # NCCL kernels, and XLA's own collective kernels (Triton one-shot all-reduce: "all_reduce_96_0_fusion_1")
 COLLECTIVE = re.compile(r"all[-_]?reduce|all[-_]?gather|reduce[-_]scatter|collective[-_]permute|all[-_]to[-_]all|nccl",

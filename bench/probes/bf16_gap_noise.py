@@ -1,5 +1,5 @@
 """How far bf16 moves the gap between the target's two best logits (the scale a parting's fp32 gap is
-judged against, issue 27): one prefill-shaped forward of SmolLM2 over an MT-bench-like prompt and a
+judged against): one prefill-shaped forward of SmolLM2 over an MT-bench-like prompt and a
 continuation, in bf16 and in fp32; at every position, |gap_bf16 - gap_fp32| for the fp32 top-2 pair.
 
     python bench/probes/bf16_gap_noise.py

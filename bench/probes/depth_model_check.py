@@ -1,4 +1,4 @@
-"""Does the throughput policy's depth model misjudge a deeper tier? (issue 22) Static (5,4,8), (7,4,11) and
+"""Does the throughput policy's depth model misjudge a deeper tier? Static (5,4,8), (7,4,11) and
 (3,4,5) engines (SmolLM2 + the shipped head, MT-bench first turns, greedy, EOS ignored) give their accept-length
 histograms; the depth model fed (5,4,8)'s rounds gives its estimates of every tier's tokens per round.
 

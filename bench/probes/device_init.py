@@ -1,4 +1,4 @@
-"""How long a process takes to bring its GPU up, by JAX allocator setting (issue 27, the second start):
+"""How long a process takes to bring its GPU up, by JAX allocator setting (the second start):
 `import jax`, the backend's initialisation (`jax.devices()`), the first buffer (the allocator's first
 allocation: with preallocation, most of the GPU's memory) and a 256 MiB buffer after it, each in a
 fresh process per setting.

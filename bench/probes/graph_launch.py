@@ -1,4 +1,4 @@
-"""What a call of an XLA executable costs the host, by how many kernels its command buffer holds (issue 22).
+"""What a call of an XLA executable costs the host, by how many kernels its command buffer holds.
 
 A round executable of SmolLM2 holds ~520-630 commands in one command buffer when every layer is unrolled
 (XLA's log, `gpu_session.sh run hostcall`), and its call still takes 0.4-0.8 ms of host time of which the

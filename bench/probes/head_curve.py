@@ -1,4 +1,4 @@
-"""Issue 23: the shipped head's accept length across its training phases, from bench/accept_length.py JSONs.
+"""The shipped head's accept length across its training phases, from bench/accept_length.py JSONs.
 
 Each --point names a head, the loss tokens it had trained on (millions, counted from one phase's start) and
 the accept-length JSON(s) measured for it; a point's value per dataset is read from the JSON's results at

@@ -1,4 +1,4 @@
-"""Would pages pay for the paged-attention kernel? (issue 25 item 4: page size > 1 only if measurement
+"""Would pages pay for the paged-attention kernel? (Page size > 1 only if measurement
 shows it pays.) The kernel reads a request's prefix through its slot-table row, one slot per
 position; pages would give it runs of consecutive slots. This times the kernel over the same prefix
 lengths with three layouts of the same pool:
@@ -12,7 +12,7 @@ Forms: `decode` (one query a request, the prefix plus one extra key: a decode st
 (9 queries, 9 extra keys: a (5,4,8) tree's verify), `prefill` (the causal form, 64 new positions after
 the prefix: a prefill after a prefix-cache hit). Time per call: one executable runs the kernel over
 every layer of the pool, the layers unrolled, its median wall over `--samples` runs ÷ layers.
-(Session 29's numbers ran the layers in a `fori_loop`, whose per-trip overhead on a GPU dominates the
+(The 2026-11-27 numbers in bench/RESULTS.md ran the layers in a `fori_loop`, whose per-trip overhead on a GPU dominates the
 small cases: there only rows of ≥ ~30 µs a call say something about the layout.)
 
     python bench/probes/page_layout.py --shapes smollm2,llama8b --batch-sizes 1,16,48 --prefix 1024

@@ -1,4 +1,4 @@
-"""What JAX's per-call argument flatten costs the host for a decoder's parameters (session 27).
+"""What JAX's per-call argument flatten costs the host for a decoder's parameters (bench/HISTORY.md, 2026-11-27).
 
 Executables take the params as one flat tuple (`jeagle.runtime.executables.param_step`) because JAX
 flattens every argument on every call, and the nnx parameter state flattens in Python per variable.

@@ -1,4 +1,4 @@
-"""The adaptive throughput policy's host time per verify (issue 22), no device: `ThroughputPolicy.update`
+"""The adaptive throughput policy's host time per verify, no device: `ThroughputPolicy.update`
 fed `--verifies` synthetic verifies of `--batch` requests at (5,4,8) with the would-be accept lengths of
 the two tiers it nests, and a `RoundTimes` with every tier calibrated; prints µs per verify, then (with
 `--profile`) the top functions by own time.
@@ -19,7 +19,7 @@ def main(argv=None):
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--verifies", type=int, default=2000)
     p.add_argument("--profile", action="store_true")
-    p.add_argument("--lists", action="store_true", help="Python lists, as the decoder passed them before session 28")
+    p.add_argument("--lists", action="store_true", help="Python lists, as the decoder passed them before fda1eb0")
     p.add_argument("--update-interval", type=int, default=None, help="default: the policy's")
     args = p.parse_args(argv)
 
@@ -35,7 +35,7 @@ def main(argv=None):
     for j in range(len(tiers)):
         times.calibrated(j, bucket, 1.4 + 0.1 * j)
     rng = np.random.default_rng(0)
-    # As the decoder passes them: int arrays (lists before session 28: `--lists`).
+    # As the decoder passes them: int arrays (lists before `fda1eb0`: `--lists`).
     acc = [rng.integers(0, 5, args.batch) for _ in range(args.verifies)]
     nest = [rng.integers(0, 4, (args.batch, 2)) for _ in range(args.verifies)]
     if args.lists:

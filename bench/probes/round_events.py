@@ -1,9 +1,9 @@
-"""Issue 22: what the host did between two rounds, and what the next round's call cost.
+"""What the host did between two rounds, and what the next round's call cost.
 
-Sessions 26-27 found that a round executable's call re-records its XLA command buffers (host time in the
+The 2026-11-27 measurements (bench/HISTORY.md) found that a round executable's call re-records its XLA command buffers (host time in the
 call, up to ~2 ms at batch 16-48) when the buffers it meets sit at other addresses than on its last call:
 after a tier switch, or anything else that allocated on the device in between. Continuous batching
-(session 39: rounds 0.5-0.7 ms dearer than static waves) and the adaptive engine (runs spread 28k-48k tok/s
+(2026-11-28: rounds 0.5-0.7 ms dearer than static waves) and the adaptive engine (runs spread 28k-48k tok/s
 at batch 48) both put more between rounds than a static wave does: prefill calls, slot-table reads of
 finished requests, slot-table updates, bucket and tier changes. This wraps the decoder's `step`,
 `prefill`, `read_tables` and `assign_slots` of a warm engine (SmolLM2 + the shipped head, MT-bench first

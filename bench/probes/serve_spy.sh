@@ -2,8 +2,8 @@
 # Where the engine's process spends its time while serving: bench/serve.py (the engine in its own process)
 # runs in the background; once the engine steps, py-spy records the engine's process (every thread, idle
 # stacks included, raw folded stacks, without pausing it) for SPY_S seconds.
-# Needs py-spy (its wheel in .whl: `pip download --no-deps py-spy`) and the staged model, as gpu_session.sh
-# `run features` has them. Usage (from the repository root, in gpu_session.sh's environment):
+# Needs py-spy (its wheel in .whl: `pip download --no-deps py-spy`) and the staged model, as gpu_session.sh's
+# `serve` step has them. Usage (from the repository root, in gpu_session.sh's environment):
 #   SPY_CONFIG=eagle SPY_CONC=48 [SPY_NATIVE=1] [SPY_WHO=server|both] [SPY_TAG=x] bash bench/probes/serve_spy.sh
 #   → $OUT/spy${SPY_TAG}.txt (the engine's or the server's process), with SPY_WHO=both the server's in
 #   $OUT/spy${SPY_TAG}_server.txt (both recorded at once), and $OUT/spy${SPY_TAG}_serve.log

@@ -1,4 +1,4 @@
-"""Where a prefix-cache hit's time to first token goes (issue 25): bench/prefix.py's `ttft` scenario
+"""Where a prefix-cache hit's time to first token goes: bench/prefix.py's `ttft` scenario
 (a ~1,000-token system prompt shared by every request, one MT-bench question each, one request after
 another), with the host's time in each part of the request's first scheduler steps and, with
 `--trace`, the device's busy time between submit and first token.

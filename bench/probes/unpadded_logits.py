@@ -1,4 +1,4 @@
-"""Run a bench script with the one-row logits product as before session 29 (no padding to two rows):
+"""Run a bench script with the one-row logits product as before `4e04004` (no padding to two rows):
 the A/B of `fp32_logits` in one call. `python bench/probes/unpadded_logits.py SCRIPT ARGS...`"""
 import runpy
 import sys
