@@ -5,11 +5,11 @@ Host-only (no JAX here; numpy). SGLang's design (docs "Adaptive Speculative Deco
 and a second policy weighs each tier's accept length against its measured cost. The default is
 SGLang's EMA policy: on the H100 it measured ahead of the cost-aware one on the phased workload
 (1.12-1.20x vs 1.04-1.06x the best static tier) and the cost-aware one fell 16% behind the static
-(5,4,8) at batch 48 on MT-bench (bench/HISTORY.md session 12); "throughput" is there to be chosen.
-(Sessions 28-29: with its host time per verify cut ~0.1 -> ~0.04 ms it ran 0.91 of static (5,4,8) on
+(5,4,8) at batch 48 on MT-bench (bench/HISTORY.md, 2026-11-25); "throughput" is there to be chosen.
+(2026-11-27: with its host time per verify cut ~0.1 -> ~0.04 ms it ran 0.91 of static (5,4,8) on
 MT-bench at batch 16, medians of 8 runs each (the occasional run at ~0.6 hit static too: the host's,
 not the policy's), where the EMA policy's (3,4,5) ran 0.82-0.90; on the phased workload EMA still
-leads, 1.18 / 1.23 vs 1.01 / 1.10 the best static tier. Session 34, paired run by run against static
+leads, 1.18 / 1.23 vs 1.01 / 1.10 the best static tier. On 2026-11-28, paired run by run against static
 (5,4,8) in one process: throughput 0.91-1.01 / 0.89-0.96 / 0.94-0.99 at batch 1 / 16 / 48, EMA 0.99 /
 0.94 / 0.85; `observe_every` 4 cuts the policy's host work in a round, but left free it visits losing
 tiers more often, so it is off by default.)

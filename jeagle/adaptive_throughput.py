@@ -14,7 +14,7 @@ current batch bucket (`RoundTimes`), and leaves the active tier only for one at 
 `switch_margin` faster. `observe_every` E > 1: the policy sees one verify in E (the controller counts
 the others and the decoder skips their nested columns), each standing for E in the decay and the
 cadence, for a host that sets the pace of the rounds (at batch 16 and 48 on the H100 the policy's work
-was ~0.1 ms of a ~1.7 ms round, bench/HISTORY.md session 34; with E = 4 it visited losing tiers more
+was ~0.1 ms of a ~1.7 ms round, bench/HISTORY.md, 2026-11-28; with E = 4 it visited losing tiers more
 often, so E = 1 stays the default). Under this policy the base tier (S, K, N) is always one of the
 tiers (it starts there). E_j comes from:
   1. rounds that observed tier j: its own, and those of any tier that nests it (the same K, no more
@@ -31,10 +31,10 @@ last verify's size), so the
 new tier's first rounds refine them rather than its rounds from long ago. `min_dwell` (default 0)
 holds a tier that many verifies after a switch: on the H100, at batch 16, (7,4,11)'s rounds in runs
 that switched between it and (5,4,8) every few verifies took 1.7-1.9x (5,4,8)'s where its device time is
-1.11x (bench/HISTORY.md session 25). The cause (session 26): each tier's result had its own width, so
+1.11x (bench/HISTORY.md, 2026-11-26). The cause (2026-11-27): each tier's result had its own width, so
 after a switch XLA re-recorded the new executable's command buffer in the call (+2-4.5 ms at batch 48);
 every tier's result now has one shape (`RoundKey.width`) and a switch costs ~0.2-0.3 ms.
-Tried and taken out (session 25): a larger tier estimated as the active one's E times the ratio of the
+Tried and taken out (2026-11-26): a larger tier estimated as the active one's E times the ratio of the
 two over the request-rounds that observed both, kept current by a probe round of the larger tier every
 N verifies. On the phased workload (bench/adaptive.py) the ratio from one phase misjudged the next (the
 low phase's ~1.0 held (6,4,16) off in the high phase): 0.97 / 0.84 of the best static tier (chain /
@@ -47,7 +47,7 @@ estimated like the deepest one tried (a geometric tail); E_j = 1 + sum_{d <= D_j
 sees depth only: a narrower tree at the same depth is over-estimated, a wider one under-estimated,
 which is why (1) comes first. (Per-tier counts with probes and no nesting were tried in
 6cc26c0: a tier's counts from an earlier phase of the workload then held it off for good;
-bench/HISTORY.md session 12.)
+bench/HISTORY.md, 2026-11-25.)
 """
 
 from __future__ import annotations
@@ -229,7 +229,7 @@ class ThroughputPolicy:
         the counts (`fold`: the counts verify-by-verify updates give) when a decision is due or it
         holds MAX_PENDING verifies: one numpy pass per run of verifies, where a pass per verify in
         Python over its requests cost ~60 us a verify at batch 16 on the H100's host
-        (bench/HISTORY.md session 28)."""
+        (bench/HISTORY.md, 2026-11-27)."""
         a = np.array(accepted, dtype=np.int64).reshape(-1)  # a copy: the caller may reuse its buffer
         if a.size == 0:
             return False
@@ -283,8 +283,8 @@ class RoundTimes:
     (`modelled`): the call's host time (`calibrated(..., call_ms)`) plus the step's other host work
     (`host_observed`, online; beside the call instead when it runs on a thread of its own, `threaded`)
     against the device's, the calibration less the call. Where the host sets the pace (batch 16 and 48
-    on the H200: a round's host work 1.66 ms against 1.43 ms of device time, bench/HISTORY.md session
-    37) a cheaper tier's round is no shorter, which its calibration alone (timed with nothing in flight)
+    on the H200: a round's host work 1.66 ms against 1.43 ms of device time, bench/HISTORY.md,
+    2026-11-28) a cheaper tier's round is no shorter, which its calibration alone (timed with nothing in flight)
     would promise. Without the call's time or host samples: the calibration times the ratio observed /
     calibrated of the tier observed most at the bucket (online rounds carry host work and real
     prefixes a calibration run on padding rows lacks).
@@ -294,7 +294,7 @@ class RoundTimes:
     calibrations (padding rows, nothing in flight) and the calls' host times in them misjudge the tiers
     against each other: at batch 16 on the H200 they put (3,4,5)'s round at 0.75x (5,4,8)'s and its call at
     0.54x where online rounds were 0.98x, and the policy, deciding at each shrinking bucket from them, ran
-    0.92x of static there (bench/HISTORY.md session 39)."""
+    0.92x of static there (bench/HISTORY.md, 2026-11-28)."""
 
     def __init__(self, window: int = 15, min_samples: int = 8, threaded: bool = False):
         self.window, self.min_samples, self.threaded = window, min_samples, threaded

@@ -76,7 +76,8 @@ def build_parser(prog: str = "python -m jeagle.generate", prompts: bool = True,
     rt.add_argument("--dispatch-thread", action=argparse.BooleanOptionalAction, default=None,
                     help="call the executables on a thread of their own while the host processes the last step's "
                          "results (XLA's per-call host work beside the engine's Python; default: on for jeagle.serve, "
-                         "whose engine is host-bound under load, off for jeagle.generate: bench/HISTORY.md session 32)")
+                         "whose engine is host-bound under load, off for jeagle.generate: bench/HISTORY.md, "
+                         "2026-11-27)")
     rt.add_argument("--disable-prefix-cache", action="store_true",
                     help="prefill every prompt whole (default: reuse the KV of the longest cached prefix — earlier "
                          "prompts and answers — and evict the least recently used when slots run short)")
@@ -104,7 +105,7 @@ def build_parser(prog: str = "python -m jeagle.generate", prompts: bool = True,
                     help="XLA's dynamic-slice fusions on a GPU (a GEMM reads its layer's slice of the stacked weights "
                          "in place); off: the slice is copied first, a little more device time for about a fifth less "
                          "host work per call. Default: on for jeagle.generate, off for jeagle.serve (whose host "
-                         "sets the pace: +6-10%% at 16-32 clients on the H100, bench/HISTORY.md session 31)")
+                         "sets the pace: +6-10%% at 16-32 clients on the H100, bench/HISTORY.md, 2026-11-27)")
     if warmup:  # the server: a compilation on a request's path holds up every request in the batch
         rt.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
                         help="compile (or load from the executable store) every (phase, bucket) executable before "

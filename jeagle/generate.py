@@ -67,7 +67,7 @@ def describe_decoding(spec) -> str:
 
 def engine_spec(args: argparse.Namespace):
     """The engine the options describe (XLA's dynamic-slice fusions on unless `--slice-fusion off`: a
-    batch decode here is device-bound, where they save 5-9 %, bench/HISTORY.md session 27; the calls on
+    batch decode here is device-bound, where they save 5-9 %, bench/HISTORY.md, 2026-11-27; the calls on
     the engine's thread unless `--dispatch-thread`: nothing else runs beside them here)."""
     from jeagle.engine import EngineSpec
 

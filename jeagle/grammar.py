@@ -207,7 +207,8 @@ class Matcher:
     first requests: a request's first 30 masks cost 0.8 ms from a copy against 3.2 ms from a matcher
     of its own (CI machine, the serve benchmark's schema). But they share it behind a lock: on the
     H100 host's 16 cores, 48 requests' tree masks took 23.6 ms batched on llguidance's threads from
-    copies against 8.0 ms from matchers of their own (bench/probes/grammar_masks.py, bench/RESULTS.md).
+    copies against 8.0 ms from matchers of their own (bench/probes/grammar_masks.py, removed after commit
+    `b436043`; bench/HISTORY.md, 2026-11-25).
     So copies serve the rows whose masks the engine's thread computes one request at a time (the
     greedy rows of a speculative engine, `grammar_walk.walk_nodes`), own matchers the rows whose masks come in
     parallel batches (`next_masks`, `tree_masks`).
@@ -322,7 +323,8 @@ def _executor():
 
 
 def set_threads(n: int) -> None:
-    """Size llguidance's thread pool (default: 80% of the cores; bench/probes/grammar_masks.py)."""
+    """Size llguidance's thread pool (default: 80% of the cores; bench/probes/grammar_masks.py, removed
+    after commit `b436043`)."""
     import llguidance
 
     global _EXECUTOR

@@ -36,7 +36,7 @@ def top_k_blocked(x, k: int):
     others), so a top-k of the block maxima, a gather of those blocks and a top-k of k·TOPK_BLOCK
     candidates give the same values (ties may pick other, equal entries). XLA's GPU top-k over a
     whole 49k vocabulary is a sort: at batch 48 it cost target-only decoding 22% of its throughput
-    (bench/HISTORY.md session 13). Both small top-ks go through `jeagle.kernels.topk.top_k` (the
+    (bench/HISTORY.md, 2026-11-25). Both small top-ks go through `jeagle.kernels.topk.top_k` (the
     one-pass kernel where it applies: XLA lowered them to sorts of whole rows)."""
     v = x.shape[-1]
     nb = -(-v // TOPK_BLOCK)

@@ -163,7 +163,7 @@ def check_draft(cfg, tp: int, vocab: str = "shard") -> None:
 def split_draft(cfg, tp: int, placement: str, vocab: str = "shard") -> bool:
     """Whether the draft head is split (`placement`: EngineConfig.tp_draft). "auto" splits it when it
     divides — measured 12 % faster at batch 1 and 7 % at batch 16 on 2 x H200 (Llama-3 8B shape,
-    bench/HISTORY.md session 9), and what SGLang does (its draft runs at the target's tp)."""
+    bench/HISTORY.md, 2026-11-23), and what SGLang does (its draft runs at the target's tp)."""
     if tp == 1 or placement == "replicate":
         return False
     if placement == "shard":
@@ -204,7 +204,7 @@ def whole_vocab(x):
     The samplers sort and cumsum along the vocabulary. Left to propagation, vocabulary-split logits
     keep the cumsum split by vocabulary, and XLA:GPU then runs that scan as a sequential loop, one
     iteration per vocabulary entry of a shard (64,128 for Llama-3 at tp 2: 1.58 s to the first token
-    at batch 16 against 0.10 s at tp 1, 2 x H200, bench/HISTORY.md session 9). Gathering [B, V] is
+    at batch 16 against 0.10 s at tp 1, 2 x H200, bench/HISTORY.md, 2026-11-23). Gathering [B, V] is
     cheap next to that; each device then samples the whole rows."""
     if context_tp() == 1:
         return x
@@ -216,7 +216,7 @@ def embed_rows(embed, tokens, vocab_split: bool):
     vocabulary-parallel lookup: each device takes the rows it holds (zeros for the others) and one
     all-reduce sums them. Left to the partitioner, a decode step at batch 1 all-gathered the whole
     table instead (1.05 GB per step for Llama-3 8B: 1.9 ms of a 6.5 ms step on 2 x H200,
-    bench/HISTORY.md session 9)."""
+    bench/HISTORY.md, 2026-11-23)."""
     tp = context_tp()
     if not vocab_split or tp == 1 or embed.shape[0] % tp:
         return embed[tokens]

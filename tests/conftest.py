@@ -53,8 +53,8 @@ def pytest_unconfigure(config):
         shutil.rmtree(os.environ.pop("JEAGLE_TEST_XLA_CACHE"), ignore_errors=True)
 
 
-# The longest tests on the 2-core CPU (each 30-175 s, `--durations` of the full run, bench/HISTORY.md session
-# 27), marked `slow`: the README's default run leaves them out to stay near 20 minutes, and CI runs them in a
+# The longest tests on the 2-core CPU (each 30-175 s, `--durations` of the full run, bench/HISTORY.md,
+# 2026-11-27), marked `slow`: the README's default run leaves them out to stay near 20 minutes, and CI runs them in a
 # second pass (.ci/run). Every area keeps a test in the default run (the parametrized cases keep their first).
 SLOW_ON_CPU = {
     "tests/test_train.py::test_train_draft_end_to_end",

@@ -1,4 +1,4 @@
-"""Adaptive speculative decoding (issues 7, 22): the EMA and throughput policies on synthetic
+"""Adaptive speculative decoding: the EMA and throughput policies on synthetic
 acceptance sequences, round times, config validation, and tier switches in the middle of a generation
 staying lossless with nothing compiled."""
 

@@ -1,4 +1,4 @@
-"""The adaptive throughput policy (issue 22): expected tokens per second from observed, nested and
+"""The adaptive throughput policy: expected tokens per second from observed, nested and
 depth-model accept lengths, round times and dwell; in the engine, nested tiers' would-be accept
 lengths equal running those tiers, and the policy stays lossless."""
 
@@ -441,7 +441,7 @@ def test_round_times_model_where_the_device_sets_the_pace():
 
 
 def test_a_new_tier_runs_min_dwell_verifies_before_the_next_switch():
-    """Switching executables costs device time (bench/HISTORY.md session 25): a tier just switched to
+    """Switching executables costs device time (bench/HISTORY.md, 2026-11-26): a tier just switched to
     is kept `min_dwell` verifies even when the estimates turn against it at once."""
     pol = throughput(initial=1, tiers=NESTED, min_dwell=4)
     pol.update([3], 1, lambda j: [1.0, 1.0, 0.5, 1.0][j], nested=[[1]])  # (5,4,8) looks twice as fast: switch
@@ -471,7 +471,7 @@ def test_calibration_without_a_warmup_counts_its_compiles_once():
 
 def test_a_tier_is_the_reference_times_their_ratio_observed_at_other_buckets():
     """The calibrations (padding rows, nothing in flight) put (3,4,5)'s round at 0.75x (5,4,8)'s where online
-    rounds at batch 16 on the H200 were 0.98x (bench/HISTORY.md session 39): at a bucket where a tier has not
+    rounds at batch 16 on the H200 were 0.98x (bench/HISTORY.md, 2026-11-28): at a bucket where a tier has not
     run its `min_samples` rounds, the online ratio of the two tiers at other buckets decides, not the model."""
     t = RoundTimes(window=5, min_samples=2)
     for b in ("b16", "b8", "b4"):

@@ -5,7 +5,7 @@ jeagle's bf16 logits to be no further from transformers' fp32 logits (relative m
 2x transformers' own bf16 logits are, with a 2e-2 floor, and the top-1 tokens to agree with fp32 on
 at least 97% of positions or as many as transformers' own bf16 logits do, less 2: with 114 positions
 transformers' bf16 itself agrees on 111 (97.4%), and which near-ties flip changes from process to
-process with the GEMM algorithms autotuned in each (bench/HISTORY.md session 22: over 1,996 MT-bench
+process with the GEMM algorithms autotuned in each (bench/HISTORY.md, 2026-11-26: over 1,996 MT-bench
 positions transformers' bf16 agrees on 1,935, jeagle's on 1,955 with the gathered prefill attention and
 1,965 with the paged kernel; the same 114 read 110 and 113 for the kernel in two processes).
 """
@@ -110,7 +110,7 @@ def test_bf16_speculative_equals_target_only_except_near_ties(smollm2_dir, tmp_p
 def test_slot_table_reads_reuse_their_buffers():
     """A finished request's slot-table read writes into buffers the decoder keeps: no new device allocation
     beside the next round (one moved the round's buffers and re-recorded its command buffers, +1.7-1.9 ms
-    of host time in its call at batch 16-48: bench/HISTORY.md session 40). On a CPU the host's view of a
+    of host time in its call at batch 16-48: bench/HISTORY.md, 2026-11-28). On a CPU the host's view of a
     copied buffer keeps it from being donated, so this holds on a GPU only."""
     from jeagle.engine import EngineConfig, speculative
     from jeagle.spec.round import SpecConfig

@@ -1,4 +1,4 @@
-"""Structured outputs (issue 24): JSON schemas (nested objects, enums, arrays), any JSON object, regexes
+"""Structured outputs: JSON schemas (nested objects, enums, arrays), any JSON object, regexes
 and EBNF through llguidance. Greedy constrained decoding equals a numpy reference (a teacher-forced
 forward per token, the grammar's mask applied by hand) in target-only decoding and with EAGLE (tree
 nodes masked by their paths), mixed with unconstrained requests in one batch; every output parses and

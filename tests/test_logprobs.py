@@ -1,4 +1,4 @@
-"""Log-probabilities (issue 24): every emitted token's logprob and top-k, from the prefill, the
+"""Log-probabilities: every emitted token's logprob and top-k, from the prefill, the
 decode steps and the speculative rounds' accepted tokens, equal a teacher-forced forward of the
 whole sequence (the target's own log-softmax at each position) and agree between EAGLE and
 target-only decoding to 1e-4; batches that mix requests with and without logprobs; rounds looped

@@ -1,4 +1,4 @@
-"""Penalties (issue 24): repetition, frequency and presence penalties, min_tokens and logit_bias give
+"""Penalties: repetition, frequency and presence penalties, min_tokens and logit_bias give
 the same greedy tokens as a plain numpy reference (a teacher-forced forward per token, the penalties
 applied by hand) in target-only decoding and in EAGLE rounds of every tier (the tree's path tokens
 counted), with decode steps and rounds looped on the device; requests without penalties in the same

@@ -1,4 +1,4 @@
-"""Prefix caching, slots on demand and retraction (issue 25): the radix tree, the slot ownership
+"""Prefix caching, slots on demand and retraction: the radix tree, the slot ownership
 invariants under random admit/finish/abort/retract sequences, and engines whose output with the cache
 on, with a pool too small for the batch (retraction), equals the output with neither (fp32)."""
 

@@ -1,4 +1,4 @@
-"""Rounds run on the device (issue 22): `rounds_per_dispatch` R in {1, 2, 4} gives the same tokens
+"""Rounds run on the device: `rounds_per_dispatch` R in {1, 2, 4} gives the same tokens
 for every tier and batch mix — requests that finish mid-dispatch (max new tokens, stop tokens, the
 context's end), more requests than rows, sampled requests with seeds — leaves every KV slot free,
 compiles nothing after warm-up, and `dataflow` is the default verify_done wait. fp32, tiny models."""

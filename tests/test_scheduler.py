@@ -1,4 +1,4 @@
-"""The runtime around the round (issue 6): identical outputs with overlap on/off, sync/dataflow waits,
+"""The runtime around the round: identical outputs with overlap on/off, sync/dataflow waits,
 padded/unpadded buckets while the batch grows and shrinks; nothing compiles after warm-up; stats."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The server's OpenAI features with EAGLE on (issue 24), over loopback HTTP with the real `openai`
+"""The server's OpenAI features with EAGLE on, over loopback HTTP with the real `openai`
 client: logprobs (chat and completions, streamed and whole, echo's prompt logprobs) equal target-only
 decoding's to 1e-4; n choices with their own seeds, indices and usage; bad values are 400s. A tiny
 fp32 target with soft next-token distributions and a character tokenizer."""
@@ -186,7 +186,7 @@ def test_bad_chat_values_are_400(server, body, param):
 
 def test_prefix_cache_shows_in_usage_and_server_info(client, server):
     """A shared system prompt is prefilled once: the next request's usage reports it as cached, with
-    the same answer as without the cache (issue 25)."""
+    the same answer as without the cache."""
     system = "You are a terse assistant; answer in lowercase words only."
     usages, texts = [], []
     for q in ["first question", "second question", "first question"]:

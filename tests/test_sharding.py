@@ -304,7 +304,7 @@ SAMPLER_SCRIPT = textwrap.dedent('''
 
 
 def test_vocab_split_samplers_and_embedding():
-    """Under a tp mesh with the vocabulary split (bench/HISTORY.md session 9, 2 x H200):
+    """Under a tp mesh with the vocabulary split (bench/HISTORY.md, 2026-11-23, 2 x H200):
     - the samplers (sampling.sample, verify.target_probs, the tree walk's sample_residual) give the
       single-device draws and probabilities with every sort and cumsum on whole vocabulary rows (a
       vocabulary-split cumsum became a sequential loop of V/tp iterations on the GPU: 1.58 s to first

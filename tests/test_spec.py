@@ -119,8 +119,9 @@ def test_oracle_accepts_every_step_and_adversary_one(target, prompts):
 
 
 def test_a_stats_window_counts_its_own_request_rounds(target, prompts):
-    """Accept statistics are counts since start, a window their difference (session 41: a history trimmed at
-    100,000 request-rounds read accept length 1.0 for a window that began before the trim)."""
+    """Accept statistics are counts since start, a window their difference (bench/HISTORY.md,
+    2026-12-01: a history trimmed at 100,000 request-rounds read accept length 1.0 for a window that
+    began before the trim)."""
     sp = SamplingParams(max_new_tokens=25, ignore_eos=True)
     engine = speculative(target, signed_identity_head(target, +1.0, noise=0.08), EngineConfig(max_batch_size=8,
                          max_context=128), SpecConfig(3, 2, 5))

@@ -1,6 +1,6 @@
-"""Larger heads from trained ones (issue 23's variants): `--init-from HEAD --num-layers N` grows a head
-by layers that start as the identity, and `python -m jeagle.train.vocab trim` cuts a head's draft
-vocabulary to its most frequent tokens. Tiny target, CPU, fp32."""
+"""Larger heads from trained ones (the head goals' variants, bench/HISTORY.md): `--init-from HEAD
+--num-layers N` grows a head by layers that start as the identity, and `python -m jeagle.train.vocab trim`
+cuts a head's draft vocabulary to its most frequent tokens. Tiny target, CPU, fp32."""
 
 from __future__ import annotations
 

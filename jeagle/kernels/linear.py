@@ -4,9 +4,9 @@
 and returned in x's dtype (or `out_dtype`), for the small M of decode steps, speculative rounds and
 draft steps. `transposed=True` takes w as [N, K] (an output head's [vocabulary, hidden] layout) and
 returns x @ w.T: the draft head's logits at the few rows of a draft step (XLA's small-M kernels read
-the 9.4 MB of SmolLM2's draft head at ~0.25-0.6 TB/s: bench/HISTORY.md session 24).
+the 9.4 MB of SmolLM2's draft head at ~0.25-0.6 TB/s: bench/HISTORY.md, 2026-11-26).
 
-Why a kernel: XLA compiles these badly inside the layer loop (bench/HISTORY.md, session 23). At
+Why a kernel: XLA compiles these badly inside the layer loop (bench/HISTORY.md, 2026-11-26). At
 M = 1 it rewrites the dot into a multiply and a reduction; when the vector comes from a fusion it
 judges expensive to repeat (the RMSNorm before q|k|v, the SwiGLU before the down projection, the
 attention merge before the output projection) it writes the whole [K, N] product to memory first and
@@ -39,12 +39,12 @@ __all__ = ["linear", "linear_invariant", "linear_reference", "linear_serves", "l
 
 # Rows (M) up to which `linear_serves` by default (`KernelSettings.linear_max_rows`, JEAGLE_LINEAR_MAX_ROWS);
 # beyond, XLA's GEMMs, which measured faster from ~128 rows in device time (verifies of 144 and 432 rows
-# through this kernel, in row tiles: a batch-48 round 2.81 vs 2.40 ms busy; bench/HISTORY.md session 23).
+# through this kernel, in row tiles: a batch-48 round 2.81 vs 2.40 ms busy; bench/HISTORY.md, 2026-11-26).
 MAX_ROWS = KernelSettings.linear_max_rows
 # Weights (K x N elements) up to which `linear_serves`; beyond, XLA's dot. SmolLM2's layer matmuls (<= 1.8 M
 # elements) and its draft head's logits (4.7 M) run faster through the kernel; the Llama-3.1-8B shape's
 # (16.8-117 M) run at 1.0-2.0 TB/s through it, where XLA's dot reads them at ~2.6 (8B target-only at
-# batch 1: 135.5 vs 173.8 tok/s on the H100, bench/HISTORY.md session 24). Between 4.7 and 16.8 M it is
+# batch 1: 135.5 vs 173.8 tok/s on the H100, bench/HISTORY.md, 2026-11-26). Between 4.7 and 16.8 M it is
 # unmeasured; 8 M is the cut.
 MAX_WEIGHT = 8 * 1024 * 1024
 BLOCK_N = 32  # columns per program; 16-wide blocks measured slower (1.011 vs 0.990 ms a batch-1 step)
@@ -82,7 +82,7 @@ def linear_tiles(m: int, k: int, n: int, max_rows: int | None = None) -> tuple[i
     does not take it (m over `max_rows`, default the current settings' `linear_max_rows`; a weight over
     MAX_WEIGHT elements, or k / n not multiples of 16,
     Triton's smallest dot). A vector form for one row (products summed over K instead of a 16-row dot)
-    measured slower (1.154 vs 0.990 ms a batch-1 step; session 23): one row is padded to 16 like any
+    measured slower (1.154 vs 0.990 ms a batch-1 step; bench/HISTORY.md, 2026-11-26): one row is padded to 16 like any
     other count."""
     if m < 1 or m > (max_rows or current().linear_max_rows) or k * n > MAX_WEIGHT:
         return None

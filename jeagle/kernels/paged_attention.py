@@ -30,9 +30,9 @@ or a count (`JEAGLE_PAGED_ATTENTION_SPLITS` through `KernelSettings.from_env`) a
 splits each prefix into that many contiguous runs of blocks, sized on the device from the request's
 own length; each program writes its unnormalised (max, sum, accumulator) and the wrapper merges them
 (one small XLA fusion). `auto`, the default since it measured faster on the H100 (a batch-1 SmolLM2
-round 15% faster, an 8B one 4%; bench/HISTORY.md session 12), splits while requests x KV heads x query
+round 15% faster, an 8B one 4%; bench/HISTORY.md, 2026-11-25), splits while requests x KV heads x query
 tiles stay under TARGET_PROGRAMS, and a decode-form call into at least MIN_DECODE_SPLITS runs (batch
-16 and 48 faster, session 24); None (= 1) is the single-pass kernel.
+16 and 48 faster, 2026-11-26); None (= 1) is the single-pass kernel.
 
 Layers, as in JAX's own Pallas ops: `_kernel`, `_pallas` (wrapper: queries regrouped per KV head and
 padded to Triton's power-of-two tiles; the merge of split prefixes), `paged_attention` (public:
@@ -63,7 +63,7 @@ TARGET_PROGRAMS = 128  # `auto`: split until (requests x KV heads x splits) reac
 # `auto`'s least split of a decode-form call (steps, verifies, draft steps): with one program per (request,
 # KV head) at batch 48 (144 programs, ~1 per SM) the verify's attention waited on its loads; 4 runs took
 # a SmolLM2 (5,4,8) round at batch 48 from 2.44 to 2.30 ms of device time, at 16 from 1.80 to 1.73, a
-# batch-48 target step from 1.36 to 1.24 (8 runs: 2.42 / 1.74; bench/HISTORY.md session 24).
+# batch-48 target step from 1.36 to 1.24 (8 runs: 2.42 / 1.74; bench/HISTORY.md, 2026-11-26).
 MIN_DECODE_SPLITS = 4
 
 

@@ -51,7 +51,7 @@ class KernelSettings:
     backend: str | None = None  # None: "pallas" on a GPU, else "reference"; else one of BACKENDS
     # Paged attention's split prefixes (flash-decoding's split-K): "auto" (the default: split while
     # requests x KV heads leave the GPU's SMs idle; a batch-1 SmolLM2 round 1.85 -> 1.57 ms, an 8B one
-    # 8.38 -> 8.01 ms on the H100, bench/HISTORY.md session 12), None or 1 (off), or a count.
+    # 8.38 -> 8.01 ms on the H100, bench/HISTORY.md, 2026-11-25), None or 1 (off), or a count.
     paged_attention_splits: str | int | None = "auto"
     triton_gemm: bool = False  # True: XLA's own Triton GEMM fusions stay on in speculative executables
     # Extra XLA options for every executable, as sorted (name, value) pairs so the settings stay hashable.
@@ -68,12 +68,12 @@ class KernelSettings:
     # kernel (jeagle/kernels/linear.py), which reads the stacked weights in place; False: XLA's dot.
     linear: bool = True
     # The most rows a product may have to go through that kernel; more go to XLA's GEMMs (cuBLAS, each on a
-    # dynamic-slice fusion of the stacked weight: per-call host work for every one, bench/HISTORY.md session 27).
+    # dynamic-slice fusion of the stacked weight: per-call host work for every one, bench/HISTORY.md, 2026-11-27).
     # 64: a batch-16 draft step's 64 rows take the kernel, its 128-row verify XLA's GEMMs. At most 128: the
     # kernel holds all rows in one tile, and 512 rows asked for 408 KiB of shared memory (the H200 has 227).
     # 128 measured a batch-16 round 2 % shorter on the H200 (host_profile --real: 1.620 vs 1.657 ms, the
     # call's host time 0.74 vs 0.96 ms, the device's 1.45 vs 1.43 ms) and MT-bench tokens/s within noise
-    # (bench/HISTORY.md session 37), so the default stays 64.
+    # (bench/HISTORY.md, 2026-11-28), so the default stays 64.
     linear_max_rows: int = 64
     # The draft's softmax + top-K (spec/round.py `draft_topk`) and the logprobs' top-ks
     # (jeagle/logprobs.py `top_k_blocked`) through the one-pass kernel (jeagle/kernels/topk.py); False: XLA's.
@@ -81,7 +81,7 @@ class KernelSettings:
     # XLA's dynamic-slice fusions on a GPU: a GEMM on one layer's slice of the stacked weights reads it in
     # place (less device time). False: XLA copies the slice first; each round call then costs the host about
     # a fifth less (no per-call prepare and re-record of those thunks; 1.5-1.6 -> 1.2-1.3 ms at batch 32): the server's default, whose host sets
-    # the pace (`--slice-fusion`, bench/HISTORY.md session 31).
+    # the pace (`--slice-fusion`, bench/HISTORY.md, 2026-11-27).
     slice_fusion: bool = True
 
     def __post_init__(self):

@@ -7,7 +7,7 @@ Why a kernel: every draft step of a round (and the draft extend) takes the top K
 softmax over its vocabulary. XLA writes the whole softmax ([R, V] fp32: a max, a sum and a divide
 fusion) and then calls its TopK custom kernel, which costs ~20 us a call at any batch (37 us at 48,
 R = 192): on the H100 a (5,4,8) round spent 101 / 102 / 185 us in the TopK calls alone at batch
-1 / 16 / 48, plus 50 us of the divide at 48 (bench/HISTORY.md, session 24). Here one program per row
+1 / 16 / 48, plus 50 us of the divide at 48 (bench/HISTORY.md, 2026-11-26). Here one program per row
 reads its logits once into registers, takes the softmax's max and sum, and picks the top k by k
 argmax passes (one combined value-and-lowest-index reduction each) over order-preserving int32 keys
 of the logits, a taken entry's key set below every other; only the k winners' probabilities are
@@ -39,7 +39,7 @@ __all__ = ["softmax_topk", "softmax_topk_reference", "top_k", "MAX_K", "MAX_VOCA
 # 16,384 (a 12,288-token EAGLE-3 head, padded), 32 fp32 registers a thread either way). Larger
 # vocabularies (32k-entry EAGLE-3 heads, EAGLE-1 heads over the target's vocabulary) take the reference:
 # a chunked form with a running top-k list measured no faster than XLA's TopK (21 us a call at 4 rows of
-# 32,000; bench/HISTORY.md session 24).
+# 32,000; bench/HISTORY.md, 2026-11-26).
 MAX_VOCAB = 16384
 MAX_K = 64  # k passes: the kernel is for the draft's small K; larger k takes the reference
 _GONE = -(2**31)  # the key of a taken or padded entry: below every real logit's (-inf's included)
@@ -103,7 +103,7 @@ def top_k(x, k: int):
     ties to the lower index — with the indices from the kernel where it applies (as `softmax_topk`;
     its probabilities unused) and the values gathered at them. XLA lowered the logprobs' top 20
     (jeagle/logprobs.py `top_k_blocked`) to two sorts of whole rows, [R, 384] and [R, 2,560] entries,
-    in every logprobs round (the H100's round HLO, bench/HISTORY.md session 33)."""
+    in every logprobs round (the H100's round HLO, bench/HISTORY.md, 2026-11-27)."""
     if x.ndim < 1 or not 1 <= k <= x.shape[-1]:
         raise ValueError(f"k must be in [1, V] for x [..., V], got k={k}, x {x.shape}")
     if not _applies(x, k):

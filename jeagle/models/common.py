@@ -77,9 +77,9 @@ def fp32_logits(x: jax.Array, head: jax.Array) -> jax.Array:
     two: with XLA's Triton GEMM fusions off (the prefill and round executables, `compiler_options`), a
     one-row product of bf16 operands with fp32 output lowers to a conversion of the whole head to fp32
     and cuBLAS's fp32 gemv (2.03 ms for Llama-3-8B's 128,256 x 4,096 head on the H100, 0.33 ms for
-    SmolLM2's) where two rows take a bf16 GEMM (0.63 / 0.19 ms; bench/probes/logits_dot.py,
-    bench/HISTORY.md session 29). Each row's logits are the same up to fp32 rounding (the two products
-    may accumulate in another order)."""
+    SmolLM2's) where two rows take a bf16 GEMM (0.63 / 0.19 ms; bench/probes/logits_dot.py, removed after
+    commit `b436043`; bench/HISTORY.md, 2026-11-27). Each row's logits are the same up to fp32 rounding
+    (the two products may accumulate in another order)."""
     lead, v = x.shape[:-1], head.shape[0]
     if math.prod(lead) != 1 or jax.default_backend() != "gpu":
         return jnp.einsum("...h,vh->...v", x, head, preferred_element_type=jnp.float32)

@@ -1,10 +1,10 @@
 """When to admit waiting requests into rows that running ones have freed: at once, or in groups.
 
 Every admission is a prefill call between two steps: ~1-2 ms of the host's launch work on an H200 for a
-small model, whatever the number of prompts it carries (bench/HISTORY.md session 38). Under continuous
+small model, whatever the number of prompts it carries (bench/HISTORY.md, 2026-11-28). Under continuous
 batching with a queue, a speculative engine frees its rows one at a time (rows accept different
 lengths), so admitting each freed row at once pays one call per request: at batch 48 that made EAGLE
-slower than target-only (session 38, 0.91x).
+slower than target-only (2026-11-28, 0.91x).
 
 The gate trades the rows' idle time for fewer calls, as a rent-or-buy choice: while requests run and more
 wait than the free rows can take, a free row stays empty until the batch time its emptiness has cost

@@ -30,7 +30,7 @@ def pow2_buckets(lo: int, hi: int, factor: int = 2) -> tuple[int, ...]:
 
 # Prompt-length buckets grow x4 up to here, then x2: a prefill's padded positions cost compute (and
 # attention over them, quadratically: a 1,300-token prefill of SmolLM2 spends 13-15 ms on an H100,
-# about half of it in the attention's masked softmax; bench/HISTORY.md session 21), which for long
+# about half of it in the attention's masked softmax; bench/HISTORY.md, 2026-11-26), which for long
 # prompts outweighs the compile time of one more bucket. The context of a prefill after a prefix-cache
 # hit uses the same table. (Not timed against x4 buckets.)
 PREFILL_X4_UNTIL = 1024

@@ -21,21 +21,21 @@ class EngineConfig:
     # rounds_per_dispatch > 1: the rounds written out one after another in the executable (every
     # dispatch runs all R; R x a round's compile time), or False: a lax.while_loop that stops once every
     # row has finished. On the H100 (SmolLM2, MT-bench, batch 16, R = 2) the loop ran at 0.65 of R = 1
-    # and the unrolled rounds at 0.97 (bench/HISTORY.md session 30): XLA reads a while loop's
+    # and the unrolled rounds at 0.97 (bench/HISTORY.md, 2026-11-27): XLA reads a while loop's
     # predicate back to the host every iteration.
     unroll_rounds: bool = True
     # Layer loop: False (a loop), True (unrolled), k >= 2 (k layers per iteration); None: for the
     # decode and round executables 3 (halves the host's dispatch time per step for +10-30% compile
     # time, bench/HISTORY.md "dispatch"); the decode step unrolled when a layer's weights pass
     # UNROLL_ALL_BYTES (a loop slices each layer's weights by a traced index, and XLA copies the slice
-    # before a Triton GEMM: 2.5x the step time of a Llama-8B shape, bench/HISTORY.md "session 6"; the
+    # before a Triton GEMM: 2.5x the step time of a Llama-8B shape, bench/HISTORY.md, 2026-11-23; the
     # round's GEMMs went to cuBLAS without copies there, and unrolling it measured no faster); a loop
     # for prefill, 3 per iteration for small ones on a GPU (runtime/steps.py SMALL_PREFILL_TOKENS).
     unroll_layers: bool | int | None = None
     # The same for the decode step and the round only (overrides unroll_layers there; prefills keep
     # theirs), so that a server can unroll what it calls every step without the unrolled prefills'
     # compile time. Measured served at 32 clients on the H100: 0.97x the default, 0.80x with
-    # XLA's dynamic-slice fusions off (bench/HISTORY.md session 31), so no default uses it.
+    # XLA's dynamic-slice fusions off (bench/HISTORY.md, 2026-11-27), so no default uses it.
     step_unroll_layers: bool | int | None = None
     batch_buckets: tuple[int, ...] | None = None  # default: SGLang's list capped at max_batch_size
     max_bucket: int | None = None  # cap the default list (the largest bucket is then max_batch_size)
@@ -55,21 +55,21 @@ class EngineConfig:
     # free rows take, a free row waits until its idle batch time reaches this times one prefill call's
     # measured host time, or for at most admission_max_wait_steps steps; 0: admit at once (SGLang). 2 measured
     # best of 0 / 1 / 2 on an H200 (bench/decode.py --continuous, EAGLE at batch 16 and 48: +4.5 % and +23 %
-    # over 0, bench/HISTORY.md session 39).
+    # over 0, bench/HISTORY.md, 2026-11-28).
     admission_delay: float = 2.0
     admission_max_wait_steps: int = 20
     # A running batch moves down to a smaller batch bucket only once its rows fill at most 1/this of its
     # bucket (then to the smallest that fits); 1: always the smallest that fits (SGLang's rule). The first
     # call of a bucket's executable after others ran re-records its XLA command buffers (+0.3-1.3 ms of host
-    # time at batch 16-48 on an H200, bench/HISTORY.md session 40), and a batch draining from 48 passes up to
+    # time at batch 16-48 on an H200, bench/HISTORY.md, 2026-11-28), and a batch draining from 48 passes up to
     # 19 of SGLang's buckets, while a padded row costs a host-bound round little. 2 against 1 on three H200s
-    # (SmolLM2, MT-bench, one engine, runs interleaved; session 41), batch 16 / 48: the throughput policy
+    # (SmolLM2, MT-bench, one engine, runs interleaved; 2026-12-01), batch 16 / 48: the throughput policy
     # +9-14 % / +4 %, the EMA policy -3 % (inside its spread) / +6.5 %, continuous batching 0-7 %, static
     # (5,4,8) and target-only unmoved. Not measured on a device-bound model, where 1 may serve better.
     bucket_shrink_ratio: float = 2.0
     # A grammar round whose rows the host all walked (greedy, no penalties) sends each tree node's allowed
     # token ids [B, N, C] to the accept instead of vocabulary bitmasks [B, N, W] (jeagle/grammar_walk.py);
-    # False: always bitmasks (an A/B switch: `bench/gpu_session.sh run serveab` with '{"grammar_token_ids":false}').
+    # False: always bitmasks (an A/B switch: `bench/serve.py --engine-config '{"grammar_token_ids":false}'`).
     grammar_token_ids: bool = True
     verify_done_wait: str | None = None  # "sync" | "dataflow"; None: JEAGLE_VERIFY_DONE_STREAM_WAIT, else dataflow
     min_kv_bucket: int = 128

@@ -236,7 +236,7 @@ class SlotTables:
     allocated its outputs (and sent its row ids) left new buffers live beside the round dispatched next,
     whose buffers then landed at other addresses, so that XLA re-recorded its command buffers inside the
     call: +1.7-1.9 ms of host time in that round's call at batch 16 and 48; with the outputs donated,
-    +0.7-0.8 ms (H200, bench/probes/round_events.py, HISTORY session 40). A slot-table update, whose
+    +0.7-0.8 ms (H200, bench/probes/round_events.py, HISTORY, 2026-11-28). A slot-table update, whose
     outputs alias the donated state, cost next to nothing there."""
 
     EXTEND_ROWS_SLOTS = 128  # flat slots per row of one assign call (larger requests take several calls)

@@ -1,11 +1,12 @@
 """Where a decoder's executables are called: on the engine's thread, or on a dispatch thread of their own.
 
 A served engine's thread is busy ~0.9 of the wall at 16-32 clients on the H100, two thirds of it inside
-the executables' calls, where XLA prepares and launches the work on the host (bench/HISTORY.md sessions
-30-31). JAX releases the GIL inside a call, so with `EngineConfig.dispatch_thread` the decoders hand
+the executables' calls, where XLA prepares and launches the work on the host (bench/HISTORY.md,
+2026-11-27). JAX releases the GIL inside a call, so with `EngineConfig.dispatch_thread` the decoders hand
 each call to one thread of their own and the engine processes the previous round's results
 (`Engine.step`) while XLA works on this one. Off by default until the GPU measures it
-(`bench/probes/dispatch_thread.py`, `bench/gpu_session.sh run serveab` with `{"dispatch_thread":true}`).
+(`bench/probes/dispatch_thread.py`, removed after commit `b436043`; served: `bench/serve.py --engine-config
+'{"dispatch_thread":true}'`).
 
 What keeps it safe: a call donates the decoder's device state and returns the next one, so every read
 or write of `state` on the engine's thread first waits for the call in flight (`Dispatching.state`);

@@ -7,7 +7,7 @@ microseconds per collection).
 `freeze_heap()`: collect, then move every object alive now to the permanent generation, which later
 collections skip. After the engine is built its process holds ~300k tracked objects (model state,
 tokenizer, traced and compiled executables), and a full collection walks all of them: 180 ms on a
-2-core CPU (bench/HISTORY.md session 31). A server calls it once its engine is loaded, as vLLM does
+2-core CPU (bench/HISTORY.md, 2026-11-27). A server calls it once its engine is loaded, as vLLM does
 after start-up (`vllm/utils/gc_utils.py` `freeze_gc_heap`); a library never does it on its own: objects
 frozen are never collected, even once garbage.
 """

@@ -15,7 +15,7 @@ reading the request's slot-table row back (`Committed`) when it caches them.
 Why not on demand always: each growth is a slot-table update, an executable dispatched between two
 rounds that stalls the device (H200, SmolLM2 + EAGLE-3 at batch 48, ms per round: 2.41 with no
 updates and no table reads, 2.65 with 64-slot updates, 3.04 with the reads of finished requests'
-tables as well; bench/HISTORY.md session 20). Under pressure the pool is used on demand, as SGLang
+tables as well; bench/HISTORY.md, 2026-11-26). Under pressure the pool is used on demand, as SGLang
 does; with room to spare on-demand growth gains nothing.
 
 The prefix cache takes positions at two moments: after a prefill is dispatched (the prompt's, whose
@@ -169,8 +169,8 @@ class KVManager:
         new slots), or None when nothing was needed. Raises ShortOfSlots when the pool cannot.
         While the pool has room to spare (GROW_FREE of it free afterwards), r's table grows
         geometrically instead, to twice its length: every growth is a slot-table update, a dispatch
-        between two rounds that costs the device more than a round's idle host time (bench/HISTORY.md
-        session 20), and this keeps them to a few per request."""
+        between two rounds that costs the device more than a round's idle host time (bench/HISTORY.md,
+        2026-11-26), and this keeps them to a few per request."""
         have = len(r.table)
         if upto <= have:
             return None

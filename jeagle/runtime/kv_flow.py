@@ -6,7 +6,7 @@ the pool runs short, and the release of finished requests into the prefix cache 
 Finished requests of a speculative engine are released from their slot-table rows as the device
 left them (rounds swap slots there), read back asynchronously. Those reads, like the slot-table
 updates that grow a request, are executables dispatched between two rounds: each stalls the device
-(bench/HISTORY.md session 20), so the reads are asked for only when rows or slots are wanted
+(bench/HISTORY.md, 2026-11-26), so the reads are asked for only when rows or slots are wanted
 (requests wait) or nothing runs, and completed without waiting while a batch runs.
 """
 
@@ -50,9 +50,9 @@ class KVFlow:
         """Slots to keep free beyond r's first `positions` (what its admission takes): the expected
         share (`new_token_ratio`) of the tokens every running request and r may still decode, past
         what they hold. Admitting only what fits now fills the pool with requests that then outgrow
-        it: under a closed loop of clients at max_tokens = the context, the policy of session 20
+        it: under a closed loop of clients at max_tokens = the context, the policy of 2026-11-26
         retracted 47 requests in 15 s and served 0.92x (target-only) and 0.31x (EAGLE) the old
-        whole-context reservation (H100, bench/HISTORY.md session 21). r's cached prefix is not
+        whole-context reservation (H100, bench/HISTORY.md, 2026-11-26). r's cached prefix is not
         counted (`KVManager.admit` takes only what r adds). Nothing running: none (r is admitted if
         it fits at all). The running requests' part is summed once per `_admit_waiting` (`_books`)."""
         ratio = self.new_token_ratio

@@ -4,9 +4,10 @@ A prefill takes ~20 small arrays from the host (tokens, lengths, slot lists, sam
 parameters, a token mask). Passed as they are, each is its own transfer and its own executable
 argument, and together they cost more host time than the small prefill they feed: 1.80 ms to
 dispatch a 64-token prefill with its 19 NumPy inputs, 1.25 ms with the same inputs already on the
-device (H100, bench/probes/prefill_dispatch.py, bench/HISTORY.md session 21). Here every input leaf
-(all 4-byte: int32, uint32, float32) is written into one int32 vector on the host, and the executable
-slices and bitcasts it back inside its own trace, where those slices fuse into their consumers.
+device (H100, bench/probes/prefill_dispatch.py, removed after commit `b436043`; bench/HISTORY.md,
+2026-11-26). Here every input leaf (all 4-byte: int32, uint32, float32) is written into one int32
+vector on the host, and the executable slices and bitcasts it back inside its own trace, where those
+slices fuse into their consumers.
 
     layout = Layout.of(abstract_inputs)          # at build time, from the step key's shapes
     fn = layout.wrap(step)                       # step(params, state, inputs) -> fn(params, state, words)

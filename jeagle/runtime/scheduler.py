@@ -389,7 +389,7 @@ class Engine(KVFlow, CompilationsAfterWarmup):
 
     def _prime(self, key) -> None:
         """`decoder.prime(key)` once per executable: its first run on the device (kernels and constants loaded, 15-17 ms
-        for a fresh 256-token prefill on an H100, HISTORY session 22) falls in the warm-up, not in a first token."""
+        for a fresh 256-token prefill on an H100, HISTORY, 2026-11-26) falls in the warm-up, not in a first token."""
         if key not in self._primed:
             self._primed.add(key)
             self.decoder.prime(key)

@@ -52,7 +52,7 @@ def layer_weight_bytes(cfg) -> int:
 # prompt. The host walks a layer loop's iterations launching their kernels, and for a small prefill
 # that launching is its time: a 64-token prefill after a 1,238-token cached prefix took 4.0 ms of host
 # dispatch with the plain loop, 2.6 ms with 3 layers per iteration, 2.1 ms unrolled, for a warm-up
-# compile of 6.2 / 6.4 / 19.7 s (H200, bench/HISTORY.md session 21). On a GPU only.
+# compile of 6.2 / 6.4 / 19.7 s (H200, bench/HISTORY.md, 2026-11-26). On a GPU only.
 SMALL_PREFILL_TOKENS = 256
 
 

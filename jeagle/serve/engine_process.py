@@ -6,7 +6,7 @@ In one process the engine thread and the HTTP handlers share the GIL: every even
 build, encode and write (a streamed `top_logprobs: 5` token is six JSON entries) is time the engine
 thread waits to dispatch the next round. On the H100, SmolLM2 with EAGLE served 16 clients at
 ~0.6 of the engine's own batch-16 throughput, and logprobs cost ~15-25% more (bench/HISTORY.md,
-session 16). Apart, the handlers' work overlaps the engine's.
+2026-11-25). Apart, the handlers' work overlaps the engine's.
 
 The parent (this class) keeps the handlers' side of the protocol unchanged: `submit`, `abort`,
 `flush_cache`, `info`, `facts`, `start`, `stop`, `is_alive`, with each job's events (see

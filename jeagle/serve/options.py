@@ -12,14 +12,14 @@ from jeagle.engine import EngineSpec
 # XLA's dynamic-slice fusions in the server's executables (`--slice-fusion`): off. Admissions, streaming and
 # the round's call keep the served engine's host busy 0.8-0.9 of the wall at 16-32 clients, and without
 # those fusions a round's call costs the host a fifth less: EAGLE +6-10 % tok/s at 16 and 32 clients, no
-# visible change at 1 client or target-only (H100, bench/HISTORY.md session 31). jeagle.generate keeps them:
-# its batch decode is device-bound, where the slice copies cost 5-9 % (session 27).
+# visible change at 1 client or target-only (H100, bench/HISTORY.md, 2026-11-27). jeagle.generate keeps them:
+# its batch decode is device-bound, where the slice copies cost 5-9 % (2026-11-27).
 SERVER_SLICE_FUSION = False
 # The executables called on a dispatch thread (`--dispatch-thread`, `EngineConfig.dispatch_thread`): on. XLA's
 # host work in each call then runs beside the engine's Python (processing the last step, admission, the
 # hand-over to the server): at 32 clients the engine's thread went from 0.85-0.87 of the wall busy to
 # 0.64-0.73 and EAGLE served +5-22 % plain, +7-9 % json_schema, -5 to +10 % with logprobs (H200, two A/B
-# cycles, bench/HISTORY.md session 32).
+# cycles, bench/HISTORY.md, 2026-11-27).
 SERVER_DISPATCH_THREAD = True
 
 

@@ -363,7 +363,7 @@ class TokenJSON:
     escaped): `heads[id]` (an entry whose `top_logprobs` follow) and `tops[id]` (a closed entry). A
     streamed `top_logprobs: 5` response writes six entries per token it emits; filling cached templates
     costs a fraction of building and encoding six dicts, and this host time is taken from the engine
-    thread's GIL (bench/HISTORY.md, session 16)."""
+    thread's GIL (bench/HISTORY.md, 2026-11-25)."""
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer

@@ -199,8 +199,8 @@ class SpecDecoder(TierTiming, SlotTables, GrammarMasks, FlatParams, Dispatching)
     def _device_rows(self, row_ids: np.ndarray):
         """`row_ids` on the device: the last dispatch's array when they are equal (a batch's rows stay
         the same round after round). A new input buffer every round cost 0.05-0.35 ms more host time
-        in the call on the H100 (bench/probes/exec_call.py; XLA updates its command buffers when an
-        input's address changes)."""
+        in the call on the H100 (bench/probes/exec_call.py, removed after commit `b436043`; XLA updates its
+        command buffers when an input's address changes)."""
         last = self._rows_on_device
         if last is not None and np.array_equal(last[0], row_ids):
             return last[1]

@@ -168,7 +168,7 @@ def packed_width(num_steps: int, logprobs: bool = False, nested: int = 0) -> int
 def pad_columns(result, width: int):
     """`result` [..., C] widened to `width` columns with -1 (as is when width <= C): an adaptive
     decoder's tiers then all return one shape, so a tier switch leaves the device allocator's
-    addresses, and with them XLA's command buffers, as they were (bench/HISTORY.md, session 26: an
+    addresses, and with them XLA's command buffers, as they were (bench/HISTORY.md, 2026-11-27: an
     unpadded switch cost 1.8-3.2 ms of host time in the next dispatch at batch 48, padded ~0.2 ms)."""
     if width <= result.shape[-1]:
         return result

@@ -387,7 +387,7 @@ class VerifyForward:
 def verify_forward_step(key: RoundKey, graphdef, draft_graphdef, params, state: SpecState, row_ids):
     """A grammar round's first half: the draft and the target's forward over its tree, in one
     executable (the host needs the forward's best tokens anyway, `jeagle.grammar_walk.walk_nodes`; one
-    call costs the host about what the two did: bench/HISTORY.md session 32). Returns ((tree,
+    call costs the host about what the two did: bench/HISTORY.md, 2026-11-27). Returns ((tree,
     VerifyForward), state)."""
     tree, state = draft_step(DraftKey(key.static, key.tier, key.batch, key.kv_len), graphdef, draft_graphdef,
                              params, state, row_ids)

@@ -25,7 +25,7 @@ class TierTiming:
         untimed rounds of each tier, then `runs` each, interleaved, every round timed alone (dispatch to
         result; its call's host time too), the medians kept (per round: a dispatch of R unrolled rounds
         counts R). (Back to back after one untimed run, (1,4,3) read 4.9 ms where a (5,4,8) round takes
-        2.5 ms on the H100: first runs and clock ramps, bench/HISTORY.md session 12.) Waits for what is
+        2.5 ms on the H100: first runs and clock ramps, bench/HISTORY.md, 2026-11-25.) Waits for what is
         in flight first."""
         start, compiled = time.perf_counter(), self.executables.compile_seconds
         rows = pad([], b, self.scratch_row, np.int32)

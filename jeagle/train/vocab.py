@@ -60,7 +60,8 @@ def remap_lm_head(lm_head: np.ndarray, old_d2t: np.ndarray, new_d2t: np.ndarray,
     no worse than the head's, which training then takes further (phase 6 of the shipped head: 12,288
     tokens, 57 M loss tokens). The target's raw rows are worse than zero: next to trained rows they win
     the argmax far too often (1,000 of 8,192 tokens swapped: accept length 1.00 with target rows, 1.31 at
-    half their norm, 1.74 with zero rows, 2.31 unswapped; bench/probes/vocab_swap.py)."""
+    half their norm, 1.74 with zero rows, 2.31 unswapped; bench/probes/vocab_swap.py, removed after commit
+    `b436043`; bench/HISTORY.md, 2026-11-25)."""
     old_used = np.arange(len(old_d2t)) + np.asarray(old_d2t)
     new_used = np.arange(len(new_d2t)) + np.asarray(new_d2t)
     out = np.zeros((len(new_used), lm_head.shape[1]), np.float32)
