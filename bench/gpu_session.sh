@@ -70,7 +70,7 @@ if step detcost; then  # deterministic mode's cost at batch 16: as built, with a
   python3 bench/probes/deterministic_cost.py --shape smollm2 --batch-sizes ${DETCOST_BATCHES:-16} --tau 3.2 \
     --json-out "$OUT/detcost.json" 2>&1 | grep -v '^{"probe"' | tee "$OUT/detcost.log"
   JEAGLE_XLA_OPTIONS='{"xla_gpu_autotune_level": 4}' python3 bench/probes/deterministic_cost.py --shape smollm2 \
-    --batch-sizes ${DETCOST_BATCHES:-16} --tau 3.2 --json-out "$OUT/detcost_autotune.json" 2>&1 | grep -v '^{"probe"' \
+    --batch-sizes ${DETCOST_BATCHES:-16} --tau 3.2 --systems eagle --json-out "$OUT/detcost_autotune.json" 2>&1 | grep -v '^{"probe"' \
     | sed 's/^/autotune4: /' | tee -a "$OUT/detcost.log"
   for det in "" --deterministic; do
     timeout 240 python3 bench/profile_decode.py --shape smollm2 --batch-sizes 16 --spec 5,4,8 --simulate-accept 3.2 \

@@ -26,6 +26,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=128)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--systems", default="target-only,eagle")
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
 
@@ -46,7 +47,7 @@ def main(argv=None) -> int:
     for bs in (int(x) for x in args.batch_sizes.split(",")):
         rng = np.random.default_rng(bs)
         prompts = [[int(t) for t in rng.integers(5, model.cfg.vocab_size, size=args.prompt_len)] for _ in range(bs)]
-        for system in ("target-only", "eagle"):
+        for system in args.systems.split(","):
             tps = {}
             for mode in ("default", "deterministic"):
                 ec = EngineConfig(max_batch_size=bs, max_context=ctx,
