@@ -25,6 +25,7 @@ needs `Authorization: Bearer KEY` (compared in constant time; 401 otherwise).
     engine_process.py  that thread in a process of its own, and the pipe to it
     app.py           create_app: the routes and their handlers
     native.py        SGLang's /generate: its request → prompts and SamplingParams, its answers and events
+    tools.py         tool calling: tools / tool_choice, the call parsers (--tool-call-parser), forced calls' grammars
     metrics.py       /metrics: the handlers' token counts and latencies, the engine's gauges
     options.py       the command line's options (ServeArgs) and `load`: EngineSpec → build_engine
     __main__.py      the command line: options → the engine's process → create_app → uvicorn

@@ -32,7 +32,8 @@ def serve(args: ServeArgs, link=None) -> int:
         print(line, file=sys.stderr)
     print(f"[jeagle.serve] {facts['name']} ({facts['dtype']}) loaded in {facts['load_s']:.1f} s, the engine in {where}; "
           f"serving on http://{args.host}:{args.port}", file=sys.stderr)
-    app = create_app(engine, tokenizer, facts["name"], args.api_key, facts["aliases"], metrics=args.metrics)
+    app = create_app(engine, tokenizer, facts["name"], args.api_key, facts["aliases"], metrics=args.metrics,
+                     tool_call_parser=args.tool_call_parser)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
 
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C while it loads (the engine's process stops on the same signal)
         return 130
     args = ServeArgs(None, host=a.host, port=a.port, api_key=a.api_key, served_model_name=a.served_model_name,
-                     metrics=not a.disable_metrics)
+                     metrics=not a.disable_metrics, tool_call_parser=a.tool_call_parser)
     return serve(args, link)
 
 

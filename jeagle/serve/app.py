@@ -32,6 +32,7 @@ from jeagle.serve.protocol import (CHAT_KEYS, COMPLETION_KEYS, BadRequest, StopM
                                    chat_logprobs_packed, chat_prompt_ids, check_model, choice_body, completion_body,
                                    completion_logprobs, completion_prompt_ids, error_body, parse_common,
                                    request_params, seeded, stream_chunk, usage_body, usage_chunk)
+from jeagle.serve.tools import constrain, lark_grammar, resolve, tool_request
 from jeagle.tokenizer import StreamDecoder
 
 
@@ -47,36 +48,40 @@ class Served:
     grammars: dict = dataclasses.field(default_factory=dict)  # the GrammarBackend, built on first use
     token_json: TokenJSON | None = None  # chat logprobs' per-token JSON pieces (made from `tokenizer`)
     metrics: Metrics | None = None  # /metrics' series (None: --disable-metrics)
+    tools: Any = None  # the tool-call format chat requests' tools are parsed in (`tools.Family`; None: not parsed)
 
     def __post_init__(self):
         if self.token_json is None:
             object.__setattr__(self, "token_json", TokenJSON(self.tokenizer))
 
-    def grammar(self, kind: str, source):
-        """A request's compiled grammar (a bad one is a BadRequest naming the field)."""
+    def grammar(self, kind: str, source, param: str | None = None):
+        """A request's compiled grammar ("lark": a forced tool call's); a bad one: BadRequest naming `param`."""
         from jeagle.grammar import GrammarBackend, GrammarError
 
+        param = param or ("response_format" if kind.startswith("json") else kind)
         if "backend" not in self.grammars:
             try:
                 facts = self.loop.facts
                 self.grammars["backend"] = GrammarBackend(self.tokenizer, facts.vocab_size, facts.eos_token_ids[0])
             except ImportError:
-                raise BadRequest("structured outputs need llguidance: pip install 'jeagle[serve]'",
-                                 "response_format" if kind.startswith("json") else kind) from None
+                raise BadRequest("structured outputs need llguidance: pip install 'jeagle[serve]'", param) from None
         try:
-            return self.grammars["backend"].compile(kind, source)
+            backend = self.grammars["backend"]
+            return lark_grammar(backend, source) if kind == "lark" else backend.compile(kind, source)
         except GrammarError as e:
-            raise BadRequest(str(e), "response_format" if kind.startswith("json") else kind) from None
+            raise BadRequest(str(e), param) from None
 
 
 def create_app(engine, tokenizer, model_name: str, api_key: str | None = None, aliases: tuple[str, ...] = (),
-               metrics: bool = True) -> Starlette:
+               metrics: bool = True, tool_call_parser: str = "auto") -> Starlette:
     """engine: an `Engine` (run by a thread of this process) or an `EngineProcess` (its own process).
     aliases: names besides `model_name` and "default" that requests may give as `model` (the server
-    passes the target's path as given and as resolved). metrics: serve Prometheus' /metrics."""
+    passes the target's path as given and as resolved). metrics: serve Prometheus' /metrics.
+    tool_call_parser: the format of the model's tool calls (`tools.PARSERS`; "auto": its chat template's)."""
     link = engine if hasattr(engine, "facts") else EngineLoop(engine)
     served = Served(link, tokenizer, model_name, api_key, int(time.time()), tuple(a for a in aliases if a),
-                    metrics=Metrics(link, model_name) if metrics else None)
+                    metrics=Metrics(link, model_name) if metrics else None,
+                    tools=resolve(tool_call_parser, tokenizer.chat_template))
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -154,7 +159,8 @@ async def server_info(request: Request):
         "model": s.model_name, "max_running_requests": f.max_running_requests, "max_context": f.max_context,
         "batch_buckets": list(f.batch_buckets), "overlap": f.overlap, "verify_done_wait": f.verify_done_wait,
         "speculative": f.speculative, "adaptive": f.adaptive, "slice_fusion": f.slice_fusion,
-        "dispatch_thread": f.dispatch_thread, "bucket_shrink_ratio": f.bucket_shrink_ratio})
+        "dispatch_thread": f.dispatch_thread, "bucket_shrink_ratio": f.bucket_shrink_ratio,
+        "tool_call_parser": s.tools.name if s.tools else None})
 
 
 async def flush_cache(request: Request):
@@ -181,6 +187,7 @@ class Ask:
     opts: dict
     prompt_ids: list[int]
     prompt_text: str  # what `echo` repeats (completions)
+    tools: Any = None  # a chat request's `tools.ToolRequest`
 
 
 async def complete(request: Request, chat: bool):
@@ -191,8 +198,10 @@ async def complete(request: Request, chat: bool):
         body = await read_json(request)
         opts = parse_common(body, CHAT_KEYS if chat else COMPLETION_KEYS)
         check_model(body, s.model_name, s.aliases)
-        ids = chat_prompt_ids(body, s.tokenizer) if chat else completion_prompt_ids(body, s.tokenizer)
-        params = request_params(body, opts, len(ids), chat, s.loop.facts, s.grammar)
+        tools = tool_request(body, s.tools) if chat else None  # (a forced call: a grammar writes it)
+        ids = chat_prompt_ids(body, s.tokenizer, tools and tools.rendered) if chat else completion_prompt_ids(
+            body, s.tokenizer)
+        params = constrain(tools, request_params(body, opts, len(ids), chat, s.loop.facts, s.grammar), s.grammar)
     except BadRequest as e:
         return error(e.status, e.message, e.kind, e.param)
     except (PromptTooLong, ValueError) as e:
@@ -202,7 +211,7 @@ async def complete(request: Request, chat: bool):
     prompt = body.get("prompt")
     prompt_text = (prompt if isinstance(prompt, str) else prompt[0] if isinstance(prompt, list) and isinstance(
         prompt[0], str) else s.tokenizer.decode(ids)) if not chat and opts["echo"] else ""
-    ask = Ask(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", chat, opts, ids, prompt_text)
+    ask = Ask(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", chat, opts, ids, prompt_text, tools)
     loop = asyncio.get_running_loop()
     # n choices: n requests, each with its own seed stream (seed + i when the request gives a seed).
     jobs = [Job(ids, p, loop, arrived=arrived) for p in seeded(params, opts["n"])]
@@ -378,11 +387,11 @@ def cached_tokens(jobs: list[Job]) -> int:
 
 async def sse(s: Served, jobs: list[Job], ask: Ask):
     """The streamed response's events; the jobs are aborted if the client goes away."""
-    def event(text, finish, index, first=False, logprobs=None):
-        chunk = stream_chunk(ask.rid, s.model_name, ask.chat, text, finish, first, index, logprobs)
-        return sse_event(chunk)
+    def event(text, finish, index, first=False, logprobs=None, calls=None):
+        return sse_event(stream_chunk(ask.rid, s.model_name, ask.chat, text, finish, first, index, logprobs, calls))
 
     out = [LogprobsOut(s, ask) for _ in jobs]
+    tools = [ask.tools and ask.tools.output() for _ in jobs]  # each choice's tool-call parser, if any
     echo = not ask.chat and ask.opts["echo"]
     started, counts = [False] * len(jobs), [0] * len(jobs)
     try:
@@ -395,10 +404,12 @@ async def sse(s: Served, jobs: list[Job], ask: Ask):
             text, prefix = piece.text, None
             if echo and not started[i]:  # the prompt first, with its logprobs (they came with the prefill)
                 text, prefix = ask.prompt_text + text, (echo_pairs(ask, jobs[i]) if out[i].k is not None else None)
-            started[i], counts[i] = True, piece.n_tokens
-            if text or piece.finish or piece.ids or prefix:
-                yield event(text, piece.finish, i,
-                            logprobs=None if out[i].k is None else out[i](piece.ids, piece.packed, prefix))
+            started[i], counts[i], finish, calls = True, piece.n_tokens, piece.finish, None
+            if tools[i]:
+                text, calls, finish = tools[i].push(text, finish)
+            if text or finish or piece.ids or prefix or calls:
+                yield event(text, finish, i, logprobs=None if out[i].k is None else out[i](piece.ids, piece.packed,
+                                                                                             prefix), calls=calls)
         if ask.opts["include_usage"]:
             usage = usage_body(len(ask.prompt_ids), sum(counts), cached_tokens(jobs))
             yield sse_event(usage_chunk(ask.rid, s.model_name, ask.chat, usage))
@@ -438,12 +449,14 @@ async def whole(s: Served, jobs: list[Job], ask: Ask):
         raise
     choices = []
     for i in range(n):
-        text, prefix = texts[i], None
+        text, prefix, calls, parser = texts[i], None, None, ask.tools and ask.tools.output()
         if not ask.chat and ask.opts["echo"]:
             text = ask.prompt_text + text
             prefix = echo_pairs(ask, jobs[i]) if ask.opts["logprobs"] is not None else None
+        if parser:
+            text, calls, finishes[i] = parser.whole(text, finishes[i])
         choices.append(choice_body(ask.chat, i, text, finishes[i],
-                                   LogprobsOut(s, ask)(ids[i], b"".join(packed[i]), prefix)))
+                                   LogprobsOut(s, ask)(ids[i], b"".join(packed[i]), prefix), calls))
     return JSONBody(completion_body(ask.rid, s.model_name, ask.chat, choices, len(ask.prompt_ids), sum(counts),
                                         cached_tokens(jobs)))
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from jeagle.cli import build_parser, check_args, dispatch_thread, kernel_settings
 from jeagle.engine import EngineSpec
+from jeagle.serve.tools import PARSERS
 
 # XLA's dynamic-slice fusions in the server's executables (`--slice-fusion`): off. Admissions, streaming and
 # the round's call keep the served engine's host busy 0.8-0.9 of the wall at 16-32 clients, and without
@@ -32,6 +33,7 @@ class ServeArgs:
     served_model_name: str | None = None  # None: the target's folder name
     warmup: bool = True  # every executable compiled (or loaded from the store) before the first request
     metrics: bool = True  # Prometheus' /metrics (--disable-metrics: off)
+    tool_call_parser: str = "auto"  # the format tool calls are parsed in (`jeagle.serve.tools.PARSERS`)
 
 
 def parse_options(argv: list[str] | None = None):
@@ -46,6 +48,10 @@ def parse_options(argv: list[str] | None = None):
                    "(or JEAGLE_API_KEY)")
     p.add_argument("--served-model-name", default=None, help="the model id clients name (default: the target's name)")
     p.add_argument("--disable-metrics", action="store_true", help="serve no Prometheus /metrics (default: served)")
+    p.add_argument("--tool-call-parser", choices=PARSERS, default="auto",
+                   help="the format of the model's tool calls in chat answers to requests with 'tools': llama3 "
+                   "(Llama 3.x JSON calls), qwen25 / hermes (<tool_call> blocks: Qwen2.5, Qwen3, Hermes), auto "
+                   "(default: the one the chat template writes, none if it writes neither), none (never parsed)")
     p.add_argument("--engine-thread", action="store_true",
                    help="run the engine in a thread of the HTTP server's process (default: a process of its own, "
                    "so building responses never holds up the engine)")
@@ -60,7 +66,7 @@ def parse_args(argv: list[str] | None = None) -> ServeArgs:
                                                dispatch_thread=dispatch_thread(a, default=SERVER_DISPATCH_THREAD)),
                      host=a.host, port=a.port,
                      api_key=a.api_key, served_model_name=a.served_model_name, warmup=a.warmup,
-                     metrics=not a.disable_metrics)
+                     metrics=not a.disable_metrics, tool_call_parser=a.tool_call_parser)
 
 
 def load(args: ServeArgs):

@@ -9,6 +9,7 @@ with orjson; chat logprobs come pre-encoded (`TokenJSON`, `chat_logprobs_packed`
 from __future__ import annotations
 
 import dataclasses
+import json
 import struct
 import time
 
@@ -24,13 +25,14 @@ MAX_N = 16  # completions per request (`n`)
 
 INT32_MAX = 2**31 - 1  # fields the device reads as int32: a larger value failed the whole batch's step
 
-CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")  # OpenAI's (no tool calls or functions here)
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")  # OpenAI's (its deprecated "function" role: no)
 
 COMMON = {"model", "max_tokens", "temperature", "top_p", "top_k", "stop", "seed", "stream", "stream_options", "n",
           "user", "ignore_eos", "logprobs", "frequency_penalty", "presence_penalty", "repetition_penalty", "min_tokens",
           "logit_bias", "response_format", "regex", "ebnf"}
 COMPLETION_KEYS = COMMON | {"prompt", "echo", "suffix", "best_of"}
-CHAT_KEYS = COMMON | {"messages", "max_completion_tokens", "top_logprobs"}
+CHAT_KEYS = COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice",
+                      "parallel_tool_calls"}
 
 
 class BadRequest(Exception):
@@ -205,24 +207,66 @@ def completion_prompt_ids(body: dict, tokenizer) -> list[int]:
     return ids
 
 
-def chat_prompt_ids(body: dict, tokenizer) -> list[int]:
-    """/v1/chat/completions' `messages` through the tokenizer's chat template."""
+def chat_prompt_ids(body: dict, tokenizer, tools: list | None = None) -> list[int]:
+    """/v1/chat/completions' `messages` through the tokenizer's chat template; `tools` (checked,
+    `jeagle.serve.tools`), when given, passed to it as Hugging Face's `apply_chat_template` does."""
     messages = body.get("messages")
-    if (not isinstance(messages, list) or not messages
-            or not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                       for m in messages)):
-        raise BadRequest("'messages' must be a non-empty list of {role, content} objects with string content",
-                         "messages")
+    if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
+        raise BadRequest("'messages' must be a non-empty list of {role, content} objects", "messages")
     # A template renders any role it is given, so an unknown one would reach the model as text of its own.
-    role = next((m["role"] for m in messages if m["role"] not in CHAT_ROLES), None)
-    if role is not None:
-        raise BadRequest(f"message role {role!r} is not one of {', '.join(CHAT_ROLES)}", "messages")
+    bad = [m.get("role") for m in messages if m.get("role") not in CHAT_ROLES]
+    if bad:
+        raise BadRequest(f"message role {bad[0]!r} is not one of {', '.join(CHAT_ROLES)}", "messages")
+    rendered = [template_message(i, m) for i, m in enumerate(messages)]
     if not tokenizer.has_chat_template:
         raise BadRequest("this model's tokenizer has no chat template: use /v1/completions", "messages")
     try:
-        return tokenizer.encode_chat([{"role": m["role"], "content": m["content"]} for m in messages])
+        return tokenizer.encode_chat(rendered, **({} if tools is None else {"tools": tools}))
     except Exception as e:  # the template's own raise_exception (e.g. roles out of order)
         raise BadRequest(f"chat template: {e}", "messages") from e
+
+
+def template_message(i: int, m: dict) -> dict:
+    """Message `i` as chat templates read it: {role, content} with string content; an assistant's
+    `tool_calls` (content may then be null or absent: ""), their arguments as a mapping (Llama 3.x's and
+    Qwen2.5's templates write `arguments | tojson`, so a JSON string would reach the model quoted); a
+    tool result's `tool_call_id` (and `name`)."""
+    where, calls = f"messages[{i}]", m.get("tool_calls")
+    content = m.get("content")
+    if content is None and m["role"] == "assistant" and calls:
+        content = ""
+    if not isinstance(content, str):
+        raise BadRequest(f"'{where}.content' must be a string"
+                         + (" (or null beside tool_calls)" if m["role"] == "assistant" else ""), "messages")
+    out = {"role": m["role"], "content": content}
+    if m["role"] == "tool":
+        if not isinstance(m.get("tool_call_id"), str):
+            raise BadRequest(f"'{where}.tool_call_id' must be a string: the id of the call this answers", "messages")
+        out["tool_call_id"] = m["tool_call_id"]
+        if isinstance(m.get("name"), str):
+            out["name"] = m["name"]
+    if calls is None:
+        return out
+    if m["role"] != "assistant" or not isinstance(calls, list):
+        raise BadRequest(f"'{where}.tool_calls' must be a list, on an assistant message", "messages")
+    out["tool_calls"] = []
+    for j, call in enumerate(calls):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise BadRequest(f"'{where}.tool_calls[{j}]' must be {{\"type\": \"function\", \"function\": "
+                             "{\"name\", \"arguments\"}}", "messages")
+        args = fn.get("arguments")
+        if isinstance(args, str):
+            try:
+                args = json.loads(args) if args.strip() else {}
+            except ValueError:
+                args = None
+        if not isinstance(args, dict):
+            raise BadRequest(f"'{where}.tool_calls[{j}].function.arguments' must be a JSON object or a string "
+                             "holding one", "messages")
+        out["tool_calls"].append({"id": call.get("id") if isinstance(call.get("id"), str) else f"call_{i}_{j}",
+                                  "type": "function", "function": {"name": fn["name"], "arguments": args}})
+    return out
 
 
 def sampling_params(opts: dict, n_prompt: int, chat: bool, max_context: int, reserve: int,
@@ -306,10 +350,13 @@ class StopMatcher:
 
 
 def stream_chunk(rid: str, model_name: str, chat: bool, text: str, finish: str | None, first: bool = False,
-                 index: int = 0, logprobs: dict | None = None) -> dict:
-    """One server-sent event's object for choice `index` (chat: the first carries the assistant role)."""
+                 index: int = 0, logprobs: dict | None = None, tool_calls: list | None = None) -> dict:
+    """One server-sent event's object for choice `index` (chat: the first carries the assistant role;
+    `tool_calls`: the delta's calls, each with its `index`)."""
     if chat:
         delta = ({"role": "assistant", "content": ""} if first else {}) | ({"content": text} if text else {})
+        if tool_calls:
+            delta["tool_calls"] = tool_calls
         choice = {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}
         obj = "chat.completion.chunk"
     else:
@@ -330,10 +377,14 @@ def usage_body(n_prompt: int, n_completion: int, cached: int = 0) -> dict:
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
-def choice_body(chat: bool, index: int, text: str, finish: str | None, logprobs: dict | None = None) -> dict:
+def choice_body(chat: bool, index: int, text: str, finish: str | None, logprobs: dict | None = None,
+                tool_calls: list | None = None) -> dict:
+    """One choice of a whole response (chat with `tool_calls`: its content null when empty, as OpenAI's)."""
     if chat:
-        return {"index": index, "message": {"role": "assistant", "content": text}, "finish_reason": finish,
-                "logprobs": logprobs}
+        message = {"role": "assistant", "content": text}
+        if tool_calls:
+            message = {"role": "assistant", "content": text or None, "tool_calls": tool_calls}
+        return {"index": index, "message": message, "finish_reason": finish, "logprobs": logprobs}
     return {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}
 
 
