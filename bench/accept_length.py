@@ -127,13 +127,13 @@ def main() -> None:
 
     import jax
 
-    from jeagle.checkpoint import load_draft, load_model
+    from jeagle.loading.checkpoint import load_draft, load_model
     from jeagle.engine import EngineConfig, SpecConfig, speculative, target_only
-    from jeagle.fetch import resolve_draft, resolve_target
+    from jeagle.loading.fetch import resolve_draft, resolve_target
     from jeagle.heads import default_head_dir
     from jeagle.kernels.settings import KernelSettings
     from jeagle.sampling import SamplingParams
-    from jeagle.tokenizer import Tokenizer
+    from jeagle.loading.tokenizer import Tokenizer
     from jeagle.train.evaluate import accept_lengths, read_eval_set
 
     target_dir = resolve_target(args.target)

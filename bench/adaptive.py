@@ -60,11 +60,11 @@ def main(argv=None):
 
     import numpy as np
 
-    from jeagle.adaptive import AdaptiveConfig
+    from jeagle.speculative.adaptive import AdaptiveConfig
     from jeagle.engine import EngineConfig, speculative
     from jeagle.kernels.settings import KernelSettings
     from jeagle.sampling import SamplingParams
-    from jeagle.spec.round import SpecConfig
+    from jeagle.speculative.round import SpecConfig
 
     phases = args.phases.split(",")
     target, head_params, head = phased_models(args.shape, args.mid_noise)

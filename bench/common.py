@@ -76,7 +76,7 @@ def prompt_logits(model, ids: list[int], last_only: bool = True):
     import jax.numpy as jnp
     import numpy as np
 
-    from jeagle.cache import init_pools
+    from jeagle.runtime.kv_cache import init_pools
     from jeagle.models.common import AttnInputs
 
     t = len(ids)

@@ -112,13 +112,13 @@ def jeagle_rows(target_dir, head_dir, prompts_ids, batches, max_new, repeats, ti
                 adaptive_config=None, engine_config: dict | None = None, sampling: dict | None = None,
                 tokenizer=None, kv_chunk: int | None = None, waves: int = 1, buckets: str = "default",
                 continuous: bool = False, freeze: bool = False, shrink_ratios=None) -> list[dict]:
-    from jeagle.adaptive import AdaptiveConfig
-    from jeagle.checkpoint import load_draft, load_model
+    from jeagle.speculative.adaptive import AdaptiveConfig
+    from jeagle.loading.checkpoint import load_draft, load_model
     from jeagle.engine import EngineConfig, speculative, target_only
     from jeagle.kernels.settings import KernelSettings
     from jeagle.runtime.gc_clock import freeze_heap, gc_totals
     from jeagle.sampling import SamplingParams
-    from jeagle.spec.round import SpecConfig
+    from jeagle.speculative.round import SpecConfig
 
     model = load_model(target_dir)
     head = load_draft(head_dir, target=model.cfg)
@@ -140,7 +140,7 @@ def jeagle_rows(target_dir, head_dir, prompts_ids, batches, max_new, repeats, ti
     if "logit_bias" in sampling:
         sampling["logit_bias"] = tuple((int(k), float(v)) for k, v in sampling["logit_bias"].items())
     if "grammar" in sampling:  # [kind, source]: structured output; the requests then end at the grammar's EOS
-        from jeagle.grammar import GrammarBackend
+        from jeagle.sampling.grammar import GrammarBackend
 
         kind, source = sampling["grammar"]
         sampling["grammar"] = GrammarBackend(tokenizer, model.cfg.vocab_size, model.cfg.eos_token_ids[0]).compile(
@@ -363,9 +363,9 @@ def main(argv=None) -> dict:
 
     import jax
 
-    from jeagle.fetch import resolve_draft, resolve_target, smollm2_gguf_path
+    from jeagle.loading.fetch import resolve_draft, resolve_target, smollm2_gguf_path
     from jeagle.heads import default_head_dir
-    from jeagle.tokenizer import Tokenizer
+    from jeagle.loading.tokenizer import Tokenizer
 
     target_dir = resolve_target(args.target, quiet=True)
     head_dir = resolve_draft(args.draft or str(default_head_dir()), target_dir, quiet=True)

@@ -136,7 +136,7 @@ def load_eagle_llm(base_dir: Path, head_dir: Path, device: str, dtype):
 def smollm2_hf_dir(out: Path) -> Path:
     """SmolLM2-135M-Instruct as a transformers dir: its GGUF dequantised to bf16 (what the hf peer of
     decode.py runs)."""
-    from jeagle.fetch import smollm2_gguf_path
+    from jeagle.loading.fetch import smollm2_gguf_path
 
     plain_hf_model(smollm2_gguf_path(quiet=True)).save_pretrained(out)
     return out
@@ -168,13 +168,13 @@ def main(argv=None) -> dict:
     import jax
     import torch
 
-    from jeagle.checkpoint import load_draft, load_model
+    from jeagle.loading.checkpoint import load_draft, load_model
     from jeagle.engine import EngineConfig, speculative, target_only
-    from jeagle.fetch import resolve_draft, resolve_target
+    from jeagle.loading.fetch import resolve_draft, resolve_target
     from jeagle.kernels.settings import KernelSettings
     from jeagle.sampling import SamplingParams
-    from jeagle.spec.round import SpecConfig
-    from jeagle.tokenizer import Tokenizer
+    from jeagle.speculative.round import SpecConfig
+    from jeagle.loading.tokenizer import Tokenizer
 
     if args.dtype == "float32":
         jax.config.update("jax_default_matmul_precision", "highest")

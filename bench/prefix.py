@@ -85,7 +85,7 @@ def conservativeness(policy: str) -> float:
 
 def make_engine(kind, model, head, ec, tier):
     from jeagle.engine import speculative, target_only
-    from jeagle.spec.round import SpecConfig
+    from jeagle.speculative.round import SpecConfig
 
     return target_only(model, ec) if kind == "target-only" else speculative(model, head, ec, SpecConfig(*tier))
 
@@ -289,10 +289,10 @@ def main(argv=None) -> dict:
     tier = tuple(int(x) for x in args.tier.split(","))
 
     if args.shape == "smollm2":
-        from jeagle.checkpoint import load_draft, load_model
-        from jeagle.fetch import resolve_draft, resolve_target
+        from jeagle.loading.checkpoint import load_draft, load_model
+        from jeagle.loading.fetch import resolve_draft, resolve_target
         from jeagle.heads import default_head_dir
-        from jeagle.tokenizer import Tokenizer
+        from jeagle.loading.tokenizer import Tokenizer
 
         target_dir = resolve_target(None, quiet=True)
         head_dir = resolve_draft(str(default_head_dir()), target_dir, quiet=True)

@@ -13,7 +13,7 @@ op's HLO module (GPU traces do), the prefill executables are left out of the per
 device's idle time between the decode executables' ops (the host gaps) is reported with the largest gaps.
 
 `--phases` (on with `--spec`) splits the device-busy time of a round by phase, the named scopes of
-`jeagle/spec/round.py` (draft_step, draft_topk, tree_build, verify_forward, accept, finish, draft_extend,
+`jeagle/speculative/round.py` (draft_step, draft_topk, tree_build, verify_forward, accept, finish, draft_extend,
 commit; "other": ops outside them, e.g. the rows' gather; "unattributed": ops no executable's HLO names):
 each GPU op's `hlo_op` arg is looked up in the optimized HLO of the engine's executables, whose
 instructions carry the scope path in their op_name (`bench/common.PhaseMap`). Printed per batch size as
@@ -47,7 +47,7 @@ def decode_phase(events: list[tuple]) -> tuple[list[tuple], bool]:
 def phase_busy(events: list[tuple], hlo_texts: list[str]) -> tuple[dict[str, tuple[int, float]], list]:
     """({phase: (device ops, busy us)} of `events` (with their args), by the named scopes of a round;
     the unattributed ops by busy time: [(name, count, us, one event's args)], the largest 8)."""
-    from jeagle.spec.round import ALL_PHASES as PHASES
+    from jeagle.speculative.round import ALL_PHASES as PHASES
 
     if not events:
         return {}, []
@@ -120,7 +120,7 @@ def main(argv=None):
     model = random_model(cfg)
     head = None
     if args.spec:
-        from jeagle.spec.round import SpecConfig
+        from jeagle.speculative.round import SpecConfig
 
         head = random_eagle3_head(cfg, draft_vocab=DRAFT_VOCAB.get(args.shape))
         tier = SpecConfig(*(int(x) for x in args.spec.split(",")))

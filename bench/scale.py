@@ -142,7 +142,7 @@ def main(argv=None) -> dict:
     from jeagle.kernels.settings import KernelSettings
     from jeagle.models.llama import random_model
     from jeagle.sampling import SamplingParams
-    from jeagle.spec.round import SpecConfig
+    from jeagle.speculative.round import SpecConfig
 
     cfg = ModelConfig(**{**SHAPES[args.shape], "tie_word_embeddings": False})
     batches = [int(b) for b in args.batch_sizes.split(",")]

@@ -46,7 +46,7 @@ def id_tokenizer(vocab: int):
     from tokenizers import Tokenizer as Fast
     from tokenizers import decoders, models
 
-    from jeagle.tokenizer import Tokenizer
+    from jeagle.loading.tokenizer import Tokenizer
 
     fast = Fast(models.WordLevel({f"<t{i}>": i for i in range(vocab)}, unk_token="<t0>"))
     fast.decoder = decoders.Fuse()
@@ -147,7 +147,7 @@ def workload(model, shape, prompts_path, prompt_len):
 
 
 def tokenizer_for(model, shape, target_dir=None):
-    from jeagle.tokenizer import Tokenizer
+    from jeagle.loading.tokenizer import Tokenizer
 
     return Tokenizer.from_dir(target_dir) if model == "smollm2" else id_tokenizer(SHAPES[shape]["vocab_size"])
 
@@ -158,12 +158,12 @@ def bench_engine(model, shape, name, prompts_path, prompt_len, top, max_tokens, 
     from jeagle.engine import EngineConfig, speculative, target_only
     from jeagle.kernels.settings import KernelSettings
     from jeagle.serve.options import SERVER_DISPATCH_THREAD, SERVER_SLICE_FUSION
-    from jeagle.spec.round import SpecConfig
+    from jeagle.speculative.round import SpecConfig
 
     prompts, target_dir = workload(model, shape, prompts_path, prompt_len), None
     if model == "smollm2":  # converted here (the first time): the server's process never touches the GPU
-        from jeagle.checkpoint import load_draft, load_model
-        from jeagle.fetch import resolve_draft, resolve_target
+        from jeagle.loading.checkpoint import load_draft, load_model
+        from jeagle.loading.fetch import resolve_draft, resolve_target
         from jeagle.heads import default_head_dir
 
         target_dir = resolve_target(None, quiet=True)
@@ -231,11 +231,14 @@ def summarise(rows):
     (e.g. EAGLE ÷ target-only); the median share of the wall the engine's steps kept its host busy."""
     import statistics
 
-    keyed, busy = {}, {}
+    keyed, busy, cpu, step_ms = {}, {}, {}, {}
     for r in rows:
-        key = (r["config"], r["concurrency"], json.dumps(r["extra"], sort_keys=True), r["clients"], r["switch_interval"])
+        key = (r["config"], r["concurrency"], json.dumps(r["extra"], sort_keys=True), r["clients"], r["switch_interval"],
+               r.get("metrics", "on"))
         keyed.setdefault(key, []).append(r["output_tokens_per_s"])
         busy.setdefault(key, []).append(r["engine_host"]["busy_frac"])
+        cpu.setdefault(key, []).append(1e3 * r.get("server_cpu_s", 0.0) / max(r["requests"], 1))
+        step_ms.setdefault(key, []).append(r["engine_host"]["busy_ms_per_step"])
     medians = {k: statistics.median(v) for k, v in keyed.items()}
     first_extra = {}
     for k in keyed:  # insertion order: a config's first extra comes first
@@ -243,13 +246,15 @@ def summarise(rows):
     config0 = next(iter(keyed))[0] if keyed else None
     out = []
     for k, v in keyed.items():
-        name, c, extra, where, interval = k
-        base = medians[(name, c, first_extra[(name, c)], where, interval)]
-        other = medians.get((config0, c, extra, where, interval))
+        name, c, extra, where, interval, metered = k
+        base = medians[(name, c, first_extra[(name, c)], where, interval, metered)]
+        other = medians.get((config0, c, extra, where, interval, metered))
         out.append({"config": name, "concurrency": c, "extra": json.loads(extra), "label": ",".join(json.loads(extra))[:24] or "-",
                     "clients": where, "switch_interval": interval, "tok_s": v, "tok_s_median": medians[k],
                     "vs_extra0": medians[k] / base, "vs_config0": None if name == config0 or not other else medians[k] / other,
-                    "engine_busy_frac_median": statistics.median(busy[k])})
+                    "engine_busy_frac_median": statistics.median(busy[k]), "metrics": metered,
+                    "server_cpu_ms_per_request_median": statistics.median(cpu[k]),
+                    "engine_busy_ms_per_step_median": statistics.median(step_ms[k])})
     return out
 
 
@@ -277,6 +282,9 @@ def main(argv=None):
                    help="sys.setswitchinterval values for the server's process, a row each (default: Python's 0.005)")
     p.add_argument("--repeats", type=int, default=1,
                    help="timed passes per row, the rows of a concurrency interleaved; the summary gives medians")
+    p.add_argument("--metrics", default="on", metavar="on,off",
+                   help="/metrics collected (on) or not (off), a row each: the server process's CPU time per pass "
+                   "with and without, beside the engine's host time")
     p.add_argument("--extra", default=None, action="append", metavar="JSON",
                    help='more request fields, e.g. {"logprobs": 5} or {"frequency_penalty": 0.5}; repeat it for '
                    'rows of each (one warm-up covers them all)')
@@ -285,6 +293,9 @@ def main(argv=None):
     modes = dict(greedy=(True,), logprobs=tuple({e.get("logprobs") is not None for e in extras}),
                  penalties=tuple({any(k in e for k in PENALTY_FIELDS) for e in extras}),
                  grammar=tuple({any(k in e for k in GRAMMAR_FIELDS) for e in extras}))
+    metric_modes = args.metrics.split(",")
+    if bad := sorted(set(metric_modes) - {"on", "off"}):
+        p.error(f"--metrics {bad}: on or off")
     places = args.clients.split(",")
     if bad := sorted(set(places) - {"own", "in"}):
         p.error(f"--clients {bad}: own or in")
@@ -328,6 +339,10 @@ def main(argv=None):
             time.sleep(0.05)
         url = f"http://127.0.0.1:{port}"
         num_compiled = lambda: httpx.get(f"{url}/server_info", timeout=60).json()["compilations"]  # noqa: E731
+        # JAX's own count of XLA compilations since the warm-up (any compile, not only the engine's executables)
+        xla_compiled = lambda: httpx.get(f"{url}/server_info", timeout=60).json().get(  # noqa: E731
+            "compilations_after_warmup")
+        served, collector = app.state.served, app.state.served.metrics
 
         def host_totals():
             """The engine's host_totals once they stop moving (an engine process sends its counters at
@@ -359,11 +374,15 @@ def main(argv=None):
             compiled = num_compiled()
             # The rows of one level interleaved, `--repeats` times: a host that slows down for a while (a
             # shared machine) slows every row of one repeat alike, not one row.
-            for rep, extra, where, interval in itertools.product(range(args.repeats), extras, places, intervals):
+            for rep, extra, where, interval, metered in itertools.product(range(args.repeats), extras, places,
+                                                                          intervals, metric_modes):
                 sys.setswitchinterval(interval)
+                object.__setattr__(served, "metrics", collector if metered == "on" else None)
                 httpx.post(f"{url}/flush_cache", timeout=60)  # the timed pass starts with no prefix cached
                 h0, g0 = host_totals(), grammar_rows()
+                cpu0 = time.process_time()  # the server's process: HTTP handlers, /metrics, (in: the clients)
                 res, wall = clients[where](url, prompts, args.max_tokens, c, args.requests_per_client, extra, real)
+                server_cpu = time.process_time() - cpu0
                 host = engine_host(h0, host_totals(), wall) | {"grammar_rows": grammar_rows(g0)}
                 ttft = [r[0] for r in res]
                 lat = [r[1] for r in res]
@@ -375,6 +394,8 @@ def main(argv=None):
                              "ttft_ms": {q: 1e3 * pct(ttft, q) for q in (50, 90, 99)},
                              "latency_ms": {q: 1e3 * pct(lat, q) for q in (50, 90, 99)}, "warmup_s": warm,
                              "engine": args.engine, "engine_config": args.engine_config, "engine_host": host,
+                             "metrics": metered, "server_cpu_s": server_cpu,
+                             "xla_compilations_after_warmup": xla_compiled(),
                              "compiled_in_timed_pass": num_compiled() - compiled})
                 compiled = num_compiled()
         server.should_exit = True
@@ -382,22 +403,27 @@ def main(argv=None):
     for c in clients.values():
         c.close()
     print(f"{'config':>16} {'engine':>7} {'extra':>24} {'clients':>7} {'switch':>6} {'conc':>4} {'req/s':>7} {'tok/s':>8} {'TTFT p50/p90/p99 ms':>22} "
-          f"{'latency p50/p90/p99 ms':>24} {'busy':>5} {'ms/step':>7} {'dispatch':>8} {'gc':>9}")
+          f"{'latency p50/p90/p99 ms':>24} {'busy':>5} {'ms/step':>7} {'dispatch':>8} {'gc':>9} {'metrics':>7} "
+          f"{'srv cpu ms/req':>14} {'xla comp':>8}")
     for r in rows:
         t, lt = r["ttft_ms"], r["latency_ms"]
         label = ",".join(r["extra"])[:24] or "-"
         print(f"{r['config']:>16} {r['engine']:>7} {label:>24} {r['clients']:>7} {r['switch_interval']:>6.4f} {r['concurrency']:>4} {r['requests_per_s']:>7.2f} {r['output_tokens_per_s']:>8.0f} "
               f"{t[50]:>7.1f}/{t[90]:>6.1f}/{t[99]:>7.1f} {lt[50]:>8.1f}/{lt[90]:>7.1f}/{lt[99]:>7.1f} "
               f"{r['engine_host']['busy_frac']:>5.2f} {r['engine_host']['busy_ms_per_step']:>7.3f} "
-              f"{r['engine_host']['dispatch_ms_per_step']:>8.3f} {gc_label(r['engine_host']):>9}")
+              f"{r['engine_host']['dispatch_ms_per_step']:>8.3f} {gc_label(r['engine_host']):>9} {r['metrics']:>7} "
+              f"{1e3 * r['server_cpu_s'] / max(r['requests'], 1):>14.2f} {str(r['xla_compilations_after_warmup']):>8}")
     summary = summarise(rows)
     if args.repeats > 1:
         print(f"medians of {args.repeats} interleaved passes (tok/s; ÷ the first --extra's row; ÷ {configs[0]}'s):")
         for r in summary:
             vs = "" if r["vs_config0"] is None else f" {r['vs_config0']:.3f}× {configs[0]}"
-            print(f"{r['config']:>16} {r['label']:>24} {r['clients']:>7} {r['concurrency']:>4} {r['tok_s_median']:>8.0f} "
+            print(f"{r['config']:>16} {r['label']:>24} {r['clients']:>7} {r['concurrency']:>4} metrics {r['metrics']:>3} "
+                  f"{r['tok_s_median']:>8.0f} "
                   f"(runs {', '.join(f'{x:.0f}' for x in r['tok_s'])}) {r['vs_extra0']:.3f} of the first{vs}; "
-                  f"engine busy {r['engine_busy_frac_median']:.2f} of the wall")
+                  f"engine busy {r['engine_busy_frac_median']:.2f} of the wall, "
+                  f"{r['engine_busy_ms_per_step_median']:.3f} ms/step; server CPU "
+                  f"{r['server_cpu_ms_per_request_median']:.2f} ms/request")
     print(json.dumps({"bench": "serve", "model": args.model, "shape": args.shape, "device": device_kind(),
                       "commit": git_commit(), "prompt_len": args.prompt_len,
                       "max_tokens": args.max_tokens, "repeats": args.repeats,

@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
         sp.add_argument("--quiet", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
 
-    from jeagle.checkpoint import CheckpointError
+    from jeagle.loading.checkpoint import CheckpointError
     from jeagle.config import ConfigError
 
     try:

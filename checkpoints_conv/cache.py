@@ -1,10 +1,10 @@
 """Conversions cached under `JEAGLE_CACHE` (default `~/.cache/jeagle`): each source converted once.
 
 A Hugging Face model dir or a .gguf file given as a target is converted on first use into
-`models/` and reused afterwards; `jeagle.fetch` uses the same cache, lock and atomic write for the
+`models/` and reused afterwards; `jeagle.loading.fetch` uses the same cache, lock and atomic write for the
 default model it fetches and for EAGLE heads. A file lock per entry makes concurrent processes (two
-pytest workers, two servers) wait for one conversion instead of writing it twice. `jeagle.checkpoint`
-(JAX) is imported inside the functions: `jeagle.errors` imports `jeagle.fetch`, which imports this,
+pytest workers, two servers) wait for one conversion instead of writing it twice. `jeagle.loading.checkpoint`
+(JAX) is imported inside the functions: `jeagle.errors` imports `jeagle.loading.fetch`, which imports this,
 and a CLI's `--help` stays fast.
 """
 
@@ -49,7 +49,7 @@ def source_key(path: Path) -> str:
 
 def convert_once(src: Path, out: Path, convert, dtype: str, quiet: bool) -> Path:
     """Convert `src` into the cache dir `out` unless a finished conversion is already there."""
-    from jeagle.checkpoint import is_converted
+    from jeagle.loading.checkpoint import is_converted
 
     if is_converted(out):
         return out
@@ -77,7 +77,7 @@ def atomically(out: Path, write) -> None:
 def converted_target(spec: str, *, dtype: str = "bfloat16", quiet: bool = False) -> Path:
     """A converted target dir for the path `spec`: a converted dir as it is, a Hugging Face model dir
     or a .gguf file converted on first use into the cache."""
-    from jeagle.checkpoint import CheckpointError, is_converted
+    from jeagle.loading.checkpoint import CheckpointError, is_converted
 
     src = Path(spec).expanduser()
     if not src.exists():

@@ -18,7 +18,7 @@ from typing import Callable
 
 import numpy as np
 
-from jeagle.checkpoint import CheckpointError
+from jeagle.loading.checkpoint import CheckpointError
 from jeagle.config import ModelConfig
 
 Getter = Callable[[str], "np.ndarray | None"]

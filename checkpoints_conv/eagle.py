@@ -26,7 +26,7 @@ import numpy as np
 
 from checkpoints_conv.cache import converted_target
 from checkpoints_conv.common import read_config_json
-from jeagle.checkpoint import CheckpointError, save_checkpoint
+from jeagle.loading.checkpoint import CheckpointError, save_checkpoint
 from jeagle.config import ConfigError, DraftConfig, ModelConfig, default_aux_layer_ids
 
 ARCHITECTURES = ("LlamaForCausalLM", "LlamaForCausalLMEagle", "LlamaForCausalLMEagle3", "Qwen2ForCausalLM")
@@ -177,7 +177,7 @@ def assemble_draft(cfg: DraftConfig, w: dict[str, np.ndarray], src: str) -> dict
 
 def convert_eagle(src, out, *, target, dtype: str = "bfloat16") -> Path:
     """Convert a PyTorch EAGLE head for the target `target` (a converted dir, HF dir or .gguf)."""
-    from jeagle.checkpoint import load_config, load_model
+    from jeagle.loading.checkpoint import load_config, load_model
 
     src, out = Path(src), Path(out)
     hf = read_config_json(src, "an EAGLE head dir")
@@ -207,7 +207,7 @@ def export_eagle(src, out) -> Path:
     from flax import nnx
     from safetensors.flax import save_file
 
-    from jeagle.checkpoint import DRAFT_FORMAT, is_converted, load_draft
+    from jeagle.loading.checkpoint import DRAFT_FORMAT, is_converted, load_draft
 
     src, out = Path(src), Path(out)
     if not is_converted(src, DRAFT_FORMAT):

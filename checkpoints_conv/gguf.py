@@ -15,7 +15,7 @@ import numpy as np
 from tqdm import tqdm
 
 from checkpoints_conv.common import assemble_target
-from jeagle.checkpoint import CheckpointError, save_checkpoint
+from jeagle.loading.checkpoint import CheckpointError, save_checkpoint
 from jeagle.config import ConfigError, ModelConfig, RopeScaling, parse_rope_scaling
 
 # Tensor types we dequantise (through gguf.quants); anything else is refused by name.

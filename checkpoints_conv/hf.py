@@ -16,7 +16,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from checkpoints_conv.common import assemble_target, read_config_json
-from jeagle.checkpoint import CheckpointError, save_checkpoint
+from jeagle.loading.checkpoint import CheckpointError, save_checkpoint
 from jeagle.config import ModelConfig
 
 # canonical name → HF name (per-layer names take the layer index)

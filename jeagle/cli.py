@@ -184,7 +184,7 @@ def check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     if a.rounds_per_dispatch < 1:
         p.error(f"--rounds-per-dispatch must be >= 1, got {a.rounds_per_dispatch}")
     if getattr(a, "logprobs", None) is not None:
-        from jeagle.logprobs import LOGPROB_TOP
+        from jeagle.sampling.logprobs import LOGPROB_TOP
 
         if not 0 <= a.logprobs <= LOGPROB_TOP:
             p.error(f"--logprobs must be in [0, {LOGPROB_TOP}], got {a.logprobs}")

@@ -8,7 +8,7 @@
 `build_engine(EngineSpec(...), target_dir)` does the same from the command-line options (loading the
 target and the draft, the compilation cache, the defaults): what `jeagle.generate`, `jeagle.serve`
 and the benchmarks use. An engine is the scheduler (`jeagle.runtime.scheduler.Engine`) driving a
-target-only decoder (`jeagle.runtime.target`) or a speculative one (`jeagle.spec.decoder`).
+target-only decoder (`jeagle.runtime.target`) or a speculative one (`jeagle.speculative.decoder`).
 """
 
 from __future__ import annotations
@@ -18,14 +18,14 @@ import time
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 
-from jeagle.adaptive import AdaptiveConfig
+from jeagle.speculative.adaptive import AdaptiveConfig
 from jeagle.kernels.settings import KernelSettings
 from jeagle.runtime.config import EngineConfig
 from jeagle.runtime.requests import Output, PromptTooLong, Request
 from jeagle.runtime.scheduler import Engine
 from jeagle.runtime.slots import OutOfSlots
 from jeagle.runtime.stats import SpecStats, Stats
-from jeagle.spec.round import SpecConfig
+from jeagle.speculative.round import SpecConfig
 
 __all__ = ["Engine", "EngineConfig", "EngineSpec", "OutOfSlots", "Output", "PromptTooLong", "Request", "SpecConfig",
            "SpecStats", "Stats", "build_engine", "speculative", "target_only"]
@@ -34,7 +34,7 @@ __all__ = ["Engine", "EngineConfig", "EngineSpec", "OutOfSlots", "Output", "Prom
 def _mesh(config: EngineConfig):
     if config.tp == 1:
         return None
-    from jeagle.sharding import make_mesh
+    from jeagle.parallel.sharding import make_mesh
 
     return make_mesh(config.tp)
 
@@ -50,8 +50,8 @@ def speculative(model, draft, config: EngineConfig = EngineConfig(), spec: SpecC
                 adaptive: AdaptiveConfig | None = None, fused_round: bool = True,
                 simulate_accept: float = 0.0) -> Engine:
     """An engine running EAGLE rounds with the draft head `draft` (spec: the (initial) tier; adaptive:
-    switch between the config's tiers after each round; see `jeagle.spec.decoder.SpecDecoder`)."""
-    from jeagle.spec.decoder import SpecDecoder
+    switch between the config's tiers after each round; see `jeagle.speculative.decoder.SpecDecoder`)."""
+    from jeagle.speculative.decoder import SpecDecoder
 
     decoder = SpecDecoder(model, draft, config, spec, adaptive=adaptive, fused_round=fused_round,
                           simulate_accept=simulate_accept, mesh=_mesh(config))
@@ -180,9 +180,9 @@ def load_speculative_draft(spec: EngineSpec, target_dir, model):
     """The draft head for spec.draft (converted on first use), or None for target-only decoding."""
     if not spec.uses_draft:
         return None
-    from jeagle.checkpoint import load_draft
+    from jeagle.loading.checkpoint import load_draft
     from jeagle.config import ConfigError
-    from jeagle.fetch import resolve_draft
+    from jeagle.loading.fetch import resolve_draft
 
     draft_dir = resolve_draft(spec.draft, target_dir, dtype=spec.dtype, quiet=spec.quiet)
     head = load_draft(draft_dir, target=model.cfg, dtype=spec.dtype)
@@ -201,7 +201,7 @@ def compile_cache(spec: EngineSpec) -> str | None:
         return None
     import jax
 
-    from jeagle.fetch import cache_dir
+    from jeagle.loading.fetch import cache_dir
     from jeagle.runtime.store import enable_compile_cache
 
     path = Path(spec.compile_cache_dir or cache_dir() / "xla")
@@ -211,10 +211,10 @@ def compile_cache(spec: EngineSpec) -> str | None:
 
 def build_engine(spec: EngineSpec, target_dir, n_requests: int | None = None) -> tuple[Engine, float]:
     """The engine `spec` describes: the target (and draft) loaded from `target_dir` (see
-    `jeagle.fetch.resolve_target`), the compilation cache set up. `n_requests`: the number of prompts,
+    `jeagle.loading.fetch.resolve_target`), the compilation cache set up. `n_requests`: the number of prompts,
     which bounds the default batch (None: a server's default, 48 running requests with a draft, 16
     without). Returns (engine, load seconds)."""
-    from jeagle.checkpoint import load_model
+    from jeagle.loading.checkpoint import load_model
 
     adaptive = spec.adaptive()
     store = compile_cache(spec)

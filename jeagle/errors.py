@@ -10,12 +10,12 @@ from __future__ import annotations
 import os
 import sys
 
-from jeagle.adaptive import AdaptiveConfigError
+from jeagle.speculative.adaptive import AdaptiveConfigError
 from jeagle.runtime.slots import OutOfSlots
-from jeagle.checkpoint import CheckpointError
+from jeagle.loading.checkpoint import CheckpointError
 from jeagle.config import ConfigError
 from jeagle.runtime.requests import PromptTooLong
-from jeagle.fetch import FetchError
+from jeagle.loading.fetch import FetchError
 
 TYPED_USER_ERRORS = (CheckpointError, ConfigError, AdaptiveConfigError, PromptTooLong, OutOfSlots, FetchError,
                      FileNotFoundError)

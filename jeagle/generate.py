@@ -49,7 +49,7 @@ def compile_grammar(args, tokenizer, model_cfg):
     except OSError:  # an inline schema or grammar too long for a file name
         pass
     try:
-        from jeagle.grammar import GrammarBackend
+        from jeagle.sampling.grammar import GrammarBackend
 
         backend = GrammarBackend(tokenizer, model_cfg.vocab_size, model_cfg.eos_token_ids[0])
     except ImportError:
@@ -77,9 +77,9 @@ def engine_spec(args: argparse.Namespace):
 
 def run(args: argparse.Namespace) -> dict:
     from jeagle.engine import build_engine
-    from jeagle.fetch import resolve_target
+    from jeagle.loading.fetch import resolve_target
     from jeagle.sampling import SamplingParams
-    from jeagle.tokenizer import StreamDecoder, Tokenizer
+    from jeagle.loading.tokenizer import StreamDecoder, Tokenizer
 
     texts = list(args.prompts) + (read_prompts_file(args.prompts_file) if args.prompts_file else [])
     spec = engine_spec(args)

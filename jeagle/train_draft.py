@@ -273,7 +273,7 @@ def compile_cache(args) -> None:
 
     if args.no_compile_cache or jax.default_backend() != "gpu":
         return
-    from jeagle.fetch import cache_dir
+    from jeagle.loading.fetch import cache_dir
     from jeagle.runtime.store import enable_compile_cache
 
     enable_compile_cache(args.compile_cache_dir or cache_dir() / "xla")
@@ -283,9 +283,9 @@ def run(args) -> dict:
     import jax
     import numpy as np
 
-    from jeagle.checkpoint import load_model, save_checkpoint
-    from jeagle.fetch import resolve_target
-    from jeagle.tokenizer import Tokenizer
+    from jeagle.loading.checkpoint import load_model, save_checkpoint
+    from jeagle.loading.fetch import resolve_target
+    from jeagle.loading.tokenizer import Tokenizer
     from jeagle.train.data import DataError, DraftData, length_buckets
     from jeagle.train.records import read_exclude
     from jeagle.train.card import fmt_tau, model_card

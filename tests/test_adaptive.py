@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from jeagle.adaptive import AdaptiveConfig, AdaptiveConfigError, AdaptiveController, AdaptivePolicy, TierState
+from jeagle.speculative.adaptive import AdaptiveConfig, AdaptiveConfigError, AdaptiveController, AdaptivePolicy, TierState
 from jeagle.engine import EngineConfig, speculative, target_only
 from jeagle.sampling import SamplingParams
-from jeagle.spec.round import SpecConfig
+from jeagle.speculative.round import SpecConfig
 from tests.spec_models import bigram_target, signed_identity_head, target_config
 
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jeagle.adaptive import AdaptiveConfig, AdaptiveController, TierState
-from jeagle.adaptive_throughput import SEED_ROUNDS, STALE_DECAY, RoundTimes, ThroughputPolicy, nested_tiers
+from jeagle.speculative.adaptive import AdaptiveConfig, AdaptiveController, TierState
+from jeagle.speculative.adaptive_throughput import SEED_ROUNDS, STALE_DECAY, RoundTimes, ThroughputPolicy, nested_tiers
 from jeagle.engine import EngineConfig, speculative, target_only
 from jeagle.sampling import SamplingParams
-from jeagle.spec.round import SpecConfig
+from jeagle.speculative.round import SpecConfig
 from tests.spec_models import bigram_target, signed_identity_head, target_config
 
 

@@ -17,7 +17,7 @@ from jeagle.models.eagle import random_draft
 from jeagle.models.llama import random_model
 from jeagle.runtime.kv_flow import FloatSum
 from jeagle.sampling import SamplingParams
-from jeagle.spec.round import SpecConfig
+from jeagle.speculative.round import SpecConfig
 from tests.spec_models import draft_config, target_config
 
 

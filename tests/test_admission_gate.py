@@ -11,7 +11,7 @@ import pytest
 from jeagle.engine import EngineConfig, EngineSpec, speculative, target_only
 from jeagle.runtime.admission import AdmissionGate
 from jeagle.sampling import SamplingParams
-from jeagle.spec.round import SpecConfig
+from jeagle.speculative.round import SpecConfig
 from tests.spec_models import bigram_target, signed_identity_head, target_config
 from tests.util import kv_idle
 

@@ -25,6 +25,9 @@ MAX_LINES = 500
 
 ENTRY_POINTS = ("jeagle.__main__", "jeagle.generate", "jeagle.serve", "jeagle.train_draft", "jeagle.cli")
 
+RUNTIME = tuple(f"jeagle.runtime.{p.stem}" for p in sorted((ROOT / "jeagle" / "runtime").glob("*.py"))
+                if p.stem not in ("__init__", "kv_cache"))
+
 # High to low: a module may import from its own layer's modules (where not independent) and lower
 # layers only, directly or through modules outside the layers. Entry points do not import one another
 # (they share jeagle.cli); `python -m jeagle` is jeagle.generate. jeagle.kernels, the bottom, has its
@@ -34,10 +37,11 @@ LAYERS = (
     grimp.Layer("jeagle.generate", "jeagle.serve", "jeagle.train_draft", independent=True),
     "jeagle.cli",
     "jeagle.engine",
-    grimp.Layer("jeagle.spec.decoder", "jeagle.spec.steps", "jeagle.spec.timing", independent=False),
-    "jeagle.runtime",
-    grimp.Layer("jeagle.spec.round", "jeagle.spec.tree", "jeagle.spec.verify", "jeagle.adaptive", "jeagle.models",
-                "jeagle.cache", "jeagle.sampling", "jeagle.sharding", "jeagle.config", independent=False),
+    grimp.Layer("jeagle.speculative.decoder", "jeagle.speculative.steps", "jeagle.speculative.timing", independent=False),
+    # jeagle.runtime but its device KV layout (runtime/kv_cache.py), which the layer below uses
+    grimp.Layer(*RUNTIME, independent=False),
+    grimp.Layer("jeagle.speculative.round", "jeagle.speculative.tree", "jeagle.speculative.verify", "jeagle.speculative.adaptive", "jeagle.models",
+                "jeagle.runtime.kv_cache", "jeagle.sampling", "jeagle.parallel.sharding", "jeagle.config", independent=False),
 )
 
 
@@ -133,10 +137,10 @@ def test_kernels_import_nothing_else_from_the_project():
 
 
 @pytest.mark.parametrize("importer,forbidden", [
-    ("jeagle.models", ("jeagle.spec", "jeagle.runtime", "jeagle.engine", *ENTRY_POINTS)),
-    ("jeagle.runtime", ("jeagle.spec.decoder", "jeagle.spec.steps", "jeagle.engine", *ENTRY_POINTS)),
+    ("jeagle.models", ("jeagle.speculative", "jeagle.runtime", "jeagle.engine", *ENTRY_POINTS)),
+    ("jeagle.runtime", ("jeagle.speculative.decoder", "jeagle.speculative.steps", "jeagle.engine", *ENTRY_POINTS)),
     # converters never import what imports them
-    ("checkpoints_conv", ("jeagle.fetch", "jeagle.engine", *ENTRY_POINTS)),
+    ("checkpoints_conv", ("jeagle.loading.fetch", "jeagle.engine", *ENTRY_POINTS)),
     ("jeagle", ("bench", "tests")),
     ("checkpoints_conv", ("bench", "tests")),
 ])

@@ -78,7 +78,7 @@ def test_kv_slots_exhausted_is_a_clear_error(model):
 
 
 def test_capacity_from_memory_fraction():
-    from jeagle.cache import kv_bytes_per_token
+    from jeagle.runtime.kv_cache import kv_bytes_per_token
     from jeagle.runtime.slots import slots_for_memory_fraction
 
     class FakeGPU:

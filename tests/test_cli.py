@@ -133,7 +133,7 @@ def smollm2_head(smollm2_dir, tmp_path_factory):
     """A random-weight EAGLE-1 head for SmolLM2 in the official PyTorch format (converted on the fly)."""
     import numpy as np
 
-    from jeagle.checkpoint import load_model
+    from jeagle.loading.checkpoint import load_model
     from tests.eagle_refs import make_eagle1
 
     embed = np.asarray(load_model(smollm2_dir).embed[...], np.float32)

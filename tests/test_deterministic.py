@@ -16,13 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jeagle.cache import init_pools
+from jeagle.runtime.kv_cache import init_pools
 from jeagle.engine import EngineConfig, speculative, target_only
 from jeagle.kernels.settings import KernelSettings, use
 from jeagle.models.common import AttnInputs
 from jeagle.models.llama import random_model
 from jeagle.sampling import SamplingParams
-from jeagle.spec.round import SpecConfig
+from jeagle.speculative.round import SpecConfig
 from tests.spec_models import draft_config, signed_identity_head, target_config
 
 MIX = 15.0
@@ -207,7 +207,7 @@ def test_deterministic_kernels_on_the_gpu_equal_target_only_at_every_batch(bs):
                                              ).generate(prompts, sp)]
     head = signed_identity_head(target, +1.0)
     ec = EngineConfig(max_batch_size=bs, max_context=256, kernels=DET)
-    from jeagle.adaptive import AdaptiveConfig
+    from jeagle.speculative.adaptive import AdaptiveConfig
 
     for name, eng in [("(5,4,8)", speculative(target, head, ec, SpecConfig(5, 4, 8))),
                       ("chain (4,1,5)", speculative(target, head, ec, SpecConfig(4, 1, 5))),

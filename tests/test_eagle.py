@@ -12,7 +12,7 @@ from flax import nnx
 
 from checkpoints_conv.eagle import convert_eagle, export_eagle
 from checkpoints_conv.hf import convert_hf
-from jeagle.checkpoint import CheckpointError, load_draft, load_model
+from jeagle.loading.checkpoint import CheckpointError, load_draft, load_model
 from jeagle.config import ConfigError
 from tests.eagle_refs import make_eagle1, make_eagle3
 from tests.hf_models import TINY, make_hf_model
@@ -196,7 +196,7 @@ def test_draft_runs_under_jit_with_donated_pools(target, tmp_path):
     import jax
     import jax.numpy as jnp
 
-    from jeagle.cache import init_pools
+    from jeagle.runtime.kv_cache import init_pools
     from jeagle.models.common import AttnInputs
 
     make_eagle3(tmp_path / "head", **HEAD, draft_vocab_size=64, target_hidden_size=H, embed=embed_of(target))

@@ -12,9 +12,9 @@ import pytest
 
 from checkpoints_conv.gguf import convert_gguf
 from checkpoints_conv.hf import convert_hf
-from jeagle.checkpoint import CheckpointError, load_model
+from jeagle.loading.checkpoint import CheckpointError, load_model
 from jeagle.config import ConfigError
-from jeagle.fetch import resolve_target
+from jeagle.loading.fetch import resolve_target
 from tests.hf_models import make_hf_model
 
 
@@ -116,7 +116,7 @@ def test_checkpoint_formats(tmp_path, hf_dir):
     # Converting again over the old directory replaces its orbax parameters.
     convert_hf(hf_dir, old, dtype="float32", progress=False)
     assert (old / "model.safetensors").is_file() and not (old / "params").exists()
-    code = ("import sys; from jeagle.checkpoint import load_model; import jeagle.engine, jeagle.generate; "
+    code = ("import sys; from jeagle.loading.checkpoint import load_model; import jeagle.engine, jeagle.generate; "
             f"load_model({str(conv)!r}); print(sorted(m for m in sys.modules if m.startswith('orbax')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**__import__("os").environ, "JAX_PLATFORMS": "cpu"})

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from jeagle.checkpoint import is_converted
-from jeagle.fetch import resolve_target
+from jeagle.loading.checkpoint import is_converted
+from jeagle.loading.fetch import resolve_target
 from tests.gguf_models import TINY_256, write_tiny_gguf
 from tests.hf_models import make_hf_model
 

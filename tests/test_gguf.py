@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from checkpoints_conv.gguf import convert_gguf, open_gguf
-from jeagle.checkpoint import CheckpointError, load_model
+from jeagle.loading.checkpoint import CheckpointError, load_model
 from tests.gguf_models import LAYER_TENSORS, TINY_256, write_tiny_gguf
 from tests.util import max_rel_err, ragged_forward
 

@@ -26,8 +26,8 @@ def test_bf16_logits_close_to_fp32_reference(smollm2_gguf, smollm2_dir):
     import torch
     from transformers import AutoModelForCausalLM
 
-    from jeagle.checkpoint import load_model
-    from jeagle.tokenizer import Tokenizer
+    from jeagle.loading.checkpoint import load_model
+    from jeagle.loading.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(smollm2_dir)
     ids = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
@@ -55,10 +55,10 @@ def test_bf16_logits_close_to_fp32_reference(smollm2_gguf, smollm2_dir):
 @pytest.mark.gpu
 def test_engine_greedy_on_gpu_matches_its_own_full_forward(smollm2_dir):
     """On the GPU, pipelined bucketed decode emits exactly the argmax of one full forward."""
-    from jeagle.checkpoint import load_model
+    from jeagle.loading.checkpoint import load_model
     from jeagle.engine import EngineConfig, speculative, target_only
     from jeagle.sampling import SamplingParams
-    from jeagle.tokenizer import Tokenizer
+    from jeagle.loading.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(smollm2_dir)
     model = load_model(smollm2_dir, dtype="float32")
@@ -78,11 +78,11 @@ def test_bf16_speculative_equals_target_only_except_near_ties(smollm2_dir, tmp_p
     greedy output; where they part, the target's top-2 logits at that point are within 1% (a near-tie
     that the tree-shaped verify forward may break the other way in bf16)."""
     from checkpoints_conv.eagle import convert_eagle
-    from jeagle.checkpoint import load_draft, load_model
+    from jeagle.loading.checkpoint import load_draft, load_model
     from jeagle.engine import EngineConfig, speculative, target_only
     from jeagle.sampling import SamplingParams
-    from jeagle.spec.round import SpecConfig
-    from jeagle.tokenizer import Tokenizer
+    from jeagle.speculative.round import SpecConfig
+    from jeagle.loading.tokenizer import Tokenizer
     from tests.eagle_refs import make_eagle1
 
     model = load_model(smollm2_dir)
@@ -113,7 +113,7 @@ def test_slot_table_reads_reuse_their_buffers():
     of host time in its call at batch 16-48: bench/HISTORY.md, 2026-11-28). On a CPU the host's view of a
     copied buffer keeps it from being donated, so this holds on a GPU only."""
     from jeagle.engine import EngineConfig, speculative
-    from jeagle.spec.round import SpecConfig
+    from jeagle.speculative.round import SpecConfig
     from tests.spec_models import bigram_target, signed_identity_head, target_config
 
     target = bigram_target(target_config())

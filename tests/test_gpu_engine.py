@@ -37,10 +37,10 @@ ADAPTIVE_TIERS = ((1, 4, 3), (3, 4, 5), (5, 4, 8))
 @pytest.fixture(scope="module")
 def real(smollm2_dir):
     """(tokenizer, prompt ids, bf16 target, bf16 head, fp32 target, fp32 head)."""
-    from jeagle.checkpoint import load_draft, load_model
-    from jeagle.fetch import resolve_draft
+    from jeagle.loading.checkpoint import load_draft, load_model
+    from jeagle.loading.fetch import resolve_draft
     from jeagle.heads import default_head_dir
-    from jeagle.tokenizer import Tokenizer
+    from jeagle.loading.tokenizer import Tokenizer
 
     tok = Tokenizer.from_dir(smollm2_dir)
     ids = [tok.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS]
@@ -53,9 +53,9 @@ def real(smollm2_dir):
 
 
 def engines(target, head, config, kinds=("static", "chain", "adaptive")):
-    from jeagle.adaptive import AdaptiveConfig
+    from jeagle.speculative.adaptive import AdaptiveConfig
     from jeagle.engine import speculative
-    from jeagle.spec.round import SpecConfig
+    from jeagle.speculative.round import SpecConfig
 
     make = {"static": lambda: speculative(target, head, config, SpecConfig(5, 4, 8)),
             "chain": lambda: speculative(target, head, config, SpecConfig(4, 1, 5)),
@@ -86,7 +86,7 @@ def test_fp32_eagle_equals_target_only_static_and_adaptive(real):
 def test_bf16_first_token_equal_and_partings_only_at_near_ties(real):
     from jeagle.engine import EngineConfig, speculative, target_only
     from jeagle.sampling import SamplingParams
-    from jeagle.spec.round import SpecConfig
+    from jeagle.speculative.round import SpecConfig
 
     _, ids, model, head, fp32, _ = real
     ids = ids[:16]
@@ -134,7 +134,7 @@ def test_no_xla_compilation_after_warmup_by_jaxs_count(real):
     from jeagle.engine import EngineConfig, speculative
     from jeagle.runtime import compile_count
     from jeagle.sampling import SamplingParams
-    from jeagle.spec.round import SpecConfig
+    from jeagle.speculative.round import SpecConfig
 
     _, ids, model, head, _, _ = real
     sp = SamplingParams(max_new_tokens=48, ignore_eos=True)
@@ -148,7 +148,7 @@ def test_no_xla_compilation_after_warmup_by_jaxs_count(real):
 def test_every_result_read_had_its_copy_started(real, monkeypatch):
     from jeagle.engine import EngineConfig, speculative, target_only
     from jeagle.sampling import SamplingParams
-    from jeagle.spec.round import SpecConfig
+    from jeagle.speculative.round import SpecConfig
     from tests.test_wiring import reads_without_copies
 
     _, ids, model, head, _, _ = real
@@ -166,7 +166,7 @@ def test_server_32_streaming_clients_deterministic_equal_target_only(real):
     from jeagle.kernels.settings import KernelSettings
     from jeagle.sampling import SamplingParams
     from jeagle.serve import create_app
-    from jeagle.spec.round import SpecConfig
+    from jeagle.speculative.round import SpecConfig
     from tests.test_serve import start_server
 
     tok, ids, model, head, _, _ = real

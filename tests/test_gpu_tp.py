@@ -18,7 +18,7 @@ def test_tp2_on_gpus_equals_one_gpu():
     from jeagle.engine import EngineConfig, speculative, target_only
     from jeagle.kernels.backend import backend
     from jeagle.sampling import SamplingParams
-    from jeagle.spec.round import SpecConfig
+    from jeagle.speculative.round import SpecConfig
     from jeagle.models.eagle import random_draft
     from jeagle.models.llama import random_model
     from tests.spec_models import draft_config, target_config

@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from jeagle.engine import EngineConfig, speculative, target_only
-from jeagle.grammar import GrammarBackend, GrammarError
+from jeagle.sampling.grammar import GrammarBackend, GrammarError
 from jeagle.sampling import SamplingParams
-from jeagle.spec.round import SpecConfig
+from jeagle.speculative.round import SpecConfig
 from tests.spec_models import bigram_target, signed_identity_head, target_config
 from tests.test_serve import char_tokenizer
 from tests.util import last_logits, kv_idle
@@ -159,7 +159,7 @@ def test_matchers_build_in_the_background(tok, target, head, workload, expected,
     matcher is built, and emits the reference's tokens."""
     import threading
 
-    import jeagle.grammar as grammar
+    import jeagle.sampling.grammar as grammar
 
     go, real = threading.Event(), grammar._build
     monkeypatch.setattr(grammar, "_build", lambda g: (go.wait(30), real(g))[1])
@@ -233,7 +233,7 @@ def test_batched_tree_masks_equal_the_one_request_walk(tok, backend):
     `Matcher.tree_masks` (each path consumed alone) gives it, over random trees at every position of
     valid outputs, with requests without a grammar (all allowed) mixed in; the matchers are left as
     they were (the next mask unchanged)."""
-    from jeagle.grammar import tree_masks
+    from jeagle.sampling.grammar import tree_masks
 
     rng = np.random.default_rng(0)
     docs = [json.dumps({"name": "rex", "kind": "dog"}, separators=(",", ":")),
@@ -285,8 +285,8 @@ def test_walk_masks_give_the_full_masks_walk(tok, backend):
     ties, trees that follow the grammar's own choices, and every position of valid documents (EOS
     and nodes where no candidate is allowed decided by the node's own mask); where it cannot decide
     (several tokens allowed, none a candidate; a tie at the last candidate) it says so."""
-    from jeagle.grammar import masks_from_ids
-    from jeagle.grammar_walk import CANDIDATES, compact, walk_masks, walk_nodes
+    from jeagle.sampling.grammar import masks_from_ids
+    from jeagle.sampling.grammar_walk import CANDIDATES, compact, walk_masks, walk_nodes
 
     rng = np.random.default_rng(1)
     as_ids, as_bits = [], []  # compact rows: their masks as token ids, and as the walk's bitmasks
@@ -345,7 +345,7 @@ def test_walk_masks_give_the_full_masks_walk(tok, backend):
         else:
             undecided += 1
         np.testing.assert_array_equal(m.mask(), before)  # the matcher did not move
-    from jeagle.grammar_walk import UNDECIDED
+    from jeagle.sampling.grammar_walk import UNDECIDED
     print("decided", decided, "undecided", undecided, dict(UNDECIDED), "compact", len(as_ids))
     assert decided > 200 and undecided > 10, (decided, undecided)
     # The accept's compact form (`masks_from_ids` on the device) gives the same bitmasks.
@@ -357,7 +357,7 @@ def test_walk_masks_leave_a_tie_at_the_last_candidate_undecided(tok, backend):
     """After '{"id":' only digits may follow. The candidates are C-1 letters and then '5'; '3', no
     candidate, may tie '5' (the masked argmax would then be '3', the lower id): the walk must not
     decide '5' at the last candidate."""
-    from jeagle.grammar_walk import CANDIDATES, walk_masks
+    from jeagle.sampling.grammar_walk import CANDIDATES, walk_masks
 
     m = backend.compile("json_schema", SCHEMAS[1]).matcher()
     for t in tok.encode('{"id":', add_special_tokens=False):

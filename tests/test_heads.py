@@ -14,8 +14,8 @@ CHATS = ["What is the capital of France?", "Write a short poem about the sea."]
 
 @pytest.fixture(scope="module")
 def smollm2_fp32():
-    from jeagle.checkpoint import load_model
-    from jeagle.fetch import default_target_dir
+    from jeagle.loading.checkpoint import load_model
+    from jeagle.loading.fetch import default_target_dir
 
     return load_model(default_target_dir(quiet=True), dtype="float32")
 
@@ -23,7 +23,7 @@ def smollm2_fp32():
 def _generate(model, head, prompts, n, spec=(3, 1, 4)):
     from jeagle.engine import EngineConfig, speculative, target_only
     from jeagle.sampling import SamplingParams
-    from jeagle.spec.round import SpecConfig
+    from jeagle.speculative.round import SpecConfig
 
     cfg = EngineConfig(max_batch_size=len(prompts), max_context=512)
     params = SamplingParams(max_new_tokens=n, ignore_eos=True)
@@ -37,9 +37,9 @@ def _generate(model, head, prompts, n, spec=(3, 1, 4)):
 
 
 def test_shipped_head_accepts_and_is_lossless(smollm2_fp32):
-    from jeagle.checkpoint import load_draft
-    from jeagle.fetch import default_target_dir
-    from jeagle.tokenizer import Tokenizer
+    from jeagle.loading.checkpoint import load_draft
+    from jeagle.loading.fetch import default_target_dir
+    from jeagle.loading.tokenizer import Tokenizer
 
     head_dir = default_head_dir()
     assert (head_dir / "model.safetensors").stat().st_size <= 25 * 2**20

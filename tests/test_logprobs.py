@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from jeagle.engine import EngineConfig, speculative, target_only
-from jeagle.logprobs import LOGPROB_TOP
+from jeagle.sampling.logprobs import LOGPROB_TOP
 from jeagle.sampling import SamplingParams
-from jeagle.spec.round import SpecConfig
+from jeagle.speculative.round import SpecConfig
 from tests.spec_models import bigram_target, signed_identity_head, target_config
 from tests.util import ragged_forward, kv_idle
 
@@ -110,9 +110,9 @@ def test_logprobs_out_of_range_is_refused():
 def test_prompt_logprobs(target, head, prompts, kind, monkeypatch):
     """Completions' echo: each prompt token's logprob (the first: None) given the ones before it,
     computed a few positions at a time (a chunk of 4 here, so prompts span several)."""
-    import jeagle.logprobs
+    import jeagle.sampling.logprobs
 
-    monkeypatch.setattr(jeagle.logprobs, "PROMPT_CHUNK", 4)
+    monkeypatch.setattr(jeagle.sampling.logprobs, "PROMPT_CHUNK", 4)
     ps = [SamplingParams(max_new_tokens=3, ignore_eos=True, logprobs=2, prompt_logprobs=i != 1) for i in range(4)]
     cfg = EngineConfig(max_batch_size=4, max_context=MAX_CONTEXT, batch_buckets=(1, 2, 4))
     eng = target_only(target, cfg) if kind == "target" else speculative(target, head, cfg, SpecConfig(3, 2, 5))
@@ -133,10 +133,10 @@ def test_prompt_logprobs(target, head, prompts, kind, monkeypatch):
 
 
 def test_blocked_top_k_equals_top_k():
-    """The two-step top-k the logprobs use on a large vocabulary (jeagle.logprobs.top_k_blocked)."""
+    """The two-step top-k the logprobs use on a large vocabulary (jeagle.sampling.logprobs.top_k_blocked)."""
     import jax
 
-    from jeagle.logprobs import top_k_blocked
+    from jeagle.sampling.logprobs import top_k_blocked
 
     for shape in [(3, 49152), (2, 5, 5001), (4, 3000), (2, 96)]:
         x = jax.random.normal(jax.random.key(1), shape)
@@ -150,7 +150,7 @@ def test_requests_keep_packed_rows():
     on the engine thread): `Output.logprobs` reads them as TokenLogprobs with the blocks' values, a
     stop token drops the blocks of the tokens after it, a served event's bytes are the last tokens'
     blocks, and TokenLogprob lists still go in (`Output(logprobs=...)`, `take`)."""
-    from jeagle.logprobs import LOGPROB_COLUMNS, LogprobRows, from_bytes, to_bytes, unpack
+    from jeagle.sampling.logprobs import LOGPROB_COLUMNS, LogprobRows, from_bytes, to_bytes, unpack
     from jeagle.runtime.requests import Output, Request
 
     rng = np.random.default_rng(0)

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from checkpoints_conv.hf import convert_hf
-from jeagle.checkpoint import load_model
+from jeagle.loading.checkpoint import load_model
 from jeagle.engine import EngineConfig, target_only
 from jeagle.sampling import SamplingParams
 from tests.hf_models import make_hf_model

@@ -14,7 +14,7 @@ import pytest
 
 from jeagle.engine import EngineConfig, speculative, target_only
 from jeagle.sampling import SamplingParams
-from jeagle.spec.round import SpecConfig
+from jeagle.speculative.round import SpecConfig
 from tests.spec_models import bigram_target, signed_identity_head, target_config
 from tests.util import last_logits, ragged_forward, kv_idle
 

@@ -15,7 +15,7 @@ from jeagle.runtime.radix import RadixCache, bigram_keys
 from jeagle.runtime.requests import RequestLimits, make_request
 from jeagle.runtime.slots import SlotPool
 from jeagle.sampling import SamplingParams
-from jeagle.spec.round import SpecConfig
+from jeagle.speculative.round import SpecConfig
 from tests.spec_models import draft_config, target_config
 
 

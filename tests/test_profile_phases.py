@@ -1,4 +1,4 @@
-"""A round's phases reach the profile: the named scopes of `jeagle/spec/round.py` survive XLA's optimization
+"""A round's phases reach the profile: the named scopes of `jeagle/speculative/round.py` survive XLA's optimization
 (every phase names some instruction of the compiled round), the optimized-HLO parser of `bench/common.py`
 maps fused and called computations, and trace events join to phases through their `hlo_op` args
 (`bench/profile_decode.py --phases`)."""
@@ -17,7 +17,7 @@ import pytest
 from bench.common import PhaseMap, device_events_by_device, hlo_phases, parse_hlo, trace_events
 from jeagle.engine import EngineConfig, speculative
 from jeagle.sampling import SamplingParams
-from jeagle.spec.round import PHASES, SpecConfig
+from jeagle.speculative.round import PHASES, SpecConfig
 from tests.spec_models import bigram_target, signed_identity_head, target_config
 
 # A hand-written optimized module: a fusion whose own metadata has no scope (its fused instructions

@@ -9,7 +9,7 @@ import pytest
 from jeagle.engine import EngineConfig, speculative, target_only
 from jeagle.runtime.buckets import batch_buckets
 from jeagle.sampling import SamplingParams
-from jeagle.spec.round import SpecConfig
+from jeagle.speculative.round import SpecConfig
 from tests.spec_models import bigram_target, signed_identity_head, target_config
 
 # (overlap, verify_done_wait, disable_padding)
@@ -254,7 +254,7 @@ def test_cold_warmup_in_worker_processes(tmp_path, no_xla_cache):
     want = [o.token_ids for o in speculative(target, head, EngineConfig(max_batch_size=2, max_context=96),
                                             SpecConfig(3, 2, 5)).generate(prompts, params)]
     # Adaptive with two tiers: the workers rebuild the tiers too (round keys carry the tier).
-    from jeagle.adaptive import AdaptiveConfig
+    from jeagle.speculative.adaptive import AdaptiveConfig
 
     engine = speculative(target, head, EngineConfig(max_batch_size=2, max_context=96, executable_cache_dir=str(tmp_path),
                                                    compile_processes=2, compile_workers=1), SpecConfig(3, 2, 5),

@@ -16,8 +16,8 @@ import pytest
 
 from jeagle.engine import EngineConfig, speculative, target_only
 from jeagle.sampling import SamplingParams
-from jeagle.spec.round import SpecConfig
-from jeagle.tokenizer import Tokenizer
+from jeagle.speculative.round import SpecConfig
+from jeagle.loading.tokenizer import Tokenizer
 from tests.spec_models import bigram_target, signed_identity_head, target_config
 
 MODEL = "tiny-bigram"
@@ -293,7 +293,7 @@ def tiny_engine_build(batch: int = 8, checkpoint: str | None = None):
     """EngineProcess's build for the tests: the `parts` engine of `make_app`, made again in the engine
     process (the models are seeded, so the same weights); a checkpoint path fails as a missing one would."""
     if checkpoint is not None:
-        from jeagle.checkpoint import load_model
+        from jeagle.loading.checkpoint import load_model
 
         load_model(checkpoint)
     target = bigram_target(target_config())

@@ -11,7 +11,7 @@ import pytest
 
 from jeagle.engine import EngineConfig, speculative, target_only
 from jeagle.sampling import SamplingParams
-from jeagle.spec.round import SpecConfig
+from jeagle.speculative.round import SpecConfig
 from tests.spec_models import bigram_target, signed_identity_head, target_config
 from tests.test_serve import MODEL, char_tokenizer, start_server
 from tests.util import ragged_forward
@@ -209,12 +209,12 @@ def test_chat_logprobs_pieces_encode_what_json_would():
 
     import orjson
 
-    from jeagle.logprobs import LOGPROB_COLUMNS, LOGPROB_TOP, TokenLogprob
+    from jeagle.sampling.logprobs import LOGPROB_COLUMNS, LOGPROB_TOP, TokenLogprob
     from jeagle.serve.protocol import TokenJSON, chat_logprobs
 
     raws = [b'say "hi"', b"back\\slash", b"new\nline\t", b"\xe2\x82", b"\xac", b"plain", b"\x00ctl"]
 
-    class Pieces:  # token_piece as jeagle.tokenizer.Tokenizer gives it
+    class Pieces:  # token_piece as jeagle.loading.tokenizer.Tokenizer gives it
         def token_piece(self, t):
             raw = raws[t % len(raws)]
             return raw, raw.decode("utf-8", errors="replace"), list(raw)
@@ -248,7 +248,7 @@ def test_packed_chat_logprobs_encode_what_json_would():
 
     import orjson
 
-    from jeagle.logprobs import LOGPROB_COLUMNS, LOGPROB_TOP, from_bytes, to_bytes
+    from jeagle.sampling.logprobs import LOGPROB_COLUMNS, LOGPROB_TOP, from_bytes, to_bytes
     from jeagle.serve.protocol import TokenJSON, chat_logprobs, chat_logprobs_packed
 
     raws = [b"100%", b"%s%d%%", b'q"\\', b"\xe2\x82", b"plain"]

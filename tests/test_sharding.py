@@ -1,4 +1,4 @@
-"""Tensor parallelism at the model level (jeagle/sharding.py): on 4 virtual CPU devices, a target
+"""Tensor parallelism at the model level (jeagle/parallel/sharding.py): on 4 virtual CPU devices, a target
 sharded tp = 2 and 4 ways gives the single-device logits and KV pools (fp32), for a prefill through
 the paged pool and a decode step, with the jnp attention and with the Pallas kernel (interpreted) run
 per KV-head shard; the re-laid-out fused columns alone change nothing."""
@@ -23,7 +23,7 @@ SCRIPT = textwrap.dedent('''
     from jeagle.kernels.settings import KernelSettings, use
     from jeagle.models.common import AttnInputs
     from jeagle.models.llama import random_model
-    from jeagle.sharding import make_mesh, shard_pools, shard_target, replicate
+    from jeagle.parallel.sharding import make_mesh, shard_pools, shard_target, replicate
     assert len(jax.devices()) == 4
     cfg = ModelConfig(arch="llama", vocab_size=96, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=8,
                       num_kv_heads=4, head_dim=8, dtype="float32", max_position_embeddings=256, qkv_bias=True)
@@ -92,7 +92,7 @@ def _relaid(module, cfg, tp=2):
     """A copy of `module` with its fused columns laid out per shard and told its group count."""
     from flax import nnx
 
-    from jeagle.sharding import interleave
+    from jeagle.parallel.sharding import interleave
 
     graphdef, state = nnx.split(module)
     nnx.replace_by_pure_dict(state, interleave(nnx.to_pure_dict(state), cfg, tp))
@@ -118,7 +118,7 @@ def test_interleave_alone_changes_nothing():
 
     from jeagle.config import ModelConfig
     from jeagle.models.llama import random_model
-    from jeagle.sharding import check_divisible
+    from jeagle.parallel.sharding import check_divisible
 
     cfg = ModelConfig(arch="llama", vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=1, num_heads=4,
                       num_kv_heads=2, head_dim=8, dtype="float32", max_position_embeddings=64, qkv_bias=True)
@@ -170,7 +170,7 @@ ENGINE_SCRIPT = textwrap.dedent('''
     jax.config.update("jax_default_matmul_precision", "highest")
     from jeagle.engine import EngineConfig, speculative, target_only
     from jeagle.sampling import SamplingParams
-    from jeagle.spec.round import SpecConfig
+    from jeagle.speculative.round import SpecConfig
     from tests.spec_models import bigram_target, signed_identity_head, target_config
     cfg = target_config(vocab=96).replace(num_heads=8, num_kv_heads=4, head_dim=4)
     target = bigram_target(cfg, scale=30.0)
@@ -193,7 +193,7 @@ ENGINE_SCRIPT = textwrap.dedent('''
         got = [o.token_ids for o in spec.generate(prompts, params)]
         assert got == ref, ("spec", tp, got, ref)
         assert spec.last_stats.accept_length > 1.0
-        from jeagle.sharding import pool_sharding  # the rounds' outputs keep every pool where it was placed
+        from jeagle.parallel.sharding import pool_sharding  # the rounds' outputs keep every pool where it was placed
         for pool in (spec.decoder.state.cache.k, spec.decoder.state.cache.v, spec.decoder.state.draft_k, spec.decoder.state.draft_v):
             assert pool.sharding.spec == pool_sharding(spec.decoder.mesh, pool.shape).spec, (tp, pool.shape, pool.sharding)
         split = [tuple(x.sharding.spec)[2:3] == ("tp",) for x in (spec.decoder.state.cache.k, spec.decoder.state.draft_k)]
@@ -239,9 +239,9 @@ SAMPLER_SCRIPT = textwrap.dedent('''
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
     from jeagle.sampling import sample
-    from jeagle.sharding import make_mesh
+    from jeagle.parallel.sharding import make_mesh
     from jeagle.kernels.tree_speculative_sampling import sample_residual
-    from jeagle.spec.verify import target_probs
+    from jeagle.speculative.verify import target_probs
     B, N, V = 3, 4, 256
     rng = np.random.default_rng(0)
     logits = jnp.asarray(rng.normal(size=(B, V)) * 3, jnp.float32)
@@ -279,7 +279,7 @@ SAMPLER_SCRIPT = textwrap.dedent('''
 
     # The vocabulary-parallel embedding lookup: exact rows (ids at every shard's edges), one all-reduce
     # of the looked-up rows and no gather of the table; a replicated table is looked up as is.
-    from jeagle.sharding import embed_rows
+    from jeagle.parallel.sharding import embed_rows
     H = 8
     table = jnp.asarray(rng.normal(size=(V, H)), jnp.bfloat16)
     for tp in (2, 4):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jeagle.cache import SCRATCH_SLOT
+from jeagle.runtime.kv_cache import SCRATCH_SLOT
 from jeagle.runtime.buckets import Buckets, batch_buckets, pad, pick_bucket, prefill_batch_buckets, unpad
 from jeagle.runtime.config import EngineConfig
 from jeagle.runtime.slots import OutOfSlots, SlotLayout, SlotPool, flat_slots, pool_size
@@ -57,7 +57,7 @@ def test_a_cpu_pool_fits_the_hosts_memory(monkeypatch, caplog):
     import jax
 
     import jeagle.runtime.slots as slots
-    from jeagle.cache import kv_bytes_per_token
+    from jeagle.runtime.kv_cache import kv_bytes_per_token
     from jeagle.config import ModelConfig
 
     cfg = ModelConfig(arch="llama", vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
@@ -211,7 +211,7 @@ def test_slot_table_reads_in_flight_together_each_read_their_rows(kind):
     """Reads share a pool of output buffers (donated on a GPU: tests/test_gpu.py): two in flight at once
     each get their own, and a buffer handed back serves the next read with that read's values."""
     from jeagle.engine import speculative, target_only
-    from jeagle.spec.round import SpecConfig
+    from jeagle.speculative.round import SpecConfig
     from tests.spec_models import bigram_target, signed_identity_head, target_config
 
     target = bigram_target(target_config())

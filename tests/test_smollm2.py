@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from jeagle.checkpoint import load_model
+from jeagle.loading.checkpoint import load_model
 from jeagle.engine import EngineConfig, target_only
 from jeagle.sampling import SamplingParams
-from jeagle.tokenizer import Tokenizer
+from jeagle.loading.tokenizer import Tokenizer
 from tests.util import max_rel_err, ragged_forward
 
 PROMPTS = ["What is the capital of France?", "def fibonacci(n):\n    if n < 2:\n        return n\n",

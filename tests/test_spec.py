@@ -13,7 +13,7 @@ from jeagle.kernels.tree_speculative_sampling import tree_speculative_sampling_r
 from jeagle.kernels.verify_tree_greedy import verify_tree_greedy_reference
 from jeagle.models.eagle import random_draft
 from jeagle.sampling import SamplingParams
-from jeagle.spec.round import SpecConfig
+from jeagle.speculative.round import SpecConfig
 from tests.spec_models import bigram_target, draft_config, signed_identity_head, target_config
 from tests.util import kv_idle
 

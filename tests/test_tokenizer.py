@@ -1,5 +1,5 @@
 """Tokenizer tests: the GGUF -> tokenizer.json converter (checkpoints_conv.gguf_tokenizer) and the
-runtime wrapper (jeagle.tokenizer), checked against transformers on the real SmolLM2 GGUF, plus
+runtime wrapper (jeagle.loading.tokenizer), checked against transformers on the real SmolLM2 GGUF, plus
 tiny synthetic GGUFs for the SentencePiece path, unknown pre-tokenizers and error cases."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from checkpoints_conv.gguf_tokenizer import save_tokenizer, tokenizer_from_gguf
-from jeagle.tokenizer import StreamDecoder, Tokenizer
+from jeagle.loading.tokenizer import StreamDecoder, Tokenizer
 
 TEXTS = {
     "english": "The quick brown fox jumps over the lazy dog. Isn't it? We'll see; they're here.",

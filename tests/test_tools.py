@@ -16,7 +16,7 @@ import pytest
 from jeagle.engine import EngineConfig, speculative
 from jeagle.serve.protocol import BadRequest, chat_prompt_ids
 from jeagle.serve.tools import HERMES, LLAMA3, Call, ChoiceCalls, HermesCalls, Llama3Calls, resolve, tool_request
-from jeagle.spec.round import SpecConfig
+from jeagle.speculative.round import SpecConfig
 from tests.spec_models import bigram_target, signed_identity_head, target_config
 from tests.test_serve import TEMPLATE, char_tokenizer, start_server
 
@@ -177,7 +177,7 @@ def test_templates_render_tools_calls_and_results(template):
 
 
 def test_the_forced_grammar_writes_the_family_format():
-    from jeagle.grammar import GrammarBackend
+    from jeagle.sampling.grammar import GrammarBackend
     from jeagle.serve.tools import lark_grammar
 
     tok = char_tokenizer("~")
@@ -246,7 +246,7 @@ def reference(parts):
     is applied to them token by token."""
     import numpy as np
 
-    from jeagle.grammar import GrammarBackend
+    from jeagle.sampling.grammar import GrammarBackend
     from jeagle.serve.tools import lark_grammar
     from tests.util import ragged_forward
 

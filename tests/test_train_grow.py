@@ -77,10 +77,10 @@ def test_grow_train_trim_end_to_end(tiny_target_dir, tmp_path):
     vocabulary that loads; bad sizes are clear errors."""
     from safetensors.numpy import load_file
 
-    from jeagle.checkpoint import load_draft, load_model
+    from jeagle.loading.checkpoint import load_draft, load_model
     from jeagle.engine import EngineConfig, speculative, target_only
     from jeagle.sampling import SamplingParams
-    from jeagle.spec.round import SpecConfig
+    from jeagle.speculative.round import SpecConfig
     from jeagle.train import vocab
     from jeagle.train_draft import main
 
@@ -146,7 +146,7 @@ def test_rebuild_vocab_to_a_wider_vocabulary_trains_and_resumes(tiny_target_dir,
     so, and the commit recorded is JEAGLE_COMMIT's (a GPU runner's copy of the tree has no .git)."""
     from safetensors.numpy import load_file
 
-    from jeagle.checkpoint import load_draft, load_model
+    from jeagle.loading.checkpoint import load_draft, load_model
     from jeagle.train.trainer import checkpoint_steps
     from jeagle.train_draft import main
 

@@ -17,9 +17,9 @@ def test_regenerate_records_multiturn_raw_and_sources(tiny_target_dir):
     """Each answered turn is a sample; a later turn's prompt holds the target's own earlier answer (the
     chat template over the conversation so far); a raw record is continued without the template; a turn
     over max_prompt_tokens ends its conversation; every sample keeps its record's source."""
-    from jeagle.checkpoint import load_model
+    from jeagle.loading.checkpoint import load_model
     from jeagle.engine import EngineConfig, target_only
-    from jeagle.tokenizer import Tokenizer
+    from jeagle.loading.tokenizer import Tokenizer
     from jeagle.train.data import regenerate_records
     from jeagle.train.records import Record
 
@@ -78,7 +78,7 @@ def test_dataset_sources_survive_save_concat_split(tmp_path):
 def test_portable_checkpoint_resumes_the_schedule(tiny_target_dir, tmp_path, capsys):
     """The portable checkpoint (fp32 weights + step, no optimizer moments) restores the weights exactly,
     the step and tokens seen, and the learning-rate schedule's position; training goes on from it."""
-    from jeagle.checkpoint import load_model
+    from jeagle.loading.checkpoint import load_model
     from jeagle.train.trainer import TrainConfig, Trainer, draft_config_for, train
 
     model = load_model(tiny_target_dir)
@@ -159,7 +159,7 @@ def test_rebuild_vocab_keeps_the_trained_rows(tiny_target_dir, tmp_path):
     keeps the head's row, a new one starts at zero. Response tokens are what a per-sample loop gives."""
     from safetensors.numpy import load_file
 
-    from jeagle.checkpoint import load_model
+    from jeagle.loading.checkpoint import load_model
     from jeagle.train.vocab import remap_lm_head
     from jeagle.train_draft import main
 
@@ -225,7 +225,7 @@ def test_train_loop_saves_and_evaluates_once_per_step_and_stops_in_time(tiny_tar
     """The loop's bookkeeping: an evaluation before the first step of a fresh schedule (not after a
     restore), every eval_every steps and at the stop; one save per step at most; a time limit spent by an
     evaluation stops the run at that step, saved and logged."""
-    from jeagle.checkpoint import load_model
+    from jeagle.loading.checkpoint import load_model
     from jeagle.train.trainer import TrainConfig, Trainer, draft_config_for, train
 
     model = load_model(tiny_target_dir)

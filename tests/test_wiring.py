@@ -14,13 +14,13 @@ from jax._src.array import ArrayImpl
 
 import jeagle.runtime.decoder as runtime_decoder
 import jeagle.runtime.scheduler as scheduler
-from jeagle.adaptive import AdaptiveConfig
+from jeagle.speculative.adaptive import AdaptiveConfig
 from jeagle.engine import EngineConfig, speculative, target_only
 from jeagle.runtime.buckets import pick_bucket
 from jeagle.runtime.dispatch import Dispatched, resolve
 from jeagle.runtime.verify_done import STREAM_WAIT_ENV, VerifyDone, verify_done_mode
 from jeagle.sampling import SamplingParams
-from jeagle.spec.round import SpecConfig
+from jeagle.speculative.round import SpecConfig
 from tests.spec_models import bigram_target, signed_identity_head, target_config
 
 # Batch 8 with the default buckets: (1, ..., 8) for decode, (1, 4, 8) for prefill, so a small batch has

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
-from jeagle.cache import init_cache
+from jeagle.runtime.kv_cache import init_cache
 from jeagle.models.common import AttnInputs
 
 

@@ -40,7 +40,7 @@ def run_case(mode: str, n: int, args) -> dict:
 
     from jeagle.engine import EngineConfig, speculative, target_only
     from jeagle.sampling import SamplingParams
-    from jeagle.spec.round import SpecConfig
+    from jeagle.speculative.round import SpecConfig
     from tests.spec_models import bigram_target, signed_identity_head, target_config
 
     target = bigram_target(target_config())

@@ -25,10 +25,10 @@ def main(argv=None) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from jeagle.checkpoint import load_model
-    from jeagle.fetch import resolve_target, smollm2_gguf_path
+    from jeagle.loading.checkpoint import load_model
+    from jeagle.loading.fetch import resolve_target, smollm2_gguf_path
     from jeagle.kernels.settings import KernelSettings, use
-    from jeagle.tokenizer import Tokenizer
+    from jeagle.loading.tokenizer import Tokenizer
     from tests.test_gpu import PROMPTS
     from tests.util import max_rel_err, ragged_forward
 

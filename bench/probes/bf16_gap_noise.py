@@ -23,9 +23,9 @@ CONTINUATION = (" Hawaii is a paradise of volcanic beaches, lush valleys and a r
 def main() -> None:
     import numpy as np
 
-    from jeagle.checkpoint import load_model
-    from jeagle.fetch import resolve_target
-    from jeagle.tokenizer import Tokenizer
+    from jeagle.loading.checkpoint import load_model
+    from jeagle.loading.fetch import resolve_target
+    from jeagle.loading.tokenizer import Tokenizer
 
     target_dir = resolve_target(None, dtype="bfloat16", quiet=True)
     tok = Tokenizer.from_dir(target_dir)

@@ -11,15 +11,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
-from jeagle.adaptive import AdaptiveConfig  # noqa: E402
-from jeagle.adaptive_throughput import ThroughputPolicy  # noqa: E402
-from jeagle.checkpoint import load_draft, load_model  # noqa: E402
+from jeagle.speculative.adaptive import AdaptiveConfig  # noqa: E402
+from jeagle.speculative.adaptive_throughput import ThroughputPolicy  # noqa: E402
+from jeagle.loading.checkpoint import load_draft, load_model  # noqa: E402
 from jeagle.engine import EngineConfig, speculative  # noqa: E402
-from jeagle.fetch import resolve_draft, resolve_target  # noqa: E402
+from jeagle.loading.fetch import resolve_draft, resolve_target  # noqa: E402
 from jeagle.heads import default_head_dir  # noqa: E402
 from jeagle.sampling import SamplingParams  # noqa: E402
-from jeagle.spec.round import SpecConfig  # noqa: E402
-from jeagle.tokenizer import Tokenizer  # noqa: E402
+from jeagle.speculative.round import SpecConfig  # noqa: E402
+from jeagle.loading.tokenizer import Tokenizer  # noqa: E402
 from decode import chat_ids, read_prompts  # noqa: E402
 
 p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -35,7 +35,7 @@ def main(argv=None) -> int:
     from jeagle.engine import EngineConfig, speculative, target_only
     from jeagle.kernels.settings import KernelSettings
     from jeagle.sampling import SamplingParams
-    from jeagle.spec.round import SpecConfig
+    from jeagle.speculative.round import SpecConfig
 
     model, head = random_target_and_head(args.shape)
     sp = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)

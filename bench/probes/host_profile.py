@@ -49,15 +49,15 @@ def main(argv=None):
     from jeagle.engine import EngineConfig, speculative
     from jeagle.kernels.settings import KernelSettings
     from jeagle.sampling import SamplingParams
-    from jeagle.spec.round import SpecConfig
+    from jeagle.speculative.round import SpecConfig
 
     if args.real:
         from common import chat_ids, read_prompts
 
-        from jeagle.checkpoint import load_draft, load_model
-        from jeagle.fetch import resolve_draft, resolve_target
+        from jeagle.loading.checkpoint import load_draft, load_model
+        from jeagle.loading.fetch import resolve_draft, resolve_target
         from jeagle.heads import default_head_dir
-        from jeagle.tokenizer import Tokenizer
+        from jeagle.loading.tokenizer import Tokenizer
 
         target_dir = resolve_target(None, quiet=True)
         model = load_model(target_dir)

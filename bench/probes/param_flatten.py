@@ -32,7 +32,7 @@ def main(argv=None):
     from jeagle.config import ModelConfig
     from jeagle.engine import EngineConfig, speculative
     from jeagle.models.llama import random_model
-    from jeagle.spec.round import SpecConfig
+    from jeagle.speculative.round import SpecConfig
 
     cfg = ModelConfig(**SHAPES[args.shape])
     model, head = random_model(cfg), random_eagle3_head(cfg, draft_vocab=DRAFT_VOCAB.get(args.shape))

@@ -70,14 +70,14 @@ def main(argv=None) -> int:
 
     import dataclasses
 
-    from jeagle.checkpoint import load_draft, load_model
+    from jeagle.loading.checkpoint import load_draft, load_model
     from jeagle.engine import EngineConfig, speculative, target_only
-    from jeagle.fetch import resolve_draft, resolve_target
+    from jeagle.loading.fetch import resolve_draft, resolve_target
     from jeagle.heads import default_head_dir
     from jeagle.kernels.settings import KernelSettings
     from jeagle.sampling import SamplingParams
-    from jeagle.spec.round import SpecConfig
-    from jeagle.tokenizer import Tokenizer
+    from jeagle.speculative.round import SpecConfig
+    from jeagle.loading.tokenizer import Tokenizer
 
     target_dir = resolve_target(None, dtype="bfloat16", quiet=True)
     head_dir = resolve_draft(str(default_head_dir()), target_dir, dtype="bfloat16", quiet=True)

@@ -25,8 +25,8 @@ def main(argv=None):
 
     import numpy as np
 
-    from jeagle.adaptive import AdaptiveConfig
-    from jeagle.adaptive_throughput import RoundTimes, ThroughputPolicy
+    from jeagle.speculative.adaptive import AdaptiveConfig
+    from jeagle.speculative.adaptive_throughput import RoundTimes, ThroughputPolicy
 
     tiers = [(1, 4, 3), (3, 4, 5), (5, 4, 8), (7, 4, 11)]
     cfg = AdaptiveConfig.from_dict({"policy": "throughput", "candidate_tiers": [list(t) for t in tiers]}

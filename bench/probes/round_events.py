@@ -95,15 +95,15 @@ def main(argv=None):
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
 
-    from jeagle.adaptive import AdaptiveConfig
-    from jeagle.checkpoint import load_draft, load_model
+    from jeagle.speculative.adaptive import AdaptiveConfig
+    from jeagle.loading.checkpoint import load_draft, load_model
     from jeagle.engine import EngineConfig, speculative
-    from jeagle.fetch import resolve_draft, resolve_target
+    from jeagle.loading.fetch import resolve_draft, resolve_target
     from jeagle.heads import default_head_dir
     from jeagle.kernels.settings import KernelSettings
     from jeagle.sampling import SamplingParams
-    from jeagle.spec.round import SpecConfig
-    from jeagle.tokenizer import Tokenizer
+    from jeagle.speculative.round import SpecConfig
+    from jeagle.loading.tokenizer import Tokenizer
 
     target_dir = resolve_target(None, quiet=True)
     model = load_model(target_dir)

@@ -154,10 +154,10 @@ def main(argv=None) -> dict:
     args = p.parse_args(argv)
 
     if args.shape == "smollm2":
-        from jeagle.checkpoint import load_draft, load_model
-        from jeagle.fetch import resolve_draft, resolve_target
+        from jeagle.loading.checkpoint import load_draft, load_model
+        from jeagle.loading.fetch import resolve_draft, resolve_target
         from jeagle.heads import default_head_dir
-        from jeagle.tokenizer import Tokenizer
+        from jeagle.loading.tokenizer import Tokenizer
 
         target_dir = resolve_target(None, quiet=True, **({"dtype": args.dtype} if args.dtype else {}))
         head_dir = resolve_draft(str(default_head_dir()), target_dir, quiet=True)

@@ -4,7 +4,7 @@ Layers, as in JAX's own Pallas ops: `_kernel` (body), `_pallas` (the pallas_call
 (public: validates inputs, asks the backend switch) and `build_tree_reference` (pure jnp, the
 specification).
 
-The input: the scored nodes of one round (jeagle/spec/tree.py lays them out), `selected` the indices
+The input: the scored nodes of one round (jeagle/speculative/tree.py lays them out), `selected` the indices
 of the N-1 kept ones sorted ascending, so a parent always precedes its children and siblings appear in
 draft order (most probable first). The output, `Tree`, the verify tree of N nodes (node 0 = the root,
 the previous round's bonus token):

@@ -75,8 +75,8 @@ class KernelSettings:
     # call's host time 0.74 vs 0.96 ms, the device's 1.45 vs 1.43 ms) and MT-bench tokens/s within noise
     # (bench/HISTORY.md, 2026-11-28), so the default stays 64.
     linear_max_rows: int = 64
-    # The draft's softmax + top-K (spec/round.py `draft_topk`) and the logprobs' top-ks
-    # (jeagle/logprobs.py `top_k_blocked`) through the one-pass kernel (jeagle/kernels/topk.py); False: XLA's.
+    # The draft's softmax + top-K (speculative/round.py `draft_topk`) and the logprobs' top-ks
+    # (jeagle/sampling/logprobs.py `top_k_blocked`) through the one-pass kernel (jeagle/kernels/topk.py); False: XLA's.
     topk: bool = True
     # XLA's dynamic-slice fusions on a GPU: a GEMM on one layer's slice of the stacked weights reads it in
     # place (less device time). False: XLA copies the slice first; each round call then costs the host about

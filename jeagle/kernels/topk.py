@@ -102,7 +102,7 @@ def top_k(x, k: int):
     """`jax.lax.top_k(x, k)` over the last axis — (values, indices int32) [..., k], the largest first,
     ties to the lower index — with the indices from the kernel where it applies (as `softmax_topk`;
     its probabilities unused) and the values gathered at them. XLA lowered the logprobs' top 20
-    (jeagle/logprobs.py `top_k_blocked`) to two sorts of whole rows, [R, 384] and [R, 2,560] entries,
+    (jeagle/sampling/logprobs.py `top_k_blocked`) to two sorts of whole rows, [R, 384] and [R, 2,560] entries,
     in every logprobs round (the H100's round HLO, bench/HISTORY.md, 2026-11-27)."""
     if x.ndim < 1 or not 1 <= k <= x.shape[-1]:
         raise ValueError(f"k must be in [1, V] for x [..., V], got k={k}, x {x.shape}")

@@ -73,7 +73,7 @@ def tree_speculative_sampling_reference(candidates, retrieve_index, retrieve_nex
 def sample_residual(q, resid, coin):
     """Inverse-CDF draw from relu(q - resid) normalised; falls back to q if nothing is left. Sorts and
     scans along whole rows: under a tensor-parallel mesh the caller hands in whole vocabulary rows
-    (jeagle.spec.verify.target_probs returns them)."""
+    (jeagle.speculative.verify.target_probs returns them)."""
     r = jnp.maximum(q - resid, 0.0)
     total = r.sum(-1, keepdims=True)
     r = jnp.where(total > 0, r, q)

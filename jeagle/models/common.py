@@ -19,7 +19,7 @@ from jeagle.kernels.linear import linear, linear_invariant, linear_serves
 from jeagle.kernels.ordered_attention import ordered_attention
 from jeagle.kernels.paged_attention import dense_attention, kernel_serves, paged_attention
 from jeagle.kernels.settings import current
-from jeagle.sharding import context_tp, over_kv_heads
+from jeagle.parallel.sharding import context_tp, over_kv_heads
 
 
 class LayerWeights(Mapping):
@@ -170,7 +170,7 @@ def qkv_rope(x, wi: dict, cos, sin, cfg, groups: int = 1):
     rotated (and RMS-normed first when cfg.qk_norm).
 
     groups > 1: the fused columns are laid out per tensor-parallel shard, [q_s | k_s | v_s] for shard
-    s = 0..groups-1 (jeagle/sharding.py), so a contiguous split of the columns gives every shard its
+    s = 0..groups-1 (jeagle/parallel/sharding.py), so a contiguous split of the columns gives every shard its
     own heads and the split below stays local to each shard."""
     b, t, _ = x.shape
     qkv = project(x, wi, "wqkv")

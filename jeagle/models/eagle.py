@@ -31,7 +31,7 @@ from flax import nnx
 from jeagle.config import DraftConfig
 from jeagle.models.common import (AttnInputs, LayerWeights, abstract_module, attention_sublayer, head_logits,
                                    mlp_sublayer, random_module, rms_norm, rope_cos_sin)
-from jeagle.sharding import embed_rows
+from jeagle.parallel.sharding import embed_rows
 
 
 class Buffer(nnx.Variable):
@@ -51,7 +51,7 @@ LAYER_PARAMS = ("wqkv", "bqkv", "wo", "mlp_norm", "w_gate_up", "w_down")
 
 
 class EagleHead(nnx.Module):
-    # Tensor-parallel shards of the fused q|k|v and gate|up columns (jeagle/sharding.py, tp_draft="shard").
+    # Tensor-parallel shards of the fused q|k|v and gate|up columns (jeagle/parallel/sharding.py, tp_draft="shard").
     tp_groups: int = 1
 
     def __init__(self, cfg: DraftConfig, *, rngs: nnx.Rngs):

@@ -32,7 +32,7 @@ from jeagle.kernels.settings import current
 from jeagle.models import deterministic
 from jeagle.models.common import (AttnInputs, LayerWeights, abstract_module, attention_sublayer, fp32_logits,
                                    mlp_sublayer, random_module, rms_norm, rope_cos_sin, run_layers_with_aux)
-from jeagle.sharding import embed_rows
+from jeagle.parallel.sharding import embed_rows
 
 # The per-layer weights, in the order a layer uses them.
 LAYER_PARAMS = ("attn_norm", "wqkv", "bqkv", "q_norm", "k_norm", "wo", "bo", "mlp_norm", "w_gate_up", "w_down")
@@ -49,7 +49,7 @@ class ForwardOut:
 
 
 class Llama(nnx.Module):
-    # Tensor-parallel shards the fused q|k|v and gate|up columns are laid out for (jeagle/sharding.py).
+    # Tensor-parallel shards the fused q|k|v and gate|up columns are laid out for (jeagle/parallel/sharding.py).
     tp_groups: int = 1
     vocab_split: bool = False  # embed / lm_head split by vocabulary rows on the mesh
 

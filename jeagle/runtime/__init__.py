@@ -1,5 +1,6 @@
 """The host side of decoding: a scheduler (`scheduler.Engine`) driving a decoder.
 
+    kv_cache.py     the device KV layout: slot pools, `req_to_token`, `assign_rows`
     config.py       EngineConfig: the engine's options (frozen)
     requests.py     Request / Output and the checks a request passes before it is queued
     slots.py        the KV slot pool and request rows, and how one request's slots are laid out
@@ -14,5 +15,5 @@
     target.py       the target-only decoder; its pure step functions are in steps.py
     scheduler.py    the Engine: queue, admission, continuous batching, overlap, readback, stats
 
-The speculative decoder lives in `jeagle.spec.decoder`; `jeagle.engine` builds engines.
+The speculative decoder lives in `jeagle.speculative.decoder`; `jeagle.engine` builds engines.
 """

@@ -68,7 +68,7 @@ class EngineConfig:
     # (5,4,8) and target-only unmoved. Not measured on a device-bound model, where 1 may serve better.
     bucket_shrink_ratio: float = 2.0
     # A grammar round whose rows the host all walked (greedy, no penalties) sends each tree node's allowed
-    # token ids [B, N, C] to the accept instead of vocabulary bitmasks [B, N, W] (jeagle/grammar_walk.py);
+    # token ids [B, N, C] to the accept instead of vocabulary bitmasks [B, N, W] (jeagle/sampling/grammar_walk.py);
     # False: always bitmasks (an A/B switch: `bench/serve.py --engine-config '{"grammar_token_ids":false}'`).
     grammar_token_ids: bool = True
     verify_done_wait: str | None = None  # "sync" | "dataflow"; None: JEAGLE_VERIFY_DONE_STREAM_WAIT, else dataflow
@@ -77,7 +77,7 @@ class EngineConfig:
     compile_workers: int | None = None  # warm-up load/compile threads; None: min(16, CPUs)
     compile_processes: int | None = None  # warm-up worker processes (need the store); None: auto (8 on a GPU), 0: none
     min_prefill_bucket: int = 64
-    tp: int = 1  # tensor parallelism: devices the target is split over (jeagle/sharding.py)
+    tp: int = 1  # tensor parallelism: devices the target is split over (jeagle/parallel/sharding.py)
     tp_vocab: str = "shard"  # lm_head / embedding rows split over the devices, or "replicate"
     tp_draft: str = "auto"  # the draft head split like a target layer when it divides; "replicate" | "shard"
     # Kernel backend, paged-attention split, XLA options: read from the environment once, by the
@@ -85,7 +85,7 @@ class EngineConfig:
     kernels: KernelSettings = field(default_factory=KernelSettings)
 
     def __post_init__(self):
-        from jeagle.sharding import TP_DRAFT, TP_VOCAB
+        from jeagle.parallel.sharding import TP_DRAFT, TP_VOCAB
 
         if self.tp_vocab not in TP_VOCAB or self.tp_draft not in TP_DRAFT:
             raise ValueError(f"tp_vocab must be one of {TP_VOCAB} and tp_draft one of {TP_DRAFT}; got "

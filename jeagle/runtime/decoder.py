@@ -26,7 +26,7 @@ device state, the step functions and their executables. The scheduler calls:
     stats_window() / stats(...) the decoder's part of the stats
 
 `TargetDecoder` (runtime/target.py) decodes with the target alone; `SpecDecoder`
-(jeagle/spec/decoder.py) runs EAGLE rounds and owns the tiers and the adaptive controller.
+(jeagle/speculative/decoder.py) runs EAGLE rounds and owns the tiers and the adaptive controller.
 """
 
 from __future__ import annotations
@@ -90,8 +90,8 @@ def weight_bytes(params) -> int:
 
 def place_cache(cache, mesh):
     """A KVCache on `mesh`: pools split by KV heads, the slot table replicated."""
-    from jeagle.cache import KVCache
-    from jeagle.sharding import replicate, shard_pools
+    from jeagle.runtime.kv_cache import KVCache
+    from jeagle.parallel.sharding import replicate, shard_pools
 
     k, v = shard_pools(cache.k, cache.v, mesh)
     return KVCache(k=k, v=v, req_to_token=replicate(cache.req_to_token, mesh))
@@ -121,7 +121,7 @@ def wants_prompt_logprobs(reqs) -> bool:
 def split_prompt_logprobs(host: np.ndarray, reqs, base: int) -> tuple[np.ndarray, list]:
     """A prefill's host result → (its first `base` columns, each request's prompt logprobs: None, or
     [None, TokenLogprob per prompt token after the first] when it asked for them)."""
-    from jeagle import logprobs
+    from jeagle.sampling import logprobs
 
     if not wants_prompt_logprobs(reqs):
         return host, [None] * len(reqs)
@@ -133,12 +133,12 @@ def split_prompt_logprobs(host: np.ndarray, reqs, base: int) -> tuple[np.ndarray
 
 
 def wants_grammar(reqs) -> bool:
-    """Whether a batch decodes under grammar masks (synchronously: jeagle/grammar.py)."""
+    """Whether a batch decodes under grammar masks (synchronously: jeagle/sampling/grammar.py)."""
     return any(r.matcher is not None for r in reqs)
 
 
 class GrammarMasks:
-    """Grammar masks for a decoder's batches (jeagle/grammar.py), computed on llguidance's threads;
+    """Grammar masks for a decoder's batches (jeagle/sampling/grammar.py), computed on llguidance's threads;
     `grammar_mask_s` sums the host time they took (the stats' `grammar_mask_ms`)."""
 
     grammar_mask_s = 0.0
@@ -148,15 +148,15 @@ class GrammarMasks:
 
     def grammar_rows(self) -> dict:
         """Speculative grammar rows so far: walked, masked, the rounds whose masks went as token ids,
-        and why the walk left rows undecided (in this process: `jeagle.grammar_walk.UNDECIDED`)."""
-        from jeagle.grammar_walk import UNDECIDED
+        and why the walk left rows undecided (in this process: `jeagle.sampling.grammar_walk.UNDECIDED`)."""
+        from jeagle.sampling.grammar_walk import UNDECIDED
 
         return {"walked": self.grammar_rows_walked, "masked": self.grammar_rows_masked,
                 "compact_rounds": self.grammar_compact_rounds, "undecided": dict(UNDECIDED)}
 
     def token_masks(self, reqs, b: int) -> np.ndarray:
         """Each request's next-token mask [b, W] (its grammar's, else every token allowed), padded to b."""
-        from jeagle.grammar import next_masks
+        from jeagle.sampling.grammar import next_masks
 
         t0 = time.perf_counter()
         out = next_masks([r.matcher for r in reqs], b, self.model_cfg.vocab_size)
@@ -166,13 +166,13 @@ class GrammarMasks:
 
     def tree_masks(self, reqs, b: int, tree, fwd=None, walk=None, compact_ok: bool = False):
         """Each draft-tree node's grammar mask, from the tree read back to the host: rows with `walk`
-        True from the verify forward's best tokens `fwd` (`jeagle.grammar_walk.walk_nodes`, greedy
-        rows; those it cannot decide, and the other rows, with `jeagle.grammar.tree_masks`). Returns
+        True from the verify forward's best tokens `fwd` (`jeagle.sampling.grammar_walk.walk_nodes`, greedy
+        rows; those it cannot decide, and the other rows, with `jeagle.sampling.grammar.tree_masks`). Returns
         (masks, compact): bitmasks [b, N, W], or with `compact_ok` where every grammar row was walked
         to token lists, their ids [b, N, CANDIDATES] (-1 padded; a node of -1s allows every token) —
         C ids a node to fill and copy to the device instead of W words."""
-        from jeagle.grammar import mask_words, tree_masks
-        from jeagle.grammar_walk import CANDIDATES, compact, walk_nodes, write_nodes
+        from jeagle.sampling.grammar import mask_words, tree_masks
+        from jeagle.sampling.grammar_walk import CANDIDATES, compact, walk_nodes, write_nodes
 
         tokens, parents = np.asarray(tree.tokens), np.asarray(tree.parent)  # their copies started with the call
         walk, walked = walk or [False] * len(reqs), 0

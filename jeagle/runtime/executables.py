@@ -5,7 +5,7 @@ parallel (threads, and worker processes for a cold start).
 A step key is a frozen, hashable value naming everything an executable depends on besides the code
 and the JAX version: the decoder's static configuration (model, draft, tier, state sizes, layer
 unrolling, kernel settings) and the bucket. Keys come from the decoders (`jeagle.runtime.target`,
-`jeagle.spec.decoder`); each has
+`jeagle.speculative.decoder`); each has
 
     label                 a short file-name-safe name ("prefill-b4-t64")
     kernels               the KernelSettings its trace runs under

@@ -8,8 +8,8 @@ from typing import Callable
 
 import numpy as np
 
-from jeagle.logprobs import LogprobRows
-from jeagle.penalties import MAX_STOP
+from jeagle.sampling.logprobs import LogprobRows
+from jeagle.sampling.penalties import MAX_STOP
 from jeagle.runtime.slots import OutOfSlots
 from jeagle.sampling import SamplingParams
 
@@ -25,7 +25,7 @@ class Output:
     finish_reason: str | None  # "stop" | "length" | "abort"
     time_to_first_token_s: float | None
     # With SamplingParams.logprobs set: one packed block per token of token_ids, kept as the chunks
-    # that arrived (jeagle/logprobs.py LogprobRows); `logprobs` reads them as TokenLogprobs.
+    # that arrived (jeagle/sampling/logprobs.py LogprobRows); `logprobs` reads them as TokenLogprobs.
     logprob_rows: LogprobRows | None
     # With SamplingParams.prompt_logprobs: None for the first prompt token, then one TokenLogprob each.
     prompt_logprobs: list | None
@@ -41,7 +41,7 @@ class Output:
 
     @property
     def logprobs(self) -> list | None:
-        """With SamplingParams.logprobs set: one TokenLogprob per token of token_ids (jeagle/logprobs.py),
+        """With SamplingParams.logprobs set: one TokenLogprob per token of token_ids (jeagle/sampling/logprobs.py),
         built from the packed blocks when read (the same list until more tokens arrive); else None."""
         rows = self.logprob_rows
         return None if rows is None else rows.tokens()
@@ -78,7 +78,7 @@ class Request:
     on_tokens: Callable[[int, list[int]], None] | None = None  # streaming callback (index, new ids)
     t_submit: float = 0.0  # perf_counter at submit
     compile_mark: float = 0.0  # the engine's compile seconds at submit (compiling is not serving latency)
-    matcher: object | None = None  # the grammar's state (`jeagle.grammar.Matcher`), started when it is queued
+    matcher: object | None = None  # the grammar's state (`jeagle.sampling.grammar.Matcher`), started when it is queued
 
     @property
     def seq(self) -> list[int]:

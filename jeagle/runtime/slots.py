@@ -5,7 +5,7 @@ A request owns, from admission to finish, one request row and a block of slots l
     | positions (prompt + new tokens [+ S + 1 speculative]) | tree (N) | draft scratch ((S-1)·K) |
 
 (`SlotLayout`; the tree and scratch parts are the speculative decoder's). Slot 0 is the scratch slot
-(`jeagle.cache.SCRATCH_SLOT`) that padded tokens write into, and the last request row the scratch
+(`jeagle.runtime.kv_cache.SCRATCH_SLOT`) that padded tokens write into, and the last request row the scratch
 row that padded batch rows use: neither is ever handed out. `SlotPool` hands out rows and slot
 blocks and takes them back; running out raises `OutOfSlots`.
 """
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from jeagle.cache import SCRATCH_SLOT
+from jeagle.runtime.kv_cache import SCRATCH_SLOT
 
 log = logging.getLogger("jeagle.runtime")
 
@@ -129,7 +129,7 @@ class SlotPool:
 
 
 def flat_slots(b: int, max_ctx: int, per_request: list) -> tuple[np.ndarray, np.ndarray]:
-    """(count [b], flat slot list [b * max_ctx]) for `jeagle.cache.assign_rows`: the requests' position
+    """(count [b], flat slot list [b * max_ctx]) for `jeagle.runtime.kv_cache.assign_rows`: the requests' position
     slots back to back, padded with the scratch slot to a size fixed by the batch bucket, so a prefill
     executable depends on (batch, length) buckets only; padding rows own nothing."""
     count = np.zeros((b,), np.int32)
@@ -156,7 +156,7 @@ def pool_size(config, model_cfg, layout: SlotLayout, max_ctx: int, weight_bytes:
     import jax
 
     if jax.default_backend() == "cpu" and (avail := host_available_bytes()):
-        from jeagle.cache import kv_bytes_per_token
+        from jeagle.runtime.kv_cache import kv_bytes_per_token
 
         per_slot = kv_bytes_per_token(model_cfg) + (kv_bytes_per_token(draft_cfg) if draft_cfg is not None else 0)
         fit = int(avail * HOST_KV_FRACTION) // (per_slot * per_request)  # full requests that fit
@@ -191,7 +191,7 @@ def slots_for_memory_fraction(cfg, fraction: float, weight_bytes: int, device=No
     `mem_fraction_static`). Raises on devices that report no memory limit (CPU)."""
     import jax
 
-    from jeagle.cache import kv_bytes_per_token
+    from jeagle.runtime.kv_cache import kv_bytes_per_token
 
     device = device or jax.devices()[0]
     stats = device.memory_stats() or {}

@@ -29,7 +29,7 @@ class SpecStats:
     tier_switches: int = 0
     rounds_per_dispatch: int = 1  # rounds one dispatch runs (all of them unrolled; the loop stops once all rows finish)
     # Grammar rows' rounds whose tree masks came from checking the verify's best tokens (greedy rows,
-    # `jeagle.grammar_walk.walk_nodes`) and from a mask per tree node (the rest, and what the walk left undecided).
+    # `jeagle.sampling.grammar_walk.walk_nodes`) and from a mask per tree node (the rest, and what the walk left undecided).
     grammar_rows_walked: int = 0
     grammar_rows_masked: int = 0
     # Adaptive: the policy's view at the end of the window (`AdaptiveController.report`): policy, active
@@ -65,7 +65,7 @@ class Stats:
     prefill_calls: int = 0
     admission_held_steps: int = 0  # steps a free row waited for company (runtime/admission.py)
     retractions: int = 0  # requests retracted to make room (and resumed), in the window
-    # Host time computing grammar masks (jeagle/grammar.py); a speculative round computes its tree's
+    # Host time computing grammar masks (jeagle/sampling/grammar.py); a speculative round computes its tree's
     # while the device runs the verify's forward, so only what outlasts that forward stalls the device.
     grammar_mask_ms: float = 0.0
     speculative: SpecStats | None = None

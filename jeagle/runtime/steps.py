@@ -4,14 +4,14 @@
     decode_step(key, graphdef, params, state, inputs)  -> (tokens [B, steps], state)
 
 A key with `logprobs` appends each token's packed log-probabilities to its row
-(`jeagle.logprobs.pack`: [B, W + W·LOGPROB_COLUMNS] for W tokens).
+(`jeagle.sampling.logprobs.pack`: [B, W + W·LOGPROB_COLUMNS] for W tokens).
 
 The key (`PrefillKey`, `DecodeKey`: frozen, hashable) holds everything static — the model config,
 state sizes, buckets, layer unrolling, kernel settings — and is the executable's key
 (`jeagle.runtime.executables`): nothing is read from anywhere else while tracing.
 
 Device state (`TargetState`, donated through every call, never copied):
-    cache   KVCache: slot pools + req_to_token (jeagle/cache.py)
+    cache   KVCache: slot pools + req_to_token (jeagle/runtime/kv_cache.py)
     rows    RowState: per request row, the newest token (its KV not yet written) and sampling params
 """
 
@@ -25,12 +25,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jeagle.cache import SCRATCH_SLOT, KVCache, assign_rows, init_cache
+from jeagle.runtime.kv_cache import SCRATCH_SLOT, KVCache, assign_rows, init_cache
 from jeagle.config import ModelConfig
 from jeagle.kernels.settings import KernelSettings
-from jeagle.grammar import apply_token_mask, mask_words
-from jeagle.logprobs import LOGPROB_COLUMNS, pack, prompt_logprobs, token_logprobs
-from jeagle.penalties import (PenaltyInputs, PenaltyRows, add_tokens, apply as apply_penalties,
+from jeagle.sampling.grammar import apply_token_mask, mask_words
+from jeagle.sampling.logprobs import LOGPROB_COLUMNS, pack, prompt_logprobs, token_logprobs
+from jeagle.sampling.penalties import (PenaltyInputs, PenaltyRows, add_tokens, apply as apply_penalties,
                               gather as gather_penalties, init_penalty_rows, penalty_shapes, prefill_rows)
 from jeagle.models.common import AttnInputs
 from jeagle.runtime.executables import DeviceShapes, StepBuild, compiler_options, param_step
@@ -88,7 +88,7 @@ class RowState:
 class TargetState:
     cache: KVCache
     rows: RowState
-    penalties: PenaltyRows  # jeagle/penalties.py
+    penalties: PenaltyRows  # jeagle/sampling/penalties.py
 
 
 def init_state(cfg: ModelConfig, *, num_slots: int, max_reqs: int, max_ctx: int) -> TargetState:
@@ -121,7 +121,7 @@ class PrefillInputs:
     slot_flat: jax.Array  # [B * max_ctx] their slots back to back (runtime.slots.flat_slots)
     sampling: Sampling
     penalties: PenaltyInputs
-    token_mask: jax.Array  # [B, W] int32 bitmask of the tokens the first may be (jeagle/grammar.py; -1: any)
+    token_mask: jax.Array  # [B, W] int32 bitmask of the tokens the first may be (jeagle/sampling/grammar.py; -1: any)
 
 
 @jax.tree_util.register_dataclass
@@ -207,7 +207,7 @@ class PrefillKey(_TargetKey):
     batch: int
     length: int
     logprobs: bool = False
-    prompt_logprobs: bool = False  # also the prompt tokens' logprobs (`jeagle.logprobs.prompt_logprobs`)
+    prompt_logprobs: bool = False  # also the prompt tokens' logprobs (`jeagle.sampling.logprobs.prompt_logprobs`)
     context: int = 0  # > 0: rows continue cached prefixes, attending over this many positions (`prefill_attn`)
     phase = "prefill"
 
@@ -238,8 +238,8 @@ class DecodeKey(_TargetKey):
     steps: int
     greedy: bool
     logprobs: bool = False
-    penalties: bool = False  # apply the rows' penalties and count the tokens (jeagle/penalties.py)
-    grammar: bool = False  # inputs (DecodeInputs, token masks [B, W]) (jeagle/grammar.py); one step
+    penalties: bool = False  # apply the rows' penalties and count the tokens (jeagle/sampling/penalties.py)
+    grammar: bool = False  # inputs (DecodeInputs, token masks [B, W]) (jeagle/sampling/grammar.py); one step
     phase = "decode"
 
     def __post_init__(self):

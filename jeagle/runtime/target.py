@@ -14,8 +14,8 @@ import numpy as np
 from flax import nnx
 
 from jeagle.runtime.buckets import Buckets, pad
-from jeagle import logprobs
-from jeagle.penalties import penalty_inputs, wants_penalties
+from jeagle.sampling import logprobs
+from jeagle.sampling.penalties import penalty_inputs, wants_penalties
 from jeagle.runtime.decoder import (Delivery, GrammarMasks, SlotTables, context_size, place_cache, prefill_batch,
                                     sampling_inputs, split_prompt_logprobs, wants_grammar, wants_logprobs,
                                     wants_prompt_logprobs, weight_bytes)
@@ -34,7 +34,7 @@ class TargetDecoder(SlotTables, GrammarMasks, FlatParams, Dispatching):
         self.config, self.model_cfg, self.mesh = config, model.cfg, mesh
         self.use_dispatch_thread(config.dispatch_thread)
         if mesh is not None:
-            from jeagle.sharding import shard_target
+            from jeagle.parallel.sharding import shard_target
 
             model = shard_target(model, mesh, config.tp_vocab)
         self.graphdef, self.params = nnx.split(model)
@@ -47,7 +47,7 @@ class TargetDecoder(SlotTables, GrammarMasks, FlatParams, Dispatching):
         state = jax.jit(functools.partial(init_state, mc, num_slots=self.num_slots, max_reqs=self.max_reqs,
                                           max_ctx=self.max_ctx))()
         if mesh is not None:
-            from jeagle.sharding import replicate
+            from jeagle.parallel.sharding import replicate
 
             state = TargetState(place_cache(state.cache, mesh), replicate(state.rows, mesh),
                                 replicate(state.penalties, mesh))

@@ -16,7 +16,7 @@ def serve(args: ServeArgs, link=None) -> int:
     from jeagle.errors import USER_ERRORS, report
     from jeagle.runtime.gc_clock import freeze_heap
     from jeagle.serve.app import create_app
-    from jeagle.tokenizer import Tokenizer
+    from jeagle.loading.tokenizer import Tokenizer
 
     if link is None:
         try:

@@ -23,7 +23,7 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 
-from jeagle import logprobs
+from jeagle.sampling import logprobs
 from jeagle.engine import PromptTooLong
 from jeagle.serve import native
 from jeagle.serve.engine_loop import EngineLoop, Job
@@ -33,7 +33,7 @@ from jeagle.serve.protocol import (CHAT_KEYS, COMPLETION_KEYS, BadRequest, StopM
                                    completion_logprobs, completion_prompt_ids, error_body, parse_common,
                                    request_params, seeded, stream_chunk, usage_body, usage_chunk)
 from jeagle.serve.tools import constrain, lark_grammar, resolve, tool_request
-from jeagle.tokenizer import StreamDecoder
+from jeagle.loading.tokenizer import StreamDecoder
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class Served:
 
     def grammar(self, kind: str, source, param: str | None = None):
         """A request's compiled grammar ("lark": a forced tool call's); a bad one: BadRequest naming `param`."""
-        from jeagle.grammar import GrammarBackend, GrammarError
+        from jeagle.sampling.grammar import GrammarBackend, GrammarError
 
         param = param or ("response_format" if kind.startswith("json") else kind)
         if "backend" not in self.grammars:

@@ -8,7 +8,7 @@ A job's events, in order: ("accepted", None) or ("rejected", (message, status));
 (ids, their logprobs or None, facts or None)) as steps emit them, the first carrying the request's
 facts ({"cached_tokens", "prompt_logprobs"}); then ("done", finish_reason) or ("error", message).
 A tokens event's logprobs are the tokens' packed blocks as one bytes object (the chunk the request
-keeps them in, `jeagle.logprobs.LogprobRows.tail_bytes`: no TokenLogprob is made on this thread): it
+keeps them in, `jeagle.sampling.logprobs.LogprobRows.tail_bytes`: no TokenLogprob is made on this thread): it
 crosses to the engine process's parent as one copy, and the handler reads every number of a piece
 with a few C calls instead of one TokenLogprob and a few numpy calls per token.
 """

@@ -100,7 +100,7 @@ class EngineProcess:
             self._conn.send(msg)
 
     def _read(self) -> None:
-        from jeagle import logprobs
+        from jeagle.sampling import logprobs
 
         while True:
             try:
@@ -137,7 +137,7 @@ class _ChildLoop(EngineLoop):
         self.conn, self.jobs_by_id, self._sent_info = conn, jobs, 0.0
 
     def _send_events(self, events) -> None:
-        from jeagle import logprobs
+        from jeagle.sampling import logprobs
 
         wire = []
         for job, (kind, value) in events:
@@ -203,7 +203,7 @@ def _child_main(build, args, conn) -> None:
 def _grammar(grammars: dict, tokenizer, engine, kind: str, source: str):
     """A grammar the parent compiled and checked, rebuilt from its llguidance text on this process's
     backend (built on first use; a schema's requests share one, `GrammarBackend.rebuild`)."""
-    from jeagle.grammar import GrammarBackend
+    from jeagle.sampling.grammar import GrammarBackend
 
     if "backend" not in grammars:
         cfg = engine.model_cfg

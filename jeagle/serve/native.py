@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import orjson
 
-from jeagle import logprobs
+from jeagle.sampling import logprobs
 from jeagle.sampling import SamplingParams
 from jeagle.serve.protocol import COMPLETION_KEYS, BadRequest, parse_common, request_params, seeded
 

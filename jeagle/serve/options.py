@@ -73,8 +73,8 @@ def load(args: ServeArgs):
     """The engine, its tokenizer and what the server says of it: (engine, tokenizer, facts dict).
     Raises the user errors of a bad target, draft or configuration (jeagle.errors.USER_ERRORS)."""
     from jeagle.engine import build_engine
-    from jeagle.fetch import resolve_target
-    from jeagle.tokenizer import Tokenizer
+    from jeagle.loading.fetch import resolve_target
+    from jeagle.loading.tokenizer import Tokenizer
 
     spec = args.engine
     spec.adaptive()  # a bad adaptive config fails before anything loads

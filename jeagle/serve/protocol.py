@@ -15,8 +15,8 @@ import time
 
 import orjson
 
-from jeagle.logprobs import LOGPROB_TOP, to_bytes
-from jeagle.penalties import MAX_LOGIT_BIAS
+from jeagle.sampling.logprobs import LOGPROB_TOP, to_bytes
+from jeagle.sampling.penalties import MAX_LOGIT_BIAS
 from jeagle.sampling import SamplingParams
 
 MAX_STOP_STRINGS = 4
@@ -439,7 +439,7 @@ _LAYOUTS: dict[int, tuple[struct.Struct, struct.Struct]] = {}
 
 
 def _layout(k: int) -> tuple[struct.Struct, struct.Struct]:
-    """Structs reading a packed block (`jeagle.logprobs`) for top k: its floats (the logprob, the top
+    """Structs reading a packed block (`jeagle.sampling.logprobs`) for top k: its floats (the logprob, the top
     k logprobs) and its top k ids."""
     got = _LAYOUTS.get(k)
     if got is None:

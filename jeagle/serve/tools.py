@@ -399,7 +399,7 @@ def lark_grammar(backend, lark: str):
     against its vocabulary (raises GrammarError); the engine's process rebuilds it from its text."""
     import llguidance
 
-    from jeagle.grammar import GrammarError
+    from jeagle.sampling.grammar import GrammarError
 
     text = llguidance.LLMatcher.grammar_from_lark(lark)
     error = llguidance.LLMatcher.validate_grammar(text, backend.tokenizer)

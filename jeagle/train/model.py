@@ -1,6 +1,6 @@
 """The training forward of an EAGLE head, its losses, and the target's features for it.
 
-Alignment (the same pairing as inference, `jeagle/spec/round.py`): the draft consumes (token at t+1,
+Alignment (the same pairing as inference, `jeagle/speculative/round.py`): the draft consumes (token at t+1,
 feature at t) at position t and predicts token t+2, whose label is the target's distribution at
 position t+1.
 
@@ -178,7 +178,7 @@ def init_params(cfg: DraftConfig, target_params: dict, *, seed: int = 0, used_id
 def load_params(path, target_cfg=None) -> tuple[dict, np.ndarray | None]:
     """fp32 trainable parameters and d2t (None for EAGLE-1) of a trained head dir (jeagle's loader: its
     format and, with `target_cfg`, its fit to the target are checked)."""
-    from jeagle.checkpoint import load_draft
+    from jeagle.loading.checkpoint import load_draft
 
     head = load_draft(path, target=target_cfg, dtype="float32")
     pure = nnx.to_pure_dict(nnx.split(head)[1])

@@ -192,7 +192,7 @@ class Trainer:
         """The fp32 master weights as a jeagle draft dir (loadable with --draft, --init-from) plus
         trainer_state.json (step, tokens seen): a fraction of the orbax checkpoint's size (no optimizer
         moments), so it fits what a machine can send back. `load_portable` resumes from it."""
-        from jeagle.checkpoint import save_checkpoint
+        from jeagle.loading.checkpoint import save_checkpoint
         from jeagle.train.model import export_params
 
         directory = Path(directory)
@@ -213,7 +213,7 @@ class Trainer:
         optimizer's moments start afresh at that step of the schedule (AdamW's moments here have a memory
         of ~10 (b1 0.9) and ~20 (b2 0.95) steps, so little is lost), their count set to the step so the
         learning-rate schedule continues where it stopped."""
-        from jeagle.checkpoint import load_draft
+        from jeagle.loading.checkpoint import load_draft
 
         directory = Path(directory)
         state = _read_progress(directory, "trainer_state.json")

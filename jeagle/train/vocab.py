@@ -103,7 +103,7 @@ def trim_head(head_dir, data_path, size: int, out_dir) -> dict:
     import json
     from pathlib import Path
 
-    from jeagle.checkpoint import save_checkpoint
+    from jeagle.loading.checkpoint import save_checkpoint
     from jeagle.config import DraftConfig
     from jeagle.train.data import DraftData
     from jeagle.train.model import load_params

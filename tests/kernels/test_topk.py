@@ -104,7 +104,7 @@ def test_switch_and_validation(monkeypatch):
 def test_rounds_take_the_draft_topk_through_the_kernel(monkeypatch):
     """draft_topk (every draft step, the draft extend, a speculative prefill) asks the kernel."""
     import jeagle.kernels.topk as topk
-    from jeagle.spec import round as spec_round
+    from jeagle.speculative import round as spec_round
 
     seen = []
     real = topk._pallas
@@ -166,10 +166,10 @@ def test_top_k_ties_switch_and_validation(monkeypatch):
 
 
 def test_logprobs_top_k_goes_through_the_kernel(monkeypatch):
-    """`jeagle.logprobs.top_k_blocked` over a 49,152-entry vocabulary: the block maxima's and the
+    """`jeagle.sampling.logprobs.top_k_blocked` over a 49,152-entry vocabulary: the block maxima's and the
     candidates' top 20 both through the kernel, the result equal to `jax.lax.top_k`'s."""
     import jeagle.kernels.topk as topk
-    from jeagle.logprobs import LOGPROB_TOP, top_k_blocked
+    from jeagle.sampling.logprobs import LOGPROB_TOP, top_k_blocked
 
     seen = []
     real = topk._pallas

@@ -79,7 +79,7 @@ def random_drafts(b: int, n: int, k: int, seed: int = 0, vocab: int = 1000):
     """What the draft phase hands build_tree: S steps of top-K beam expansion with random draft
     probabilities (flat nodes [B, K + (S-1)K²], parents as flat ids, -1 = the root), S the fewest
     steps that yield N-1 nodes (K = 1: a chain of N-1), and the N-1 best nodes selected."""
-    from jeagle.spec.tree import select_nodes
+    from jeagle.speculative.tree import select_nodes
 
     s = n - 1 if k == 1 else max(1, -(-(n - 1 - k) // (k * k)) + 1)
     rng = np.random.default_rng(seed)

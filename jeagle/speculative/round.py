@@ -13,7 +13,7 @@ so rounds chain on the device with no host round trip:
 Tiers. The rows are laid out for the largest tier an engine runs (`RowLayout`: the largest K, N and
 SK of its tiers); a round of a smaller tier uses the first K / N / SK columns and leaves the rest
 untouched. Top-K is sorted, so the first K of the stored top-K_max are the top-K: the next round may
-run any tier (the adaptive controller switches between rounds, `jeagle/adaptive.py`).
+run any tier (the adaptive controller switches between rounds, `jeagle/speculative/adaptive.py`).
     n_generated, max_new, stop_ids [R, MAX_STOP] (-1 padded), finished, sampling parameters
 
 Slot ownership. A request owns its position slots, its N tree slots and its scratch slots for its
@@ -45,13 +45,13 @@ from jeagle.kernels.commit_slots import commit_slots
 from jeagle.kernels.topk import softmax_topk
 from jeagle.kernels.tree_speculative_sampling import tree_speculative_sampling
 from jeagle.kernels.verify_tree_greedy import verify_tree_greedy
-from jeagle.grammar import apply_token_mask
-from jeagle.logprobs import LOGPROB_COLUMNS, pack as pack_logprobs, split as split_logprobs, token_logprobs
-from jeagle.penalties import MAX_STOP  # stop token ids per request the device checks
-from jeagle.penalties import (PenaltyRows, add_tokens, apply as apply_penalties, gather as gather_penalties,
+from jeagle.sampling.grammar import apply_token_mask
+from jeagle.sampling.logprobs import LOGPROB_COLUMNS, pack as pack_logprobs, split as split_logprobs, token_logprobs
+from jeagle.sampling.penalties import MAX_STOP  # stop token ids per request the device checks
+from jeagle.sampling.penalties import (PenaltyRows, add_tokens, apply as apply_penalties, gather as gather_penalties,
                               path_counts)
-from jeagle.spec.tree import select_nodes
-from jeagle.spec.verify import simulated_accept, target_probs
+from jeagle.speculative.tree import select_nodes
+from jeagle.speculative.verify import simulated_accept, target_probs
 
 # The named scopes of a round's phases (module docstring), in the order a round runs them.
 PHASES = ("draft_step", "draft_topk", "tree_build", "verify_forward", "accept", "finish", "draft_extend", "commit")
@@ -227,7 +227,7 @@ def nested_accepts(nt: NestedTrees, path, acc, bonus):
 @dataclass
 class RoundResult:
     """A round's (or a speculative prefill's) result on the host, unpacked from `pack_result`
-    (with `logprobs`: followed by the W tokens' packed logprobs, `jeagle.logprobs.pack`)."""
+    (with `logprobs`: followed by the W tokens' packed logprobs, `jeagle.sampling.logprobs.pack`)."""
     tokens: "np.ndarray"  # [B, W] emitted tokens, -1 padded
     accepted: "np.ndarray"  # [B] accepted draft tokens, bonus excluded; -1 where no round ran
     finished: "np.ndarray"  # [B] bool
@@ -362,7 +362,7 @@ def verify_forward(target, cfg: SpecConfig, cache, r: SpecRows, row_ids, tree, *
                    aux_layers: tuple[int, ...], unroll: bool | int = False):
     """The verify's target forward over the B·N tree tokens of the gathered rows `r` (their KV written
     to the tree slots): the first half of `verify_commit`, an executable of its own where grammar
-    masks are computed on the host meanwhile (`spec/steps.py` `verify_forward_step`). Returns the
+    masks are computed on the host meanwhile (`speculative/steps.py` `verify_forward_step`). Returns the
     target's ForwardOut."""
     with jax.named_scope("verify_forward"):
         return target(tree.tokens, _tree_attn(cfg, cache, r, row_ids, tree, kv_len), cache.k, cache.v,
@@ -376,7 +376,7 @@ def verify_commit(target, head, cfg: SpecConfig, cache, dk, dv, rows: SpecRows, 
     """Verify the tree with the target, accept, check finishes, extend the draft, commit.
     nested (`draft_tree`'s): the result also carries what each nested tier would have accepted.
     tout: the verify forward's output computed already (`verify_forward`; else computed here).
-    token_masks [B, N, W]: each node's grammar mask (jeagle/grammar.py), applied to its logits.
+    token_masks [B, N, W]: each node's grammar mask (jeagle/sampling/grammar.py), applied to its logits.
     logprobs: append the emitted tokens' logprobs from the target's logits at the accepted nodes.
     penalties: the rows' penalties, applied to every tree node's logits with the node's path counted
     (what target-only decoding applies there had it emitted that path); the emitted tokens are

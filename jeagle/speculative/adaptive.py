@@ -22,7 +22,7 @@ tiers more often, so it is off by default.)
     AdaptiveController   feeds the policy after each verify and swaps the active TierState (a reference
                          swap: every tier is compiled at warm-up, a switch never compiles)
 
-The throughput policy: jeagle/adaptive_throughput.py.
+The throughput policy: jeagle/speculative/adaptive_throughput.py.
 
 The EMA policy. After each verify, batch_avg = mean accepted draft tokens per request (bonus
 excluded), ema = (1-α)·ema + α·batch_avg, ema starting at steps-1 of the initial tier. The first
@@ -42,7 +42,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from jeagle.adaptive_throughput import RoundTimes, ThroughputPolicy
+from jeagle.speculative.adaptive_throughput import RoundTimes, ThroughputPolicy
 
 POLICIES = ("throughput", "ema")
 

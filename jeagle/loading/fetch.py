@@ -97,7 +97,7 @@ def _fetch_smollm2_gguf(gguf_path: Path, quiet: bool) -> Path:
 def default_target_dir(*, dtype: str = "bfloat16", quiet: bool = False) -> Path:
     """The converted default model, converting the GGUF once if needed."""
     out = cache_dir() / "models" / (SMOLLM2_NAME if dtype == "bfloat16" else f"{SMOLLM2_NAME}-{dtype}")
-    from jeagle.checkpoint import is_converted
+    from jeagle.loading.checkpoint import is_converted
 
     if is_converted(out):
         return out
@@ -118,7 +118,7 @@ def resolve_target(spec: str | None, *, dtype: str = "bfloat16", quiet: bool = F
 def resolve_draft(spec: str, target_dir: Path, *, dtype: str = "bfloat16", quiet: bool = False) -> Path:
     """A converted draft dir for `--draft`: a converted jeagle draft, or a PyTorch EAGLE head dir
     converted on first use (for this target) into the cache."""
-    from jeagle.checkpoint import DRAFT_FORMAT, CheckpointError, is_converted
+    from jeagle.loading.checkpoint import DRAFT_FORMAT, CheckpointError, is_converted
 
     src = Path(spec).expanduser()
     if not src.is_dir():

@@ -10,7 +10,7 @@
 
 Each returns (result, state); a result is `round.pack_result`'s [B, W + 2 (+ T)] array (T: the key's
 nested tiers; the split round's draft step returns the tree), with a key's `logprobs` followed by the
-W tokens' packed logprobs (`jeagle.logprobs`). The keys (frozen, hashable) hold everything static and are the
+W tokens' packed logprobs (`jeagle.sampling.logprobs`). The keys (frozen, hashable) hold everything static and are the
 executables' keys (`jeagle.runtime.executables`).
 """
 
@@ -23,19 +23,19 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jeagle.cache import KVCache, assign_rows, init_cache, init_pools
+from jeagle.runtime.kv_cache import KVCache, assign_rows, init_cache, init_pools
 from jeagle.config import DraftConfig, ModelConfig
 from jeagle.kernels.settings import KernelSettings
-from jeagle.grammar import apply_token_mask, mask_words, masks_from_ids
-from jeagle.grammar_walk import CANDIDATES
-from jeagle.logprobs import pack, prompt_logprobs, token_logprobs, top_k_blocked
+from jeagle.sampling.grammar import apply_token_mask, mask_words, masks_from_ids
+from jeagle.sampling.grammar_walk import CANDIDATES
+from jeagle.sampling.logprobs import pack, prompt_logprobs, token_logprobs, top_k_blocked
 from jeagle.models.llama import ForwardOut
-from jeagle.penalties import (PenaltyInputs, PenaltyRows, add_tokens, apply as apply_penalties,
+from jeagle.sampling.penalties import (PenaltyInputs, PenaltyRows, add_tokens, apply as apply_penalties,
                               gather as gather_penalties, init_penalty_rows, penalty_shapes, prefill_rows)
 from jeagle.runtime.executables import DeviceShapes, StepBuild, compiler_options, param_step
 from jeagle.runtime.steps import Sampling, input_layout, prefill_attn, prefill_unroll, sampling_shapes
 from jeagle.sampling import sample
-from jeagle.spec.round import (MAX_STOP, RowLayout, SpecConfig, SpecRows, draft_topk, draft_tree, draft_vocab_ids, init_rows,
+from jeagle.speculative.round import (MAX_STOP, RowLayout, SpecConfig, SpecRows, draft_topk, draft_tree, draft_vocab_ids, init_rows,
                                pack_result, pad_columns, spec_round, verify_commit, verify_forward)
 
 
@@ -46,7 +46,7 @@ class SpecState:
     draft_k: jax.Array  # [L_draft, num_slots, kv_heads, head_dim]: the draft's pools, same slot ids
     draft_v: jax.Array
     rows: SpecRows
-    penalties: PenaltyRows  # jeagle/penalties.py
+    penalties: PenaltyRows  # jeagle/sampling/penalties.py
 
 
 def init_state(model: ModelConfig, draft: DraftConfig, layout: RowLayout, *, num_slots: int, max_reqs: int,
@@ -72,7 +72,7 @@ class SpecPrefillInputs:
     max_new: jax.Array  # [B]
     stop_ids: jax.Array  # [B, MAX_STOP], -1 padded
     penalties: PenaltyInputs
-    token_mask: jax.Array  # [B, W] int32 bitmask of the tokens the first may be (jeagle/grammar.py; -1: any)
+    token_mask: jax.Array  # [B, W] int32 bitmask of the tokens the first may be (jeagle/sampling/grammar.py; -1: any)
 
 
 @dataclass(frozen=True)
@@ -133,7 +133,7 @@ class SpecPrefillKey(_SpecKey):
     batch: int
     length: int
     logprobs: bool = False
-    prompt_logprobs: bool = False  # also the prompt tokens' logprobs (`jeagle.logprobs.prompt_logprobs`)
+    prompt_logprobs: bool = False  # also the prompt tokens' logprobs (`jeagle.sampling.logprobs.prompt_logprobs`)
     context: int = 0  # > 0: rows continue cached prefixes (runtime/steps.py `prefill_attn`)
     phase = "prefill"
 
@@ -175,8 +175,8 @@ class RoundKey(_SpecKey):
     # iteration and runs its body outside the command buffer).
     unrolled: bool = False
     logprobs: bool = False  # the emitted tokens' logprobs appended to the result
-    penalties: bool = False  # the rows' penalties applied in the verify (jeagle/penalties.py)
-    grammar: bool = False  # accept only: token masks among the inputs (jeagle/grammar.py)
+    penalties: bool = False  # the rows' penalties applied in the verify (jeagle/sampling/penalties.py)
+    grammar: bool = False  # accept only: token masks among the inputs (jeagle/sampling/grammar.py)
     # accept only: the masks as token ids [B, N, CANDIDATES] (-1 padded; a node of -1s allows every token)
     # instead of bitmasks [B, N, W]: batches whose grammar rows the host walked (`grammar_walk.walk_nodes`)
     compact: bool = False
@@ -376,7 +376,7 @@ def verify_step(key: RoundKey, graphdef, draft_graphdef, params, state: SpecStat
 class VerifyForward:
     """What the verify's forward hands its accept: the target's logits at the tree nodes and the
     draft's features (the final hidden for EAGLE-1, the aux layers' for EAGLE-3; the other None);
-    and for the host, each node's best tokens (`jeagle.grammar_walk.walk_nodes`: greedy grammar rows)."""
+    and for the host, each node's best tokens (`jeagle.sampling.grammar_walk.walk_nodes`: greedy grammar rows)."""
     logits: jax.Array  # [B, N, V] fp32
     hidden: jax.Array | None
     aux_hidden: jax.Array | None
@@ -386,7 +386,7 @@ class VerifyForward:
 
 def verify_forward_step(key: RoundKey, graphdef, draft_graphdef, params, state: SpecState, row_ids):
     """A grammar round's first half: the draft and the target's forward over its tree, in one
-    executable (the host needs the forward's best tokens anyway, `jeagle.grammar_walk.walk_nodes`; one
+    executable (the host needs the forward's best tokens anyway, `jeagle.sampling.grammar_walk.walk_nodes`; one
     call costs the host about what the two did: bench/HISTORY.md, 2026-11-27). Returns ((tree,
     VerifyForward), state)."""
     tree, state = draft_step(DraftKey(key.static, key.tier, key.batch, key.kv_len), graphdef, draft_graphdef,

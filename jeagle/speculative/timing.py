@@ -1,8 +1,8 @@
 """Round times for the adaptive throughput policy: every tier's round timed at a bucket on padding rows
 (`calibrate`: after warm-up, or at the first dispatch of a bucket not timed yet), its call's host time
 with it, and each step's host time besides its dispatch (`host_step`, from the scheduler), into the
-controller's `RoundTimes` (jeagle/adaptive_throughput.py), whose model weighs host against device.
-A mixin of `SpecDecoder` (spec/decoder.py), which holds the tiers, their executables and the controller.
+controller's `RoundTimes` (jeagle/speculative/adaptive_throughput.py), whose model weighs host against device.
+A mixin of `SpecDecoder` (speculative/decoder.py), which holds the tiers, their executables and the controller.
 """
 
 from __future__ import annotations

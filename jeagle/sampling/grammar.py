@@ -20,7 +20,7 @@ bitmask per position to decode from ([W] int32, bit v % 32 of word v // 32 allow
 
 A target-only grammar step needs the previous step's tokens first (the scheduler drains what is in
 flight before it); a speculative one reads them while its draft and forward run
-(`runtime/scheduler.py`, `spec/decoder.py`). Masks are computed on llguidance's thread pool.
+(`runtime/scheduler.py`, `speculative/decoder.py`). Masks are computed on llguidance's thread pool.
 """
 
 from __future__ import annotations

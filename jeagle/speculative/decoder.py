@@ -10,9 +10,9 @@ Tiers. The decoder runs one (S, K, N) tier, or with `adaptive` several: each tie
 executables (per batch bucket, prefix bucket and greedy/sampled mode, compiled at warm-up) held in
 its `TierState`, the rows and slots are sized for the largest (S, K, N and scratch each at their
 maximum), and after each processed round the `AdaptiveController` may make another tier active for
-the next dispatch (`jeagle/adaptive.py`). Step functions and keys: spec/steps.py.
+the next dispatch (`jeagle/speculative/adaptive.py`). Step functions and keys: speculative/steps.py.
 
-Round times (the throughput policy): spec/timing.py's `TierTiming` calibrates; in the steady state each
+Round times (the throughput policy): speculative/timing.py's `TierTiming` calibrates; in the steady state each
 processed round also gives a sample: the time from the previous round's result to its own (or from
 its dispatch, if later), skipped when a prefill ran in between or a dispatch loops several rounds.
 """
@@ -29,10 +29,10 @@ import jax
 import numpy as np
 from flax import nnx
 
-from jeagle.adaptive import AdaptiveConfig, AdaptiveConfigError, AdaptiveController, TierState
+from jeagle.speculative.adaptive import AdaptiveConfig, AdaptiveConfigError, AdaptiveController, TierState
 from jeagle.runtime.buckets import Buckets, pad
-from jeagle import logprobs
-from jeagle.penalties import penalty_inputs, wants_penalties
+from jeagle.sampling import logprobs
+from jeagle.sampling.penalties import penalty_inputs, wants_penalties
 from jeagle.runtime.decoder import (Delivery, GrammarMasks, SlotTables, context_size, place_cache, prefill_batch,
                                     sampling_inputs, split_prompt_logprobs, wants_grammar, wants_logprobs,
                                     wants_prompt_logprobs, weight_bytes)
@@ -41,9 +41,9 @@ from jeagle.runtime.executables import DeviceShapes, Executables, FlatParams
 from jeagle.runtime.slots import SlotLayout, pool_size
 from jeagle.runtime.stats import SpecStats
 from jeagle.runtime.steps import Sampling, input_layout, layer_unroll
-from jeagle.spec.round import MAX_STOP, RoundResult, RowLayout, SpecConfig, packed_width
-from jeagle.spec.steps import DraftKey, RoundKey, SpecPrefillInputs, SpecPrefillKey, SpecState, SpecStatic, init_state
-from jeagle.spec.timing import TierTiming
+from jeagle.speculative.round import MAX_STOP, RoundResult, RowLayout, SpecConfig, packed_width
+from jeagle.speculative.steps import DraftKey, RoundKey, SpecPrefillInputs, SpecPrefillKey, SpecState, SpecStatic, init_state
+from jeagle.speculative.timing import TierTiming
 
 
 class SpecDecoder(TierTiming, SlotTables, GrammarMasks, FlatParams, Dispatching):
@@ -79,7 +79,7 @@ class SpecDecoder(TierTiming, SlotTables, GrammarMasks, FlatParams, Dispatching)
 
         self.draft_split = False  # the draft head split over the mesh (EngineConfig.tp_draft)
         if mesh is not None:
-            from jeagle.sharding import shard_draft, shard_target, split_draft
+            from jeagle.parallel.sharding import shard_draft, shard_target, split_draft
 
             model = shard_target(model, mesh, config.tp_vocab)
             self.draft_split = split_draft(draft.cfg, config.tp, config.tp_draft, config.tp_vocab)
@@ -88,7 +88,7 @@ class SpecDecoder(TierTiming, SlotTables, GrammarMasks, FlatParams, Dispatching)
         graphdef, params = nnx.split(model)
         draft_graphdef, draft_params = nnx.split(draft)
         if mesh is not None and not self.draft_split:
-            from jeagle.sharding import replicate
+            from jeagle.parallel.sharding import replicate
 
             draft_params = replicate(draft_params, mesh)
         self.params = (params, draft_params)
@@ -99,7 +99,7 @@ class SpecDecoder(TierTiming, SlotTables, GrammarMasks, FlatParams, Dispatching)
         state = jax.jit(functools.partial(init_state, mc, draft.cfg, rl, num_slots=self.num_slots,
                                           max_reqs=self.max_reqs, max_ctx=self.max_ctx))()
         if mesh is not None:  # pools split like the target's; the rest replicated
-            from jeagle.sharding import replicate, shard_pools
+            from jeagle.parallel.sharding import replicate, shard_pools
 
             dk, dv = shard_pools(state.draft_k, state.draft_v, mesh)
             state = SpecState(place_cache(state.cache, mesh), dk, dv, replicate(state.rows, mesh),
@@ -164,7 +164,7 @@ class SpecDecoder(TierTiming, SlotTables, GrammarMasks, FlatParams, Dispatching)
 
     def _nested(self, tier: SpecConfig) -> tuple[tuple[int, int], ...]:
         """(S', N') of the tiers whose would-be accept lengths `tier`'s rounds report (the throughput
-        policy's nested tiers, `jeagle.adaptive_throughput.nested_tiers`)."""
+        policy's nested tiers, `jeagle.speculative.adaptive_throughput.nested_tiers`)."""
         if not self.timed:
             return ()
         nest = self.controller.nests[self.tiers.index(tier)]
@@ -207,7 +207,7 @@ class SpecDecoder(TierTiming, SlotTables, GrammarMasks, FlatParams, Dispatching)
         if self.mesh is None:
             rows = jax.device_put(row_ids)
         else:
-            from jeagle.sharding import replicate
+            from jeagle.parallel.sharding import replicate
 
             rows = replicate(row_ids, self.mesh)
         self._rows_on_device = (row_ids, rows)

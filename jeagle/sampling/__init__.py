@@ -11,9 +11,9 @@ from dataclasses import dataclass, field
 import jax
 import jax.numpy as jnp
 
-from jeagle.logprobs import LOGPROB_TOP
-from jeagle.penalties import MAX_LOGIT_BIAS
-from jeagle.sharding import whole_vocab
+from jeagle.sampling.logprobs import LOGPROB_TOP
+from jeagle.sampling.penalties import MAX_LOGIT_BIAS
+from jeagle.parallel.sharding import whole_vocab
 
 
 @dataclass(frozen=True)
@@ -25,17 +25,17 @@ class SamplingParams:
     seed: int | None = None  # None = drawn at random per request
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
-    # Log-probabilities of the emitted tokens (jeagle/logprobs.py): None = off, k = each token's
+    # Log-probabilities of the emitted tokens (jeagle/sampling/logprobs.py): None = off, k = each token's
     # logprob and the k most likely tokens at its position (0 <= k <= LOGPROB_TOP).
     logprobs: int | None = None
     prompt_logprobs: bool = False  # also the prompt tokens' logprobs (top `logprobs`), from the prefill
-    # Penalties (jeagle/penalties.py): neutral by default.
+    # Penalties (jeagle/sampling/penalties.py): neutral by default.
     frequency_penalty: float = 0.0  # [-2, 2], OpenAI's
     presence_penalty: float = 0.0  # [-2, 2], OpenAI's
     repetition_penalty: float = 1.0  # > 0 (1: off), over prompt and output tokens
     min_tokens: int = 0  # stop tokens (EOS, stop_token_ids) held back until this many new tokens
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias in [-100, 100]) pairs
-    # Structured output: a compiled `jeagle.grammar.Grammar` (JSON schema, regex, EBNF) the tokens must follow.
+    # Structured output: a compiled `jeagle.sampling.grammar.Grammar` (JSON schema, regex, EBNF) the tokens must follow.
     grammar: object | None = None
 
     def __post_init__(self):

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 
 from jeagle.kernels.verify_tree_greedy import accept_outputs
-from jeagle.sharding import whole_vocab
+from jeagle.parallel.sharding import whole_vocab
 
 
 def simulated_accept(candidates, retrieve_index, target_predict, num_spec_steps: int, mean_accept: float, seed,

@@ -1,4 +1,4 @@
-"""The adaptive controller's cost-aware policy, "throughput" (`jeagle/adaptive.py` holds the config, SGLang's
+"""The adaptive controller's cost-aware policy, "throughput" (`jeagle/speculative/adaptive.py` holds the config, SGLang's
 EMA policy and the controller): the tier with the most expected tokens per second, and the round
 times it weighs them by. Host-only (no JAX here).
 
@@ -19,7 +19,7 @@ often, so E = 1 stays the default). Under this policy the base tier (S, K, N) is
 tiers (it starts there). E_j comes from:
   1. rounds that observed tier j: its own, and those of any tier that nests it (the same K, no more
      steps: `nested_tiers`). A round reports what each nested tier's tree would have accepted
-     (`jeagle.spec.round.nested_accepts`: exact for greedy rows but in a rare case, where it is a
+     (`jeagle.speculative.round.nested_accepts`: exact for greedy rows but in a rare case, where it is a
      lower bound), so the tiers below the active one are measured every round, tree width included;
      decayed over the last `accept_window` request-rounds (a batch of 16 forgets 16 times faster per
      verify than a batch of 1), or over `window_verifies` verifies if that is longer (the requests of
@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING, Any, Callable, Sequence
 import numpy as np
 
 if TYPE_CHECKING:
-    from jeagle.adaptive import AdaptiveConfig
+    from jeagle.speculative.adaptive import AdaptiveConfig
 
 PRIOR_WEIGHT = 2.0  # pseudo-rounds shrinking a depth's acceptance towards the depth above it
 PRIOR_ACCEPT = 0.5  # depth 1's prior acceptance
@@ -70,7 +70,7 @@ MAX_PENDING = 8  # verifies buffered before they are folded into the counts with
 
 def nested_tiers(tiers: Sequence[tuple[int, int, int]]) -> list[tuple[int, ...]]:
     """For each tier (S, K, N), the indices of the other tiers nested in it: the same K and S' <= S,
-    so that a round of it tells what each of them would have accepted (`jeagle.spec.round.nested_accepts`)."""
+    so that a round of it tells what each of them would have accepted (`jeagle.speculative.round.nested_accepts`)."""
     return [tuple(i for i, (s_i, k_i, _) in enumerate(tiers) if i != j and k_i == k and s_i <= s)
             for j, (s, k, _) in enumerate(tiers)]
 

@@ -1,4 +1,4 @@
-"""Greedy grammar rows of a speculative round (jeagle/grammar.py): the host checks the target's best
+"""Greedy grammar rows of a speculative round (jeagle/sampling/grammar.py): the host checks the target's best
 tokens along the path the accept walks instead of computing a mask per tree node (`walk_nodes`)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 if TYPE_CHECKING:
-    from jeagle.grammar import Matcher
+    from jeagle.sampling.grammar import Matcher
 
 CANDIDATES = 8  # the verify's top tokens per tree node the host checks (`walk_nodes`)
 

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jeagle.kernels.topk import top_k
-from jeagle.sharding import whole_vocab
+from jeagle.parallel.sharding import whole_vocab
 
 LOGPROB_TOP = 20  # OpenAI's largest top_logprobs; a request asks for any k <= this
 LOGPROB_COLUMNS = 1 + 2 * LOGPROB_TOP
