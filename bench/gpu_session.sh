@@ -66,16 +66,18 @@ if step partings; then  # where bf16 EAGLE parts from target-only; deterministic
       --json-out "$OUT/partings_${spec%%:*}.json" 2>&1 | grep -v "Converting\|Loading\|^{" | tee -a "$OUT/partings.log"
   done
 fi
-if step detcost; then  # deterministic mode's cost at batch 16: as built, with autotuning on, and by phase
-  python3 bench/probes/deterministic_cost.py --shape smollm2 --batch-sizes ${DETCOST_BATCHES:-16} --tau 3.2 \
+if step detcost; then  # deterministic mode's cost: as built; DETCOST_EXTRA=1 adds autotuning forced on and per-op profiles
+  python3 bench/probes/deterministic_cost.py --shape smollm2 --batch-sizes ${DETCOST_BATCHES:-1,16} --tau 3.2 \
     --json-out "$OUT/detcost.json" 2>&1 | grep -v '^{"probe"' | tee "$OUT/detcost.log"
-  JEAGLE_XLA_OPTIONS='{"xla_gpu_autotune_level": 4}' python3 bench/probes/deterministic_cost.py --shape smollm2 \
-    --batch-sizes ${DETCOST_BATCHES:-16} --tau 3.2 --systems eagle --json-out "$OUT/detcost_autotune.json" 2>&1 | grep -v '^{"probe"' \
-    | sed 's/^/autotune4: /' | tee -a "$OUT/detcost.log"
-  for det in "" --deterministic; do
-    timeout 240 python3 bench/profile_decode.py --shape smollm2 --batch-sizes 16 --spec 5,4,8 --simulate-accept 3.2 \
-      --steps 16 --top 15 $det 2>&1 | grep -v "Converting\|Loading" | tee -a "$OUT/detcost_profile.log"
-  done
+  if [ "${DETCOST_EXTRA:-0}" = 1 ]; then
+    JEAGLE_XLA_OPTIONS='{"xla_gpu_autotune_level": 4}' python3 bench/probes/deterministic_cost.py --shape smollm2 \
+      --batch-sizes ${DETCOST_BATCHES:-1,16} --tau 3.2 --systems eagle --json-out "$OUT/detcost_autotune.json" 2>&1 \
+      | grep -v '^{"probe"' | sed 's/^/autotune4: /' | tee -a "$OUT/detcost.log"
+    for det in "" --deterministic; do
+      timeout 240 python3 bench/profile_decode.py --shape smollm2 --batch-sizes 16 --spec 5,4,8 --simulate-accept 3.2 \
+        --steps 16 --top 15 $det 2>&1 | grep -v "Converting\|Loading" | tee -a "$OUT/detcost_profile.log"
+    done
+  fi
 fi
 if step decode; then  # target-only / EAGLE-3 (shipped head) / transformers compiled, MT-bench first turns
   # DECODE_ARGS: more bench/decode.py arguments (e.g. --systems jeagle,jeagle-eagle,jeagle-adaptive --waves 20).

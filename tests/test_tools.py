@@ -10,8 +10,8 @@ from __future__ import annotations
 import json
 
 import httpx
-import jsonschema
 import pytest
+jsonschema = pytest.importorskip("jsonschema")
 
 from jeagle.engine import EngineConfig, speculative
 from jeagle.serve.protocol import BadRequest, chat_prompt_ids

@@ -113,8 +113,12 @@ def compiler_options(kernels, *, cublas_only: bool) -> dict:
     cublas_only: the speculative executables compile with XLA's Triton GEMM fusions off (cuBLAS for
     every matmul): on the H100 that halves their compile time (4-5 s instead of 8-10 s per round
     executable) and the rounds run as fast or faster (bench/HISTORY.md, "XLA options"); kept on with
-    `KernelSettings.triton_gemm` (JEAGLE_TRITON_GEMM=1). Deterministic mode: cuBLAS and no autotuning
-    in every executable, so one matmul shape gets one algorithm everywhere. On a CPU no options of
+    `KernelSettings.triton_gemm` (JEAGLE_TRITON_GEMM=1). Deterministic mode: cuBLAS in every executable;
+    on the reference backend (its jnp form, where XLA's matmuls carry the target) also no autotuning, so
+    one matmul shape gets one algorithm everywhere. On a kernel backend the target's products are
+    `linear_invariant`'s and its attention `ordered_attention`'s, whose numerics no XLA option changes,
+    and autotuning stays on: without it the draft's cuBLAS calls took the H100 21x the default's time
+    per token at batch 16, with it 1.06x (bench/RESULTS.md, 2026-12-07). On a CPU no options of
     ours. `slice_fusion=False`: XLA's dynamic-slice fusions off (KernelSettings says why). Then the
     settings' own `xla_options` (JEAGLE_XLA_OPTIONS), which win."""
     extra = dict(kernels.xla_options)
@@ -122,8 +126,10 @@ def compiler_options(kernels, *, cublas_only: bool) -> dict:
         return extra
     if not kernels.slice_fusion:
         extra = {"xla_gpu_enable_dynamic_slice_fusion": False} | extra
-    if kernels.deterministic:  # the same cuBLAS algorithm for the same matmul shape in every executable
+    if kernels.deterministic and kernels.resolved() == "reference":  # one cuBLAS algorithm per matmul shape
         return {"xla_gpu_enable_triton_gemm": False, "xla_gpu_autotune_level": 0} | extra
+    if kernels.deterministic:
+        return {"xla_gpu_enable_triton_gemm": False} | extra
     if not cublas_only or kernels.triton_gemm:
         return extra
     return {"xla_gpu_enable_triton_gemm": False} | extra

@@ -181,3 +181,20 @@ def test_slice_fusion_off_turns_xla_dynamic_slice_fusions_off_on_a_gpu_only(monk
     assert compiler_options(KernelSettings(slice_fusion=False, xla_options={name: True}), cublas_only=True)[name] is True
     with pytest.raises(ValueError, match="slice_fusion must be a bool"):
         KernelSettings(slice_fusion="off")
+
+
+def test_deterministic_compiles_without_autotuning_only_where_xla_carries_the_target(monkeypatch):
+    """Deterministic mode on a GPU: cuBLAS for every XLA matmul; no autotuning on the reference backend (its
+    jnp form, where XLA's matmuls are the target's), autotuning kept on a kernel backend (the target's
+    products and attention are its own kernels); JEAGLE_XLA_OPTIONS still wins."""
+    from jeagle.runtime.executables import compiler_options
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    level, triton = "xla_gpu_autotune_level", "xla_gpu_enable_triton_gemm"
+    jnp_form = compiler_options(KernelSettings(backend="reference", deterministic=True), cublas_only=False)
+    assert jnp_form[level] == 0 and jnp_form[triton] is False
+    for backend in ("pallas", None):  # None: the GPU's default, pallas
+        kernels = compiler_options(KernelSettings(backend=backend, deterministic=True), cublas_only=False)
+        assert level not in kernels and kernels[triton] is False
+    mine = KernelSettings(backend="reference", deterministic=True, xla_options={level: 4})
+    assert compiler_options(mine, cublas_only=True)[level] == 4
