@@ -55,15 +55,19 @@ for old in bench:decode tp:scale acceptlen:accept; do steps="${steps// ${old%%:*
 step() { [[ "$steps" == *" $1 "* ]]; }
 quiet() { grep -v "Converting\|Loading\|Delay kernel"; }  # the conversion's and XLA's chatter
 if step gputests; then  # the GPU runner's suite: README "Tests"
+  # Straight into the log (no pipe buffering what a timeout would lose), each test named as it ends; past
+  # GPUTESTS_LIMIT seconds pytest gets SIGINT and still prints what passed and the durations so far.
   start=$(date +%s)
-  python3 -m pytest -q -m gpu --durations=25 ${GPUTESTS_ARGS:-} 2>&1 | grep -v "Converting\|Loading" | tee "$OUT/pytest_gpu.log"
+  timeout -s INT "${GPUTESTS_LIMIT:-540}" python3 -m pytest -v -m gpu --durations=0 --durations-min=1 \
+    ${GPUTESTS_ARGS:-} > "$OUT/pytest_gpu.log" 2>&1
   echo "pytest -m gpu wall: $(( $(date +%s) - start )) s" | tee -a "$OUT/pytest_gpu.log"
+  grep -v "Converting\|Loading\|Delay kernel" "$OUT/pytest_gpu.log" | tail -60
 fi
 if step partings; then  # where bf16 EAGLE parts from target-only; deterministic mode's equality and cost
   for spec in ${PARTINGS_RUNS:-default:1,16 deterministic:1,16,48}; do
     python3 bench/probes/partings.py --prompts .data/mtbench.jsonl --num-prompts 48 --batch1-prompts "${PARTINGS_B1:-4}" \
       --max-new-tokens "${PARTINGS_TOKENS:-128}" --modes "${spec%%:*}" --batch-sizes "${spec#*:}" \
-      --json-out "$OUT/partings_${spec%%:*}.json" 2>&1 | grep -v "Converting\|Loading\|^{" | tee -a "$OUT/partings.log"
+      --json-out "$OUT/partings_${spec%%:*}.json" 2>&1 | grep --line-buffered -v "Converting\|Loading\|^{" | tee -a "$OUT/partings.log"
   done
 fi
 if step detcost; then  # deterministic mode's cost: as built; DETCOST_EXTRA=1 adds autotuning forced on and per-op profiles
