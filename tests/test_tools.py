@@ -208,24 +208,31 @@ def test_the_forced_grammar_writes_the_family_format():
 
 # ---- over HTTP, EAGLE on ------------------------------------------------------------------------------------
 # One prefill bucket, one KV bucket, one batch bucket: few executables to compile.
-CONFIG = EngineConfig(max_batch_size=1, max_context=256, min_prefill_bucket=256, min_kv_bucket=256, prefix_cache=False)
+# Llama 3.1's template writes the tools as indented JSON into the user turn: ~1,200 characters of this tokenizer.
+CONTEXT = {"qwen": 256, "llama": 2048}
 
 
-@pytest.fixture(scope="module")
-def parts():
+def config(family: str) -> EngineConfig:
+    n = CONTEXT[family]
+    return EngineConfig(max_batch_size=1, max_context=n, min_prefill_bucket=n, min_kv_bucket=n, prefix_cache=False)
+
+
+@pytest.fixture(scope="module", params=["qwen", "llama"])
+def parts(request):
+    """The over-HTTP tests run once with each family's template (--tool-call-parser auto picks its format)."""
     target = bigram_target(target_config(vocab=VOCAB, eos=(EOS,)), scale=6.0)
     tok = char_tokenizer("~")
-    tok.chat_template = QWEN_STYLE
-    return target, signed_identity_head(target, +1.0, noise=0.05), tok
+    tok.chat_template = QWEN_STYLE if request.param == "qwen" else LLAMA_STYLE
+    return target, signed_identity_head(target, +1.0, noise=0.05), tok, request.param
 
 
 @pytest.fixture(scope="module")
 def server(parts):
     from jeagle.serve import create_app
 
-    target, head, tok = parts
-    engine = speculative(target, head, CONFIG, SpecConfig(3, 2, 5))
-    srv, thread, url = start_server(create_app(engine, tok, MODEL))  # --tool-call-parser auto: hermes
+    target, head, tok, family = parts
+    engine = speculative(target, head, config(family), SpecConfig(3, 2, 5))
+    srv, thread, url = start_server(create_app(engine, tok, MODEL))  # --tool-call-parser auto: the template's
     yield url
     srv.should_exit = True
     thread.join(timeout=30)
@@ -250,13 +257,15 @@ def reference(parts):
     from jeagle.serve.tools import lark_grammar
     from tests.util import ragged_forward
 
-    target, _, tok = parts
+    target, _, tok, _ = parts
     backend = GrammarBackend(tok, VOCAB, EOS)
     after = ragged_forward(target, [list(range(VOCAB))])[0][0]  # [token, next token's logits]
     ids = np.arange(VOCAB)
 
+    family = resolve("auto", tok.chat_template)
+
     def run(body, max_tokens):
-        req = tool_request(body, HERMES)
+        req = tool_request(body, family)
         prompt, out = chat_prompt_ids(body, tok, req.rendered), []
         m = lark_grammar(backend, req.lark()).matcher()
         while len(out) < max_tokens and (not out or out[-1] != EOS):
