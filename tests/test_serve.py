@@ -454,3 +454,20 @@ def test_the_server_warms_up_by_default(tiny_target_dir, tmp_path):
                      log.read_text())
     assert line is not None, log.read_text()[-2000:]
     assert int(line[1]) == warmed["compilations"] and float(line[2]) == pytest.approx(warmed["warmup_s"], abs=0.05)
+
+
+def test_gen_throughput_keeps_its_figure_over_a_stretch_without_tokens(monkeypatch):
+    """`last_gen_throughput` is tokens per second over the engine's last busy stretch; a stretch that emitted
+    nothing (a step that only released finished rows) leaves the last figure in place instead of 0."""
+    from jeagle.serve import engine_loop
+
+    clock = iter([1.0, 2.0, 3.0, 10.0])
+    monkeypatch.setattr(engine_loop.time, "perf_counter", lambda: next(clock))
+    g = engine_loop.GenThroughput(steps=40)
+    g.stepped(0.0, 10, busy=True)   # 1 s, 10 tokens
+    g.stepped(1.0, 10, busy=False)  # the stretch ends: 20 tokens in 2 s
+    assert g.value == pytest.approx(10.0)
+    g.stepped(2.5, 0, busy=False)   # a release-only step
+    assert g.value == pytest.approx(10.0)
+    g.stepped(9.0, 4, busy=False)   # 4 tokens in 1 s
+    assert g.value == pytest.approx(4.0)

@@ -106,7 +106,8 @@ class GenThroughput:
         self._seconds += now - (started if self._last is None else self._last)
         self._tokens, self._n, self._last = self._tokens + tokens, self._n + 1, now if busy else None
         if self._n >= self.steps or not busy:
-            self.value = self._tokens / self._seconds if self._seconds > 0 else 0.0
+            if self._tokens:  # a stretch that emitted nothing (a step that only released rows) keeps the last figure
+                self.value = self._tokens / self._seconds if self._seconds > 0 else 0.0
             self._tokens, self._seconds, self._n = 0, 0.0, 0
 
 
