@@ -23,6 +23,7 @@ needs `Authorization: Bearer KEY` (compared in constant time; 401 otherwise).
     protocol.py      the OpenAI wire format: request checks, response bodies and chunks, stop strings
     engine_loop.py   the thread that owns the engine
     engine_process.py  that thread in a process of its own, and the pipe to it
+    router.py        --dp N: N engine processes behind one link, each request routed by its prompt's prefix or load
     app.py           create_app: the routes and their handlers
     native.py        SGLang's /generate: its request → prompts and SamplingParams, its answers and events
     tools.py         tool calling: tools / tool_choice, the call parsers (--tool-call-parser), forced calls' grammars

@@ -1,5 +1,6 @@
 """`python -m jeagle.serve` (and the `jeagle-serve` script): arguments → `ServeArgs` (`options`) → the
-engine in its own process (or a thread: --engine-thread) → `create_app` → uvicorn."""
+engine in its own process (or a thread: --engine-thread; or --dp N replicas behind a `router.Router`) →
+`create_app` → uvicorn."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from jeagle.serve.options import ServeArgs, load, parse_args, parse_options, war
 
 def serve(args: ServeArgs, link=None) -> int:
     """Serve until interrupted: the engine built here (a thread runs it), or `link`, an EngineProcess
-    whose `extra` is `load`'s facts dict."""
+    (or a Router of them) whose `extra` is `load`'s facts dict."""
     import uvicorn
 
     from jeagle.errors import USER_ERRORS, report
@@ -27,7 +28,8 @@ def serve(args: ServeArgs, link=None) -> int:
     else:
         engine, facts = link, link.extra
         tokenizer = Tokenizer.from_dir(facts["target_dir"])
-    where = "its own process" if link is not None else "a thread"
+    n = len(getattr(link, "replicas", [link]))
+    where = "a thread" if link is None else "its own process" if n == 1 else f"{n} replicas' processes (--dp {n})"
     if (line := warmup_line(facts.get("warmup"))) is not None:
         print(line, file=sys.stderr)
     print(f"[jeagle.serve] {facts['name']} ({facts['dtype']}) loaded in {facts['load_s']:.1f} s, the engine in {where}; "
@@ -45,9 +47,16 @@ def main(argv: list[str] | None = None) -> int:
         return serve(parse_args(argv))
     from jeagle.serve.engine_process import EngineFailed, EngineProcess
     from jeagle.serve.options import load_from_argv
+    from jeagle.serve.router import replica_env, start_replicas
 
     try:
-        link = EngineProcess(load_from_argv, (argv,))
+        if a.dp == 1:
+            link = EngineProcess(load_from_argv, (argv,))
+        else:  # each replica on its own --tp GPUs
+            link = start_replicas(load_from_argv, (argv,), a.dp, [replica_env(i, a.tp) for i in range(a.dp)])
+    except ValueError as e:  # too few GPUs listed for the replicas
+        print(f"[jeagle.serve] {e}", file=sys.stderr)
+        return 2
     except EngineFailed:  # the engine's process printed why
         return 2
     except KeyboardInterrupt:  # Ctrl-C while it loads (the engine's process stops on the same signal)

@@ -74,7 +74,7 @@ class Served:
 
 def create_app(engine, tokenizer, model_name: str, api_key: str | None = None, aliases: tuple[str, ...] = (),
                metrics: bool = True, tool_call_parser: str = "auto") -> Starlette:
-    """engine: an `Engine` (run by a thread of this process) or an `EngineProcess` (its own process).
+    """engine: an `Engine` (run by a thread of this process), an `EngineProcess` (its own) or a `Router` (--dp).
     aliases: names besides `model_name` and "default" that requests may give as `model` (the server
     passes the target's path as given and as resolved). metrics: serve Prometheus' /metrics.
     tool_call_parser: the format of the model's tool calls (`tools.PARSERS`; "auto": its chat template's)."""
@@ -100,8 +100,7 @@ def create_app(engine, tokenizer, model_name: str, api_key: str | None = None, a
                             Route("/generate", keyed(generate), methods=["POST"]),
                             *([Route("/metrics", served.metrics.endpoint, methods=["GET"])] if metrics else [])],
                     lifespan=lifespan, exception_handlers={404: not_found, 405: bad_method})
-    app.state.served = served
-    app.state.engine_loop = served.loop
+    app.state.served, app.state.engine_loop = served, served.loop
     return app
 
 
@@ -147,9 +146,10 @@ async def models(request: Request):
                                                      "owned_by": "jeagle"}]})
 
 
-async def health(request: Request):
-    alive = request.app.state.served.loop.is_alive()
-    return JSONBody({"status": "ok" if alive else "engine stopped"}, status_code=200 if alive else 503)
+async def health(request: Request):  # replicas (`router`): 200 while one is alive, the ones down named
+    link = request.app.state.served.loop
+    alive, down = link.is_alive(), {"replicas_down": link.down()} if getattr(link, "down", list)() else {}
+    return JSONBody({"status": "ok" if alive else "engine stopped"} | down, status_code=200 if alive else 503)
 
 
 async def server_info(request: Request):
@@ -164,8 +164,8 @@ async def server_info(request: Request):
 
 
 async def flush_cache(request: Request):
-    """SGLang's POST /flush_cache: evict every cached prefix no running request uses (applied before
-    any request sent after this answer)."""
+    """SGLang's POST /flush_cache: evict every cached prefix no running request uses, on every replica
+    (applied before any request sent after this answer)."""
     request.app.state.served.loop.flush_cache()
     return JSONBody({"message": "prefix cache flushed"})
 
@@ -230,10 +230,10 @@ async def admitted(s: Served, jobs: list[Job], param: str):
         s.loop.submit(job)
     for job in jobs:
         kind, value = await job.events.get()
-        if kind == "rejected":
+        if kind in ("rejected", "error"):  # (an error: its engine's process exited before taking it)
             for other in jobs:
                 s.loop.abort(other)
-            message, status = value
+            message, status = value if kind == "rejected" else (value, 503)
             return error(status, message, *(("invalid_request_error", param) if status == 400 else
                                             ("server_error", None)))
     return None

@@ -37,6 +37,7 @@ class Job:
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     request: Any = None  # the engine's request, once submitted (on the engine's side)
     id: int = -1  # the engine process's name for it
+    replica: int = -1  # (`router.Router`) the replica it went to
     cached_tokens: int = 0  # from the first tokens event: prompt tokens the prefix cache gave
     prompt_logprobs: list | None = None  # from the first tokens event, when asked (echo)
     told: bool = False  # (engine side) the first tokens event, with the request's facts, went out

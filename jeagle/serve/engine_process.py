@@ -16,6 +16,10 @@ The parent (this class) keeps the handlers' side of the protocol unchanged: `sub
 step (token log-probabilities as the events carry them, packed bytes; a prompt's as one packed
 array), ("info", counters) after a step at most every `INFO_PERIOD_S` and whenever the engine goes
 idle.
+
+When the child exits (killed, crashed) the reader hears it at once (the pipe's end, or the process's
+sentinel): every job in flight gets an ("error", ...) event naming the exit code, `is_alive` turns
+False, and a later submit is refused with a 503 (`try_submit`: False, for `router.Router`).
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
+import os
 import sys
 import threading
 import time
@@ -40,12 +46,16 @@ class EngineFailed(RuntimeError):
 class EngineProcess:
     """build(*args) -> (engine, tokenizer, extra) runs in a spawned process (a picklable, importable
     function): it loads and warms up the engine there; `extra` (a picklable dict) comes back as
-    `self.extra`. The constructor returns once the engine is ready (or raises EngineFailed)."""
+    `self.extra`. The constructor returns once the engine is ready (or raises EngineFailed).
+    env: variables set in the child before the build (a replica's CUDA_VISIBLE_DEVICES, `router`);
+    name: what its errors call it ("replica 1"), None for the only engine."""
 
-    def __init__(self, build, args: tuple = ()):
+    def __init__(self, build, args: tuple = (), env: dict | None = None, name: str | None = None):
         ctx = mp.get_context("spawn")  # no CUDA or JAX state is inherited
+        self.name = name
         self._conn, child = ctx.Pipe()
-        self._proc = ctx.Process(target=_child_main, args=(build, args, child), name="jeagle-engine", daemon=True)
+        self._proc = ctx.Process(target=_child_main, args=(build, args, child, env or {}),
+                                 name="jeagle-engine" if name is None else f"jeagle-engine-{name}", daemon=True)
         self._proc.start()
         child.close()
         try:
@@ -58,7 +68,8 @@ class EngineProcess:
         _, self.facts, self.extra, self._info = msg
         self._jobs: dict[int, Job] = {}
         self._ids = itertools.count()
-        self._lock = threading.Lock()  # one sender at a time
+        self._lock = threading.Lock()  # one sender at a time; guards `_down` and the jobs' registration
+        self._down = False  # the pipe closed: the process is gone (or going), its jobs were told
         self._reader = threading.Thread(target=self._read, daemon=True, name="jeagle-engine-link")
 
     # ---- the handlers' side (EngineLoop's interface) ----------------------------------------------------
@@ -66,15 +77,31 @@ class EngineProcess:
         self._reader.start()
 
     def submit(self, job: Job) -> None:
-        job.id = next(self._ids)
-        self._jobs[job.id] = job
+        if not self.try_submit(job):  # the process is gone: the request is refused, never left waiting
+            by_loop([(job, ("rejected", (self._exited(), 503)))])
+
+    def try_submit(self, job: Job) -> bool:
+        """Submit `job` unless the engine process is gone (False: nothing was queued, no event will come)."""
         params = job.params
         if params.grammar is not None:
             params = dataclasses.replace(params, grammar=(params.grammar.kind, params.grammar.source))
-        self._send(("submit", job.id, job.prompt, params))
+        with self._lock:  # registered and sent, or refused, as one step against the reader's end
+            if self._down:
+                return False
+            job.id = next(self._ids)
+            self._jobs[job.id] = job
+            try:
+                self._conn.send(("submit", job.id, job.prompt, params))
+            except OSError:
+                del self._jobs[job.id]
+                return False
+        return True
 
     def abort(self, job: Job) -> None:
-        self._send(("abort", job.id))
+        try:
+            self._send(("abort", job.id))
+        except OSError:  # the process is gone: its jobs heard so already
+            pass
 
     def flush_cache(self) -> None:
         self._send(("flush",))
@@ -83,7 +110,15 @@ class EngineProcess:
         return dict(self._info)
 
     def is_alive(self) -> bool:
-        return self._proc.is_alive()
+        return not self._down and self._proc.is_alive()
+
+    def in_flight(self) -> int:
+        """Jobs submitted whose last event has not come back yet (the router's load)."""
+        return len(self._jobs)
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
 
     def stop(self) -> None:
         try:
@@ -102,11 +137,7 @@ class EngineProcess:
     def _read(self) -> None:
         from jeagle.sampling import logprobs
 
-        while True:
-            try:
-                msg = self._conn.recv()
-            except (EOFError, OSError):
-                break
+        while (msg := self._next()) is not None:
             if msg[0] == "info":
                 self._info = msg[1]
                 continue
@@ -124,9 +155,30 @@ class EngineProcess:
                     del self._jobs[jid]  # its last event
                 batch.append((job, (kind, value)))
             by_loop(batch)
-        # The engine process is gone: every job still waiting hears so.
-        by_loop([(job, ("error", "the engine process exited")) for job in self._jobs.values()])
-        self._jobs.clear()
+        # The engine process is gone: every job still waiting hears so, and later submits are refused.
+        with self._lock:
+            self._down = True
+            jobs, self._jobs = list(self._jobs.values()), {}
+        self._proc.join(1)  # (a killed process is reaped at once: its exit code goes in the message)
+        by_loop([(job, ("error", self._exited())) for job in jobs])
+
+    def _next(self):
+        """The child's next message; None once it is gone: the pipe closed, or the process exited with
+        nothing left to read (a process it started may still hold the pipe's end open)."""
+        try:
+            while True:
+                ready = mp_connection.wait([self._conn, self._proc.sentinel])
+                if self._conn in ready or self._conn.poll(0):
+                    return self._conn.recv()
+                if self._proc.sentinel in ready:
+                    return None
+        except (EOFError, OSError):
+            return None
+
+    def _exited(self) -> str:
+        code = self._proc.exitcode
+        return (f"the engine process{'' if self.name is None else ' of ' + self.name} exited"
+                + ("" if code is None else f" (exit code {code})"))
 
 
 class _ChildLoop(EngineLoop):
@@ -158,9 +210,10 @@ class _ChildLoop(EngineLoop):
             self.conn.send(("info", self.info()))
 
 
-def _child_main(build, args, conn) -> None:
+def _child_main(build, args, conn, env: dict) -> None:
     """The engine process: build the engine, say ready, then run its loop (a thread) while this
     thread reads commands; exits when the parent says stop or goes away."""
+    os.environ.update(env)  # before anything brings the devices up
     try:
         engine, tokenizer, extra = build(*args)
         freeze_heap()  # this process serves from here on: later collections skip what start-up built

@@ -55,8 +55,17 @@ def parse_options(argv: list[str] | None = None):
     p.add_argument("--engine-thread", action="store_true",
                    help="run the engine in a thread of the HTTP server's process (default: a process of its own, "
                    "so building responses never holds up the engine)")
+    p.add_argument("--dp", type=int, default=1, metavar="N",
+                   help="data parallelism: N engine replicas behind this one server, each in a process of its own "
+                   "with its own --tp GPUs (replica i: the i-th group of CUDA_VISIBLE_DEVICES); a cache-aware router "
+                   "sends each request to the replica most likely to hold its prompt's prefix, else the least "
+                   "loaded (default 1: one engine)")
     a = p.parse_args(argv)
     check_args(p, a)
+    if a.dp < 1:
+        p.error(f"--dp must be >= 1, got {a.dp}")
+    if a.dp > 1 and a.engine_thread:
+        p.error("--dp runs each replica in a process of its own: it cannot be combined with --engine-thread")
     return a
 
 
