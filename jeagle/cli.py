@@ -10,10 +10,11 @@ from jeagle.runtime.config import EngineConfig
 
 def build_parser(prog: str = "python -m jeagle.generate", prompts: bool = True,
                  description: str = "Generate text with a Llama-family model (default: SmolLM2-135M-Instruct).",
-                 warmup: bool = False) -> argparse.ArgumentParser:
+                 warmup: bool = False, nodes: bool = False) -> argparse.ArgumentParser:
     """Every engine option (shared by `jeagle.generate` and `jeagle.serve`), plus prompts if asked.
     warmup: the entry point warms up unless told not to (`--no-warmup`; `--warmup` is accepted and changes
-    nothing); else only with `--warmup`."""
+    nothing); else only with `--warmup`. nodes: `--nnodes`, `--node-rank`, `--dist-init-addr` (tensor
+    parallelism across processes, jeagle/parallel/distributed.py; `jeagle.generate` only so far)."""
     p = argparse.ArgumentParser(prog=prog, description=description)
     if prompts:
         p.add_argument("prompts", nargs="*", help="prompts (each one request)")
@@ -128,6 +129,14 @@ def build_parser(prog: str = "python -m jeagle.generate", prompts: bool = True,
                          "default), always replicated, or always split")
     rt.add_argument("--compile-workers", type=int, default=None,
                     help="threads that load and compile executables during --warmup (default: min(16, CPUs))")
+    if nodes:
+        dist = p.add_argument_group("several processes and hosts (docs/multi-gpu.md)")
+        dist.add_argument("--nnodes", type=int, default=1, metavar="N",
+                          help="processes (one per host) that --tp spans; every one runs this command with the "
+                               "same prompts and options and its own --node-rank; rank 0 prints the output")
+        dist.add_argument("--node-rank", type=int, default=0, metavar="I", help="this process's rank, 0 to N-1")
+        dist.add_argument("--dist-init-addr", metavar="HOST:PORT",
+                          help="where rank 0 serves JAX's coordinator (the same on every node)")
     spec = p.add_argument_group("speculative decoding (EAGLE)")
     spec.add_argument("--draft", help="EAGLE head: a jeagle draft dir or a PyTorch EAGLE/EAGLE-3 dir (converted on "
                                       "first use and cached); default with no --target: jeagle's trained head for "
@@ -181,6 +190,12 @@ def check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
         p.error(f"--layer-unroll must be >= 1, got {a.layer_unroll}")
     if a.tp < 1:
         p.error(f"--tp must be >= 1, got {a.tp}")
+    if hasattr(a, "nnodes"):
+        from jeagle.parallel.distributed import check
+
+        problem = check(a.nnodes, a.node_rank, a.dist_init_addr)
+        if problem:
+            p.error(problem)
     if a.rounds_per_dispatch < 1:
         p.error(f"--rounds-per-dispatch must be >= 1, got {a.rounds_per_dispatch}")
     if getattr(a, "logprobs", None) is not None:

@@ -99,6 +99,7 @@ class EngineSpec:
     tp_vocab: str = "shard"
     tp_draft: str = "auto"
     deterministic: bool = False  # batch-invariant target forward (KernelSettings.deterministic)
+    nnodes: int = 1  # processes in the tp mesh (jeagle/parallel/distributed.py): > 1 sets the timing-free settings
     quiet: bool = False  # no progress lines while fetching or converting
     kernels: KernelSettings = field(default_factory=KernelSettings)
     dtype_auto: bool = field(default=False, init=False)
@@ -112,6 +113,11 @@ class EngineSpec:
             if self.tp != 1:
                 raise ConfigError("--deterministic runs on one device: drop --tp")
             object.__setattr__(self, "kernels", dataclasses.replace(self.kernels, deterministic=True))
+        if self.nnodes > 1:  # every process must decide the same: no decision may read the wall clock
+            from jeagle.parallel.distributed import TIMING_FREE
+
+            for name, value in TIMING_FREE.items():
+                object.__setattr__(self, name, value)
         if self.dtype == "auto":
             import jax
 
@@ -143,9 +149,13 @@ class EngineSpec:
         """The adaptive policy the options ask for, or None (read before anything loads: fails fast)."""
         if not (self.speculative_adaptive or self.speculative_adaptive_config):
             return None
-        if self.speculative_adaptive_config:
-            return AdaptiveConfig.from_json(self.speculative_adaptive_config)
-        return AdaptiveConfig()
+        config = (AdaptiveConfig.from_json(self.speculative_adaptive_config) if self.speculative_adaptive_config
+                  else AdaptiveConfig())
+        if self.nnodes > 1:
+            from jeagle.parallel.distributed import check_policy
+
+            check_policy(config)
+        return config
 
     def tier(self) -> SpecConfig:
         s, k, n = self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens
@@ -217,6 +227,10 @@ def build_engine(spec: EngineSpec, target_dir, n_requests: int | None = None) ->
     from jeagle.loading.checkpoint import load_model
 
     adaptive = spec.adaptive()
+    if spec.nnodes > 1:
+        from jeagle.parallel.distributed import check_tp
+
+        check_tp(spec.tp)
     store = compile_cache(spec)
     if store is not None and "xla_gpu_per_fusion_autotune_cache_dir" not in dict(spec.kernels.xla_options):
         # Persisted autotuning: one matmul gets the algorithm its first compilation measured in every later

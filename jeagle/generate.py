@@ -13,7 +13,7 @@ from jeagle.cli import build_parser, check_args, dispatch_thread, kernel_setting
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The parsed, checked options (the engine's part becomes an `EngineSpec` in `run`); lists as tuples."""
-    p = build_parser()
+    p = build_parser(nodes=True)
     a = p.parse_args(argv)
     if not a.prompts and not a.prompts_file:
         p.error("give prompts as arguments or --prompts-file")
@@ -92,9 +92,16 @@ def run(args: argparse.Namespace) -> dict:
     ids = [tokenizer.encode_chat([{"role": "user", "content": t}]) if use_chat else tokenizer.encode(t)
            for t in texts]
     engine, load_s = build_engine(spec, target_dir, len(ids))
+    # Under --nnodes every process runs all of this (the same steps: docs/multi-gpu.md); rank 0 prints.
+    lead = getattr(args, "node_rank", 0) == 0
     grammar = compile_grammar(args, tokenizer, engine.model_cfg)
+    seed = args.seed
+    if seed is None and getattr(args, "nnodes", 1) > 1:
+        from jeagle.parallel.distributed import shared_seed
+
+        seed = shared_seed()  # one seed for every process: their sampling must draw the same
     params = [SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                             top_p=args.top_p, seed=None if args.seed is None else args.seed + i,
+                             top_p=args.top_p, seed=None if seed is None else seed + i,
                              stop_token_ids=args.stop_token_ids, ignore_eos=args.ignore_eos, logprobs=args.logprobs,
                              frequency_penalty=args.frequency_penalty, presence_penalty=args.presence_penalty,
                              repetition_penalty=args.repetition_penalty, min_tokens=args.min_tokens, grammar=grammar)
@@ -110,13 +117,13 @@ def run(args: argparse.Namespace) -> dict:
         t0 = time.perf_counter()
         engine.preload_for([len(x) for x in ids], args.max_new_tokens, greedy=(args.temperature == 0.0,), **modes)
         load_s += time.perf_counter() - t0
-    if not args.json:
+    if not args.json and lead:
         print(f"[jeagle] {target_dir.name}, {spec.describe_dtype()}, {describe_decoding(spec)}, "
               f"batch {engine.max_running}, loaded in {load_s:.1f} s", file=sys.stderr)
     if args.warmup:
         # Only what these prompts can dispatch; every request shares the temperature: greedy or sampled.
         engine.warmup_for([len(x) for x in ids], args.max_new_tokens, greedy=(args.temperature == 0.0,),
-                          progress=not args.json, **modes)
+                          progress=not args.json and lead, **modes)
 
     stream = StreamDecoder(tokenizer)
 
@@ -127,7 +134,7 @@ def run(args: argparse.Namespace) -> dict:
             sys.stdout.write(stream.push(t))
         sys.stdout.flush()
 
-    on_tokens = print_tokens if len(ids) == 1 and not args.json else None  # stream one prompt's text
+    on_tokens = print_tokens if len(ids) == 1 and not args.json and lead else None  # stream one prompt's text
 
     outputs = engine.generate(ids, params, on_tokens=on_tokens)
     stats = engine.last_stats
@@ -151,7 +158,9 @@ def run(args: argparse.Namespace) -> dict:
                "time_to_first_token_s": sum(ttft) / len(ttft) if ttft else None,
                "tokens_per_second": stats.tokens_per_second, "load_s": load_s, "target": str(target_dir), "dtype": spec.dtype,
                "draft": args.draft if spec.uses_draft else None, "batch_size": engine.max_running}}
-    if args.json:
+    if not lead:
+        print(f"[jeagle] node rank {args.node_rank} of {args.nnodes}: done (rank 0 prints the output)", file=sys.stderr)
+    elif args.json:
         print(json.dumps(doc))
     else:
         if on_tokens is not None:
@@ -170,6 +179,10 @@ def main(argv: list[str] | None = None) -> int:
     from jeagle.runtime.startup import on_demand_allocation, warm_devices
 
     on_demand_allocation()  # a one-shot command: no preallocation of most of the GPU's memory
+    if args.nnodes > 1:  # before any device is used: the devices listed are then every process's
+        from jeagle.parallel.distributed import initialize
+
+        initialize(args.nnodes, args.node_rank, args.dist_init_addr)
 
     devices = warm_devices()  # the devices come up on a thread while the rest imports and the tokenizer loads
     try:
@@ -182,6 +195,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     finally:
         devices.join()
+        if args.nnodes > 1:
+            from jeagle.parallel.distributed import shutdown
+
+            shutdown()
 
 
 def exit_now(code: int) -> None:
