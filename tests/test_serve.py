@@ -471,3 +471,30 @@ def test_gen_throughput_keeps_its_figure_over_a_stretch_without_tokens(monkeypat
     assert g.value == pytest.approx(10.0)
     g.stepped(9.0, 4, busy=False)   # 4 tokens in 1 s
     assert g.value == pytest.approx(4.0)
+
+
+def test_gen_throughput_is_in_place_once_no_request_is_in_flight(parts):
+    """The info the loop publishes once the last request finished already holds that stretch's figure, also
+    when the engine still has a step left (an overlapped round to drain): a client that waits for
+    `running_requests == 0` and reads `last_gen_throughput` never sees the 0 of an unclosed stretch."""
+    from jeagle.serve.engine_loop import EngineLoop, Job
+
+    target, head, tok = parts
+    engine = speculative(target, head, EngineConfig(max_batch_size=8, max_context=128), SpecConfig(3, 2, 5))
+    delivered: list = []
+    link = EngineLoop(engine, deliver=delivered.extend)  # driven pass by pass here, no thread
+    job = Job(tok.encode(PROMPTS[2]), SamplingParams(max_new_tokens=24, ignore_eos=True), loop=None)
+    link.submit(job)
+    left_over = False
+    while not any(event[0] == "done" for _, event in delivered):
+        assert link.iterate()
+        info = link._info
+        if info["running_requests"] == 0 and any(event[0] == "tokens" for _, event in delivered):
+            left_over |= engine.has_work
+            assert info["internal_states"][0]["last_gen_throughput"] > 0, info
+    assert job.request.done and info["running_requests"] == 0
+    assert info["internal_states"][0]["last_gen_throughput"] > 0
+    while engine.has_work:  # the left-over steps keep the figure
+        assert link.iterate()
+        assert link._info["internal_states"][0]["last_gen_throughput"] > 0
+    assert left_over, "no step was left over after the last request: this test no longer covers that case"

@@ -98,11 +98,11 @@ class GenThroughput:
     def __init__(self, steps: int = 40):
         self.steps, self.value = steps, 0.0
         self._tokens, self._seconds, self._n = 0, 0.0, 0
-        self._last: float | None = None  # the end of the last step, while the engine has work
+        self._last: float | None = None  # the end of the last step, while requests are in flight
 
     def stepped(self, started: float, tokens: int, busy: bool) -> None:
-        """After a step begun at `started` (perf_counter) that emitted `tokens`; busy: the engine has work
-        left, so the time until the next step's end (the hand-over, the commands) counts too."""
+        """After a step begun at `started` (perf_counter) that emitted `tokens`; busy: requests are still in
+        flight, so the time until the next step's end (the hand-over, the commands) counts too."""
         now = time.perf_counter()
         self._seconds += now - (started if self._last is None else self._last)
         self._tokens, self._n, self._last = self._tokens + tokens, self._n + 1, now if busy else None
@@ -226,19 +226,27 @@ class EngineLoop(threading.Thread):
         """Called after every pass of the loop (the engine process sends its counters here)."""
 
     def run(self) -> None:
-        while not self.stopped.is_set():
-            if not self._take_commands():
-                return
-            self._hand_over()  # acceptances before the step's tokens
-            if self.engine.has_work:
-                started, self._emitted = time.perf_counter(), 0
-                self._step()
-                self.throughput.stepped(started, self._emitted, self.engine.has_work)
-            for index, j in list(self.jobs.items()):
-                if j.request.done:
-                    self._out.append((j, ("done", j.request.out.finish_reason)))
-                    del self.jobs[index]
-            self._hand_over()
-            with self._lock:
-                self._info = self._read_info()
-            self.after_iteration()
+        while not self.stopped.is_set() and self.iterate():
+            pass
+
+    def iterate(self) -> bool:
+        """One pass: the queued commands, a step when there is work, the hand-over, the info; False on stop."""
+        if not self._take_commands():
+            return False
+        self._hand_over()  # acceptances before the step's tokens
+        if self.engine.has_work:
+            started, self._emitted = time.perf_counter(), 0
+            self._step()
+            # Busy while requests are in flight: a step left over after the last one finished (an
+            # overlapped round to drain, tables to read) neither delays the figure nor counts in it.
+            eng = self.engine
+            self.throughput.stepped(started, self._emitted, eng.num_running + eng.num_waiting > 0)
+        for index, j in list(self.jobs.items()):
+            if j.request.done:
+                self._out.append((j, ("done", j.request.out.finish_reason)))
+                del self.jobs[index]
+        self._hand_over()
+        with self._lock:
+            self._info = self._read_info()
+        self.after_iteration()
+        return True
