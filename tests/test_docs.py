@@ -213,3 +213,18 @@ def test_every_flag_beside_a_command_is_an_option_of_it():
                 if flag not in options_of(command):
                     bad.append(f"{rel(path)}:{line_no}: python -m {command} has no option {flag}")
     assert not bad, "flags the commands do not take:\n" + "\n".join(bad)
+
+
+def test_the_sizing_pages_tables_are_what_its_script_prints():
+    """docs/sizing.md: every worked `python bench/sizing.py ...` example is followed by the table that
+    command prints."""
+    import subprocess
+    import sys
+
+    text = (REPO / "docs" / "sizing.md").read_text()
+    examples = re.findall(r"```bash\n(python bench/sizing\.py [^\n]+)\n```\n\n(\| \| \|\n(?:\|[^\n]*\n)+)", text)
+    assert len(examples) == text.count("\n| | |\n") >= 2  # every worked table is checked
+    for command, table in examples:
+        argv = shlex.split(command)[1:]
+        got = subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True, check=True).stdout
+        assert got == table, command
