@@ -132,8 +132,9 @@ def build_parser(prog: str = "python -m jeagle.generate", prompts: bool = True,
     if nodes:
         dist = p.add_argument_group("several processes and hosts (docs/multi-gpu.md)")
         dist.add_argument("--nnodes", type=int, default=1, metavar="N",
-                          help="processes (one per host) that --tp spans; every one runs this command with the "
-                               "same prompts and options and its own --node-rank; rank 0 prints the output")
+                          help="processes (one per host) that --tp spans; every one runs the same command and "
+                               "options with its own --node-rank; rank 0 prints the output (jeagle.generate: the "
+                               "same prompts on every node) or serves HTTP (jeagle.serve: the others follow it)")
         dist.add_argument("--node-rank", type=int, default=0, metavar="I", help="this process's rank, 0 to N-1")
         dist.add_argument("--dist-init-addr", metavar="HOST:PORT",
                           help="where rank 0 serves JAX's coordinator (the same on every node)")

@@ -249,4 +249,10 @@ def build_engine(spec: EngineSpec, target_dir, n_requests: int | None = None) ->
         engine = target_only(model, config)
     else:
         engine = speculative(model, draft, config, spec.tier(), adaptive=adaptive)
+    if spec.nnodes > 1:  # requests without a seed draw theirs alike on every process (rank 0's seed)
+        import numpy as np
+
+        from jeagle.parallel.distributed import shared_seed
+
+        engine.decoder.rng = np.random.default_rng(shared_seed())
     return engine, time.perf_counter() - t_load

@@ -183,8 +183,74 @@ def test_the_throughput_policy_is_refused_across_processes(tmp_path):
     assert EngineSpec(draft="d", nnodes=2, speculative_adaptive=True).adaptive().policy == "ema"
 
 
-def test_serve_has_no_node_flags_yet():
-    from jeagle.cli import build_parser
+def start_serve_nodes(target, extra, logs):
+    """`python -m jeagle.serve` as ranks 0 and 1 (two CPU devices each, `--tp 4`); rank 0's URL."""
+    addr, port = f"127.0.0.1:{free_port()}", free_port()
+    procs = []
+    for rank in (0, 1):
+        with open(logs / f"rank{rank}.txt", "w") as err:
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "jeagle.serve", "--target", str(target), "--dtype", "float32",
+                 "--no-compile-cache", "--batch-size", "4", "--max-context", "64", "--port", str(port),
+                 "--tp", "4", "--nnodes", "2", "--node-rank", str(rank), "--dist-init-addr", addr, *extra],
+                stdout=subprocess.DEVNULL, stderr=err, env=_env(2)))
+    return procs, f"http://127.0.0.1:{port}"
 
-    with pytest.raises(SystemExit):
-        build_parser("python -m jeagle.serve", prompts=False, warmup=True).parse_args(["--nnodes", "2"])
+
+def _generate(c, text: str, **params) -> list[int]:
+    r = c.post("/generate", json={"text": text, "sampling_params": {"max_new_tokens": 12, "ignore_eos": True,
+                                                                     "temperature": 0} | params})
+    assert r.status_code == 200, r.text
+    return r.json()["output_ids"]
+
+
+@pytest.mark.parametrize("mode", ["target", pytest.param("eagle", marks=pytest.mark.slow)])
+def test_serve_across_two_processes_equals_one_process(tiny_dirs, mode, tmp_path):
+    """`jeagle.serve --nnodes 2`: rank 0 serves HTTP and the other rank follows its engine pass by pass.
+    Concurrent greedy requests equal `jeagle.generate --tp 1`; a sampled request without a seed (rank 0's
+    seed source, shared) and a streamed request dropped midway (an abort every rank applies) leave the
+    processes in step, so the same requests again give the same tokens; when rank 0 stops, so does rank 1."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
+
+    from tests.test_serve import wait_until_healthy
+
+    target, head = tiny_dirs
+    extra = ["--speculative-algorithm", "none"] if mode == "target" else ["--draft", str(head), *SMALL_TIER]
+    want = [ids for _, ids, _ in _tokens(run_single(target, extra))]
+    procs, url = start_serve_nodes(target, extra, tmp_path)
+    logs = lambda: "\n".join((tmp_path / f"rank{r}.txt").read_text()[-3000:] for r in (0, 1))  # noqa: E731
+    try:
+        wait_until_healthy(url, procs[0], logs, timeout=600)
+        assert procs[1].poll() is None, logs()
+        with httpx.Client(base_url=url, timeout=300) as c, ThreadPoolExecutor(len(PROMPTS)) as pool:
+            assert list(pool.map(lambda p: _generate(c, p), PROMPTS)) == want
+            sampled = _generate(c, PROMPTS[0], temperature=0.9, max_new_tokens=8)
+            assert len(sampled) == 8
+            with c.stream("POST", "/v1/completions", json={"prompt": PROMPTS[1], "max_tokens": 40, "stream": True,
+                                                            "temperature": 0, "ignore_eos": True}) as r:
+                assert r.status_code == 200
+                next(r.iter_lines())  # then dropped: the server aborts it
+            assert list(pool.map(lambda p: _generate(c, p), PROMPTS)) == want
+            info = c.get("/server_info").json()
+        assert info["compilations"] > 0 and info["running_requests"] == 0
+    finally:
+        procs[0].terminate()
+        codes = [proc.wait(timeout=120) for proc in procs]
+    assert codes[1] == 0, logs()
+    assert "following rank 0's engine" in logs() and "rank 0 stopped after" in logs()
+
+
+def test_serve_node_flags_are_checked(capsys):
+    from jeagle.serve.options import parse_options
+
+    base = ["--target", "t", "--speculative-algorithm", "none", "--nnodes", "2", "--dist-init-addr", "h:1"]
+    for more, message in ((["--dp", "2"], "cannot be combined with --dp"),
+                          (["--engine-thread"], "cannot be combined with --engine-thread"),
+                          (["--node-rank", "2"], "--node-rank must be in [0, 1]")):
+        with pytest.raises(SystemExit) as e:
+            parse_options(base + more)
+        assert e.value.code == 2 and message in capsys.readouterr().err
+    a = parse_options(base + ["--node-rank", "1", "--tp", "4"])
+    assert (a.nnodes, a.node_rank, a.dist_init_addr) == (2, 1, "h:1")

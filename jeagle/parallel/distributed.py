@@ -120,3 +120,53 @@ def check_policy(adaptive) -> None:
     if adaptive is not None and adaptive.policy != "ema":
         raise ConfigError(f"--nnodes > 1: the adaptive {adaptive.policy!r} policy decides by measured times, which "
                           "differ between processes; use the 'ema' policy (the default)")
+
+
+class PassChannel:
+    """A server's engine commands, pass by pass, from rank 0 to the other processes (`jeagle.serve --nnodes`).
+
+    Rank 0 serves HTTP and decides; the others follow. Each pass of rank 0's engine loop takes the commands
+    that arrived (submit, abort, flush, stop) and, when it has work, steps; every other process must apply
+    the same commands at the same pass and step with it. Rank 0 `send`s each pass's list (empty while it just
+    steps) as one key of JAX's coordination-service key-value store (the distributed runtime's own, served by
+    rank 0's coordinator: no transport of jeagle's), and each follower `receive`s pass after pass. The
+    requests' inputs travel; no decision does: admission, buckets, tiers and retractions are then the same on
+    every process (the module docstring). Keys live under one folder per `FOLDER` passes; a folder is deleted
+    two folders later: a follower is never that far behind, as each step's collectives hold rank 0 within a
+    pass or two of the slowest process."""
+
+    PREFIX = "jeagle/serve/pass"
+    FOLDER = 4096
+
+    def __init__(self):
+        from jax._src import distributed  # the client JAX's own multihost_utils uses
+
+        self.client = distributed.global_state.client
+        if self.client is None:
+            raise RuntimeError("PassChannel needs jax.distributed.initialize first")
+        self.sent = self.received = 0
+
+    def _key(self, n: int) -> str:
+        return f"{self.PREFIX}/{n // self.FOLDER}/{n}"
+
+    def send(self, commands: list) -> None:
+        import pickle
+
+        n, self.sent = self.sent, self.sent + 1
+        if n % self.FOLDER == 0 and n >= 2 * self.FOLDER:
+            self.client.key_value_delete(f"{self.PREFIX}/{n // self.FOLDER - 2}")
+        self.client.key_value_set_bytes(self._key(n), pickle.dumps(commands))
+
+    def receive(self, poll_ms: int = 1000) -> list:
+        """The next pass's commands (waits however long rank 0 sits idle; a lost coordinator raises)."""
+        import pickle
+
+        while True:
+            try:
+                raw = self.client.blocking_key_value_get_bytes(self._key(self.received), poll_ms)
+            except Exception as e:  # JaxRuntimeError; only a timeout is waited through
+                if "DEADLINE_EXCEEDED" not in str(e):
+                    raise
+                continue
+            self.received += 1
+            return pickle.loads(raw)

@@ -61,7 +61,7 @@ class TargetDecoder(SlotTables, GrammarMasks, FlatParams, Dispatching):
         self.executables = Executables(DeviceShapes.of((self.graphdef,), self.params, state, mesh),
                                        store_dir=config.executable_cache_dir, compile_workers=config.compile_workers,
                                        compile_processes=config.compile_processes)
-        self._rng = np.random.default_rng()
+        self.rng = np.random.default_rng()  # the seeds of requests without one (shared under --nnodes)
         self._fast: dict[tuple, object] = {}  # (b, kv, greedy) -> decode executable, without hashing a whole key
         self._init_tables()
 
@@ -101,7 +101,7 @@ class TargetDecoder(SlotTables, GrammarMasks, FlatParams, Dispatching):
         inputs = PrefillInputs(tokens=tokens, lengths=lengths, starts=starts,
                                row_ids=pad([r.row for r in reqs], b, self.scratch_row, np.int32),
                                slot_count=count, slot_flat=flat,
-                               sampling=Sampling(*sampling_inputs(reqs, b, self._rng)),
+                               sampling=Sampling(*sampling_inputs(reqs, b, self.rng)),
                                penalties=penalty_inputs(reqs, b),
                                token_mask=self.token_masks(reqs, b))
         key = self.prefill_key(b, t, lp, plp, context)

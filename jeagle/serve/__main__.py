@@ -1,6 +1,7 @@
 """`python -m jeagle.serve` (and the `jeagle-serve` script): arguments → `ServeArgs` (`options`) → the
 engine in its own process (or a thread: --engine-thread; or --dp N replicas behind a `router.Router`) →
-`create_app` → uvicorn."""
+`create_app` → uvicorn. Under --nnodes rank 0 does this (its engine process joins the other nodes') and
+every other rank follows its engine (`follower`)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,10 @@ def serve(args: ServeArgs, link=None) -> int:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     a = parse_options(argv)
+    if a.nnodes > 1 and a.node_rank > 0:  # rank 0 serves; this process holds its share and follows
+        from jeagle.serve.follower import follow_main
+
+        return follow_main(argv)
     if a.engine_thread:
         return serve(parse_args(argv))
     from jeagle.serve.engine_process import EngineFailed, EngineProcess

@@ -16,6 +16,8 @@ with a few C calls instead of one TokenLogprob and a few numpy calls per token.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import itertools
 import queue
 import sys
 import threading
@@ -40,6 +42,7 @@ class Job:
     replica: int = -1  # (`router.Router`) the replica it went to
     cached_tokens: int = 0  # from the first tokens event: prompt tokens the prefix cache gave
     prompt_logprobs: list | None = None  # from the first tokens event, when asked (echo)
+    follow_id: int = -1  # (engine side, --nnodes) its name in the commands the other processes follow
     told: bool = False  # (engine side) the first tokens event, with the request's facts, went out
     arrived: float = field(default_factory=time.perf_counter)  # (handler side) when its HTTP request came in
 
@@ -116,8 +119,11 @@ class EngineLoop(threading.Thread):
     """Owns the engine (`submit`, `abort`, `abort_all`, `step`, `has_work`, `info`, `flush_cache`).
     deliver(events): where a step's (job, event) pairs go (default: their jobs' event loops)."""
 
-    def __init__(self, engine, deliver=by_loop):
+    def __init__(self, engine, deliver=by_loop, followers=None):
         super().__init__(daemon=True, name="jeagle-engine")
+        self.followers = followers  # under --nnodes on rank 0: the other processes' `PassChannel`
+        self._follow_ids = itertools.count()
+        self._failed = False  # the last step failed (the followers are told to drop everything too)
         self.engine, self.deliver = engine, deliver
         self.facts = EngineFacts.of(engine)
         self.commands: queue.Queue = queue.Queue()
@@ -196,16 +202,41 @@ class EngineLoop(threading.Thread):
             eng.flush_cache()
 
     def _take_commands(self) -> bool:
-        """Apply the queued commands (waiting for one only when the engine is idle); False on stop."""
+        """Apply the queued commands (waiting for one only when the engine is idle); False on stop. Under
+        --nnodes the pass's commands go to the other processes first (`followers`), an empty list too."""
         idle = not self.engine.has_work
+        taken = []
         try:
             cmd, job = self.commands.get(block=idle, timeout=None if idle else 0)
-            while cmd != "stop":
-                self._apply(cmd, job)
+            while True:
+                taken.append((cmd, job))
+                if cmd == "stop":
+                    break
                 cmd, job = self.commands.get_nowait()
-            return False
         except queue.Empty:
-            return True
+            pass
+        if self.followers is not None:
+            self._send_pass(taken)
+        for cmd, job in taken:
+            if cmd == "stop":
+                return False
+            self._apply(cmd, job)
+        return True
+
+    def _send_pass(self, taken) -> None:
+        wire = [("abort_all",)] if self._failed else []  # the last step failed here: every process drops it all
+        self._failed = False
+        for cmd, job in taken:
+            if cmd == "submit":
+                job.follow_id, params = next(self._follow_ids), job.params
+                if params.grammar is not None:  # a grammar travels as its llguidance text
+                    params = dataclasses.replace(params, grammar=(params.grammar.kind, params.grammar.source))
+                wire.append(("submit", job.follow_id, job.prompt, params))
+            elif cmd == "abort":
+                wire.append(("abort", job.follow_id))
+            else:
+                wire.append((cmd,))
+        self.followers.send(wire)
 
     def _step(self) -> None:
         try:
@@ -213,6 +244,7 @@ class EngineLoop(threading.Thread):
         except Exception as e:  # the engine is left idle; every job in flight fails
             print(f"[jeagle.serve] engine step failed: {e!r}", file=sys.stderr, flush=True)
             self.engine.abort_all()
+            self._failed = True
             for j in self.jobs.values():  # after the tokens the step had already handed out
                 self._out.append((j, ("error", f"engine failure: {e}")))
             self.jobs.clear()
@@ -226,8 +258,12 @@ class EngineLoop(threading.Thread):
         """Called after every pass of the loop (the engine process sends its counters here)."""
 
     def run(self) -> None:
-        while not self.stopped.is_set() and self.iterate():
-            pass
+        try:
+            while not self.stopped.is_set() and self.iterate():
+                pass
+        finally:
+            if self.followers is not None:  # (again, after a "stop" pass: a follower stops at the first)
+                self.followers.send([("stop",)])
 
     def iterate(self) -> bool:
         """One pass: the queued commands, a step when there is work, the hand-over, the info; False on stop."""

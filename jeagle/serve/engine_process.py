@@ -184,8 +184,8 @@ class EngineProcess:
 class _ChildLoop(EngineLoop):
     """The engine process's EngineLoop: a step's events and its counters go down the pipe."""
 
-    def __init__(self, engine, conn, jobs: dict):
-        super().__init__(engine, deliver=self._send_events)
+    def __init__(self, engine, conn, jobs: dict, followers=None):
+        super().__init__(engine, deliver=self._send_events, followers=followers)
         self.conn, self.jobs_by_id, self._sent_info = conn, jobs, 0.0
 
     def _send_events(self, events) -> None:
@@ -212,13 +212,19 @@ class _ChildLoop(EngineLoop):
 
 def _child_main(build, args, conn, env: dict) -> None:
     """The engine process: build the engine, say ready, then run its loop (a thread) while this
-    thread reads commands; exits when the parent says stop or goes away."""
+    thread reads commands; exits when the parent says stop or goes away. Under --nnodes it is rank 0:
+    its loop sends each pass's commands to the other processes (`PassChannel`)."""
     os.environ.update(env)  # before anything brings the devices up
     try:
         engine, tokenizer, extra = build(*args)
         freeze_heap()  # this process serves from here on: later collections skip what start-up built
         jobs: dict[int, Job] = {}
-        loop = _ChildLoop(engine, conn, jobs)  # (its first counters, sent with "ready", show the freeze)
+        nnodes, followers = extra.get("nnodes", 1), None
+        if nnodes > 1:
+            from jeagle.parallel.distributed import PassChannel
+
+            followers = PassChannel()
+        loop = _ChildLoop(engine, conn, jobs, followers)  # (its first counters, sent with "ready", show the freeze)
     except BaseException as e:  # reported to the parent, which raises EngineFailed with it
         if not isinstance(e, EngineFailed):  # (an EngineFailed was printed where it was raised)
             print(f"[jeagle.serve] the engine failed to start: {e!r}", file=sys.stderr, flush=True)
@@ -236,7 +242,7 @@ def _child_main(build, args, conn, env: dict) -> None:
             if msg[0] == "submit":
                 _, jid, prompt, params = msg
                 if params.grammar is not None:
-                    params = dataclasses.replace(params, grammar=_grammar(grammars, tokenizer, engine, *params.grammar))
+                    params = dataclasses.replace(params, grammar=rebuild_grammar(grammars, tokenizer, engine, *params.grammar))
                 job = jobs[jid] = Job(prompt, params, None, id=jid)
                 loop.submit(job)
             elif msg[0] == "abort":
@@ -251,9 +257,13 @@ def _child_main(build, args, conn, env: dict) -> None:
         pass
     loop.stop()
     loop.join(10)
+    if nnodes > 1:  # after the followers' last pass: they stop, and every process leaves the runtime
+        from jeagle.parallel.distributed import shutdown
+
+        shutdown()
 
 
-def _grammar(grammars: dict, tokenizer, engine, kind: str, source: str):
+def rebuild_grammar(grammars: dict, tokenizer, engine, kind: str, source: str):
     """A grammar the parent compiled and checked, rebuilt from its llguidance text on this process's
     backend (built on first use; a schema's requests share one, `GrammarBackend.rebuild`)."""
     from jeagle.sampling.grammar import GrammarBackend

@@ -34,12 +34,14 @@ class ServeArgs:
     warmup: bool = True  # every executable compiled (or loaded from the store) before the first request
     metrics: bool = True  # Prometheus' /metrics (--disable-metrics: off)
     tool_call_parser: str = "auto"  # the format tool calls are parsed in (`jeagle.serve.tools.PARSERS`)
+    node_rank: int = 0  # under --nnodes (the engine's `nnodes` > 1): this process's rank; rank 0 serves HTTP
+    dist_init_addr: str | None = None  # rank 0's JAX coordinator, HOST:PORT
 
 
 def parse_options(argv: list[str] | None = None):
     """The options, checked, without building anything (the server's process never touches the GPU
     when the engine runs in its own)."""
-    p = build_parser("python -m jeagle.serve", prompts=False, warmup=True,
+    p = build_parser("python -m jeagle.serve", prompts=False, warmup=True, nodes=True,
                      description="OpenAI-compatible server (default model: SmolLM2-135M-Instruct).")
     p.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
@@ -66,6 +68,9 @@ def parse_options(argv: list[str] | None = None):
         p.error(f"--dp must be >= 1, got {a.dp}")
     if a.dp > 1 and a.engine_thread:
         p.error("--dp runs each replica in a process of its own: it cannot be combined with --engine-thread")
+    if a.nnodes > 1 and (a.dp > 1 or a.engine_thread):
+        p.error("--nnodes > 1 runs one engine over every node's devices, in a process of its own: it cannot be "
+                "combined with " + ("--dp" if a.dp > 1 else "--engine-thread"))
     return a
 
 
@@ -75,7 +80,8 @@ def parse_args(argv: list[str] | None = None) -> ServeArgs:
                                                dispatch_thread=dispatch_thread(a, default=SERVER_DISPATCH_THREAD)),
                      host=a.host, port=a.port,
                      api_key=a.api_key, served_model_name=a.served_model_name, warmup=a.warmup,
-                     metrics=not a.disable_metrics, tool_call_parser=a.tool_call_parser)
+                     metrics=not a.disable_metrics, tool_call_parser=a.tool_call_parser, node_rank=a.node_rank,
+                     dist_init_addr=a.dist_init_addr)
 
 
 def load(args: ServeArgs):
@@ -87,6 +93,10 @@ def load(args: ServeArgs):
 
     spec = args.engine
     spec.adaptive()  # a bad adaptive config fails before anything loads
+    if spec.nnodes > 1:  # before any device is used: the devices listed are then every process's
+        from jeagle.parallel.distributed import initialize
+
+        initialize(spec.nnodes, args.node_rank, args.dist_init_addr)
     target_dir = resolve_target(spec.target, dtype=spec.dtype, quiet=False)
     tokenizer = Tokenizer.from_dir(target_dir)
     engine, load_s = build_engine(spec, target_dir)
@@ -96,7 +106,8 @@ def load(args: ServeArgs):
         warmup = {"s": seconds, "executables": engine.num_compiled, "from_store": engine.executables.warmup_from_store}
     aliases = (spec.target, str(target_dir)) if spec.target else (str(target_dir),)
     return engine, tokenizer, {"name": args.served_model_name or target_dir.name, "dtype": spec.dtype,
-                               "load_s": load_s, "aliases": aliases, "target_dir": str(target_dir), "warmup": warmup}
+                               "load_s": load_s, "aliases": aliases, "target_dir": str(target_dir), "warmup": warmup,
+                               "nnodes": spec.nnodes}
 
 
 def warmup_line(warmup: dict | None) -> str | None:

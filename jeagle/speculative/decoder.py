@@ -115,7 +115,7 @@ class SpecDecoder(TierTiming, SlotTables, GrammarMasks, FlatParams, Dispatching)
         self.executables = Executables(DeviceShapes.of((graphdef, draft_graphdef), self.params, state, mesh),
                                        store_dir=config.executable_cache_dir, compile_workers=config.compile_workers,
                                        compile_processes=config.compile_processes)
-        self._rng = np.random.default_rng()
+        self.rng = np.random.default_rng()  # the seeds of requests without one (shared under --nnodes)
         self._init_tables()
         # Request-rounds by tokens emitted (bonus included), counted since start: a stats window is the
         # difference of two counts, however long the engine runs; the last few for /server_info.
@@ -234,7 +234,7 @@ class SpecDecoder(TierTiming, SlotTables, GrammarMasks, FlatParams, Dispatching)
             row_ids=pad([r.row for r in reqs], b, self.scratch_row, np.int32), slot_count=count, slot_flat=flat,
             tree_slots=pad(np.reshape(tree, (len(reqs), lay.tree)), b, 0, np.int32),  # reqs may be none (prime)
             scratch_slots=pad(np.reshape(scratch, (len(reqs), lay.scratch)), b, 0, np.int32),
-            sampling=Sampling(*sampling_inputs(reqs, b, self._rng)),
+            sampling=Sampling(*sampling_inputs(reqs, b, self.rng)),
             max_new=pad([r.max_new - len(r.out.token_ids) for r in reqs], b, 1, np.int32),  # a resumed one's rest
             stop_ids=pad(np.reshape(stops, (len(reqs), MAX_STOP)), b, -1, np.int32),
             penalties=penalty_inputs(reqs, b), token_mask=self.token_masks(reqs, b))

@@ -1,0 +1,81 @@
+"""`python -m jeagle.serve --nnodes N --node-rank I` for I > 0: a process that serves nothing and follows.
+
+Every process of a multi-node server holds its share of one engine (`--tp` spans all their devices) and
+must run the same steps (multi-controller: docs/multi-gpu.md, jeagle/parallel/distributed.py). Rank 0
+serves HTTP and its engine loop decides; each pass it sends the commands it took (`PassChannel`). Here
+the engine is built and warmed up as rank 0 builds it, then each pass's commands are applied as rank 0's
+`EngineLoop` applies them and the engine steps when it has work: the same requests, admitted, batched,
+retracted and finished alike. The tokens are rank 0's to hand out; here they are dropped.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+
+def follow(engine, tokenizer, channel) -> int:
+    """Apply rank 0's passes until its "stop"; the passes followed."""
+    from jeagle.serve.engine_process import rebuild_grammar
+
+    requests: dict = {}  # rank 0's name for a request (its `follow_id`) → this engine's request
+    grammars: dict = {}
+    passes = 0
+    while True:
+        passes += 1
+        for cmd in channel.receive():
+            kind = cmd[0]
+            if kind == "stop":
+                return passes
+            if kind == "submit":
+                _, fid, prompt, params = cmd
+                if params.grammar is not None:
+                    params = dataclasses.replace(params, grammar=rebuild_grammar(grammars, tokenizer, engine,
+                                                                                 *params.grammar))
+                try:
+                    requests[fid] = engine.submit(prompt, params)
+                except Exception:  # refused by the engine's checks, on rank 0 alike
+                    pass
+            elif kind == "abort":
+                r = requests.get(cmd[1])
+                if r is not None and not r.done:
+                    engine.abort(r)
+            elif kind == "flush":
+                engine.flush_cache()
+            elif kind == "abort_all":  # rank 0's last step failed (here too, most likely: then a no-op)
+                engine.abort_all()
+        if engine.has_work:
+            try:
+                engine.step()
+            except Exception as e:  # as rank 0's loop does: every request in flight is dropped
+                print(f"[jeagle.serve] engine step failed: {e!r}", file=sys.stderr, flush=True)
+                engine.abort_all()
+        for fid in [fid for fid, r in requests.items() if r.done]:
+            del requests[fid]
+
+
+def follow_main(argv: list[str]) -> int:
+    """Build the engine (joining the distributed runtime first), then follow rank 0 until it stops."""
+    from jeagle.errors import USER_ERRORS, report
+    from jeagle.parallel.distributed import PassChannel, shutdown
+    from jeagle.runtime.gc_clock import freeze_heap
+    from jeagle.serve.options import load, parse_args, warmup_line
+
+    args = parse_args(argv)
+    try:
+        try:
+            engine, tokenizer, facts = load(args)
+        except USER_ERRORS as e:
+            return report(e)
+        freeze_heap()
+        if (line := warmup_line(facts.get("warmup"))) is not None:
+            print(line, file=sys.stderr)
+        print(f"[jeagle.serve] node rank {args.node_rank} of {args.engine.nnodes}: {facts['name']} loaded in "
+              f"{facts['load_s']:.1f} s; following rank 0's engine (rank 0 serves HTTP)", file=sys.stderr, flush=True)
+        passes = follow(engine, tokenizer, PassChannel())
+        print(f"[jeagle.serve] node rank {args.node_rank}: rank 0 stopped after {passes} passes", file=sys.stderr)
+        return 0
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        shutdown()
