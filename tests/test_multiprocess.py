@@ -1,7 +1,7 @@
 """Tensor parallelism across processes (`--nnodes`, jeagle/parallel/distributed.py): two processes with
 two virtual CPU devices each run `python -m jeagle.generate --tp 4` over JAX's distributed runtime (gloo
-collectives), and rank 0's output equals one process at `--tp 1`, target-only and with an EAGLE head.
-Plus the flags' checks (no devices)."""
+collectives), and rank 0's output equals one process at `--tp 1`, target-only and with an EAGLE head; the
+same for `python -m jeagle.serve`, rank 0 serving and rank 1 following. Plus the flags' checks (no devices)."""
 
 from __future__ import annotations
 
@@ -190,7 +190,7 @@ def start_serve_nodes(target, extra, logs):
     for rank in (0, 1):
         with open(logs / f"rank{rank}.txt", "w") as err:
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "jeagle.serve", "--target", str(target), "--dtype", "float32",
+                [sys.executable, "-m", "jeagle.serve", "--target", str(target),  # dtype auto: float32 on CPU
                  "--no-compile-cache", "--batch-size", "4", "--max-context", "64", "--port", str(port),
                  "--tp", "4", "--nnodes", "2", "--node-rank", str(rank), "--dist-init-addr", addr, *extra],
                 stdout=subprocess.DEVNULL, stderr=err, env=_env(2)))
@@ -240,6 +240,7 @@ def test_serve_across_two_processes_equals_one_process(tiny_dirs, mode, tmp_path
         codes = [proc.wait(timeout=120) for proc in procs]
     assert codes[1] == 0, logs()
     assert "following rank 0's engine" in logs() and "rank 0 stopped after" in logs()
+    assert "node rank 0 of 2 (the other nodes follow it)" in logs()
 
 
 def test_serve_node_flags_are_checked(capsys):

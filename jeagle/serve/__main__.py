@@ -31,6 +31,8 @@ def serve(args: ServeArgs, link=None) -> int:
         tokenizer = Tokenizer.from_dir(facts["target_dir"])
     n = len(getattr(link, "replicas", [link]))
     where = "a thread" if link is None else "its own process" if n == 1 else f"{n} replicas' processes (--dp {n})"
+    if facts.get("nnodes", 1) > 1:
+        where += f", node rank 0 of {facts['nnodes']} (the other nodes follow it)"
     if (line := warmup_line(facts.get("warmup"))) is not None:
         print(line, file=sys.stderr)
     print(f"[jeagle.serve] {facts['name']} ({facts['dtype']}) loaded in {facts['load_s']:.1f} s, the engine in {where}; "

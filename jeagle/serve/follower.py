@@ -61,7 +61,7 @@ def follow_main(argv: list[str]) -> int:
     from jeagle.runtime.gc_clock import freeze_heap
     from jeagle.serve.options import load, parse_args, warmup_line
 
-    args = parse_args(argv)
+    args = parse_args(argv, join=True)
     try:
         try:
             engine, tokenizer, facts = load(args)

@@ -74,8 +74,15 @@ def parse_options(argv: list[str] | None = None):
     return a
 
 
-def parse_args(argv: list[str] | None = None) -> ServeArgs:
+def parse_args(argv: list[str] | None = None, join: bool = False) -> ServeArgs:
+    """The options as `ServeArgs`. join: under --nnodes > 1 join the distributed runtime first (in the
+    engine's process: before anything asks JAX for its devices, the engine options' dtype "auto" included;
+    the devices listed are then every process's)."""
     a = parse_options(argv)
+    if join and a.nnodes > 1:
+        from jeagle.parallel.distributed import initialize
+
+        initialize(a.nnodes, a.node_rank, a.dist_init_addr)
     return ServeArgs(EngineSpec.from_namespace(a, kernels=kernel_settings(a, slice_fusion=SERVER_SLICE_FUSION),
                                                dispatch_thread=dispatch_thread(a, default=SERVER_DISPATCH_THREAD)),
                      host=a.host, port=a.port,
@@ -93,10 +100,6 @@ def load(args: ServeArgs):
 
     spec = args.engine
     spec.adaptive()  # a bad adaptive config fails before anything loads
-    if spec.nnodes > 1:  # before any device is used: the devices listed are then every process's
-        from jeagle.parallel.distributed import initialize
-
-        initialize(spec.nnodes, args.node_rank, args.dist_init_addr)
     target_dir = resolve_target(spec.target, dtype=spec.dtype, quiet=False)
     tokenizer = Tokenizer.from_dir(target_dir)
     engine, load_s = build_engine(spec, target_dir)
@@ -125,7 +128,7 @@ def load_from_argv(argv: list[str]):
     from jeagle.serve.engine_process import EngineFailed
 
     try:
-        return load(parse_args(argv))
+        return load(parse_args(argv, join=True))
     except USER_ERRORS as e:
         report(e)
         raise EngineFailed(str(e)) from None
