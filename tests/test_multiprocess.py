@@ -10,6 +10,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -123,7 +124,7 @@ def test_joined_processes_share_rank_0s_seed_and_a_clean_stdout():
     procs = [subprocess.Popen([sys.executable, "-c", SEED_SCRIPT, str(rank), addr], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=_env(2)) for rank in (0, 1)]
     try:
-        outs = [proc.communicate(timeout=120) for proc in procs]
+        outs = [proc.communicate(timeout=300) for proc in procs]  # (2-3 s alone; CI runs beside it)
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -209,7 +210,9 @@ def test_serve_across_two_processes_equals_one_process(tiny_dirs, mode, tmp_path
     """`jeagle.serve --nnodes 2`: rank 0 serves HTTP and the other rank follows its engine pass by pass.
     Concurrent greedy requests equal `jeagle.generate --tp 1`; a sampled request without a seed (rank 0's
     seed source, shared) and a streamed request dropped midway (an abort every rank applies) leave the
-    processes in step, so the same requests again give the same tokens; when rank 0 stops, so does rank 1."""
+    processes in step, so the same requests again give the same tokens. Target-only: when rank 0 stops, so
+    does rank 1. EAGLE: rank 1 killed, rank 0's next step fails (gloo hears the lost peer at once), the
+    request gets an error at once and the server reports the engine down (503s)."""
     from concurrent.futures import ThreadPoolExecutor
 
     import httpx
@@ -234,13 +237,29 @@ def test_serve_across_two_processes_equals_one_process(tiny_dirs, mode, tmp_path
                 next(r.iter_lines())  # then dropped: the server aborts it
             assert list(pool.map(lambda p: _generate(c, p), PROMPTS)) == want
             info = c.get("/server_info").json()
-        assert info["compilations"] > 0 and info["running_requests"] == 0
+            assert info["compilations"] > 0 and info["running_requests"] == 0
+            if mode == "eagle":  # a node lost: the next step fails, its request gets an error, the engine stops
+                procs[1].kill()
+                procs[1].wait(timeout=30)
+                started = time.time()
+                r = c.post("/generate", json={"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 12}})
+                # its step fails (500), or a step left over from the last requests failed first (503: gone)
+                assert (r.status_code, r.status_code == 500 and "engine failure" in r.text or r.status_code == 503
+                        and "engine process exited" in r.text) in ((500, True), (503, True)), r.text
+                assert time.time() - started < 5
+                while c.get("/health").status_code != 503:  # the engine process exits; the server says so
+                    assert time.time() - started < 30, logs()
+                    time.sleep(0.2)
+                assert c.post("/generate", json={"text": "abc"}).status_code == 503
+                assert procs[0].poll() is None  # the HTTP server keeps answering
     finally:
         procs[0].terminate()
         codes = [proc.wait(timeout=120) for proc in procs]
-    assert codes[1] == 0, logs()
-    assert "following rank 0's engine" in logs() and "rank 0 stopped after" in logs()
-    assert "node rank 0 of 2 (the other nodes follow it)" in logs()
+    assert "following rank 0's engine" in logs() and "node rank 0 of 2 (the other nodes follow it)" in logs()
+    if mode == "target":  # rank 0 stopped: so does rank 1, cleanly
+        assert codes[1] == 0 and "rank 0 stopped after" in logs(), logs()
+    else:
+        assert "a step failed, so the nodes can no longer be trusted" in logs()
 
 
 def test_serve_node_flags_are_checked(capsys):

@@ -123,7 +123,7 @@ class EngineLoop(threading.Thread):
         super().__init__(daemon=True, name="jeagle-engine")
         self.followers = followers  # under --nnodes on rank 0: the other processes' `PassChannel`
         self._follow_ids = itertools.count()
-        self._failed = False  # the last step failed (the followers are told to drop everything too)
+        self.fatal = False  # under --nnodes a step failed: the loop ends after handing out its errors
         self.engine, self.deliver = engine, deliver
         self.facts = EngineFacts.of(engine)
         self.commands: queue.Queue = queue.Queue()
@@ -224,8 +224,7 @@ class EngineLoop(threading.Thread):
         return True
 
     def _send_pass(self, taken) -> None:
-        wire = [("abort_all",)] if self._failed else []  # the last step failed here: every process drops it all
-        self._failed = False
+        wire = []
         for cmd, job in taken:
             if cmd == "submit":
                 job.follow_id, params = next(self._follow_ids), job.params
@@ -244,10 +243,13 @@ class EngineLoop(threading.Thread):
         except Exception as e:  # the engine is left idle; every job in flight fails
             print(f"[jeagle.serve] engine step failed: {e!r}", file=sys.stderr, flush=True)
             self.engine.abort_all()
-            self._failed = True
             for j in self.jobs.values():  # after the tokens the step had already handed out
                 self._out.append((j, ("error", f"engine failure: {e}")))
             self.jobs.clear()
+            if self.followers is not None:  # the processes may be out of step (a node lost): this engine is done
+                print("[jeagle.serve] --nnodes: a step failed, so the nodes can no longer be trusted to run the same "
+                      "steps; the engine stops (restart every node)", file=sys.stderr, flush=True)
+                self.fatal = True
 
     def _hand_over(self) -> None:
         if self._out:
@@ -263,7 +265,10 @@ class EngineLoop(threading.Thread):
                 pass
         finally:
             if self.followers is not None:  # (again, after a "stop" pass: a follower stops at the first)
-                self.followers.send([("stop",)])
+                try:
+                    self.followers.send([("stop",)])
+                except Exception as e:  # the coordinator or a node is gone: nothing left to tell
+                    print(f"[jeagle.serve] could not tell the other nodes to stop: {e!r}", file=sys.stderr, flush=True)
 
     def iterate(self) -> bool:
         """One pass: the queued commands, a step when there is work, the hand-over, the info; False on stop."""
@@ -285,4 +290,4 @@ class EngineLoop(threading.Thread):
         with self._lock:
             self._info = self._read_info()
         self.after_iteration()
-        return True
+        return not self.fatal

@@ -203,6 +203,16 @@ class _ChildLoop(EngineLoop):
             wire.append((job.id, (kind, value)))
         self.conn.send(("events", wire))
 
+    def run(self) -> None:
+        try:
+            super().run()
+        except BaseException as e:  # the loop itself broke (not a step: those it reports and survives)
+            print(f"[jeagle.serve] the engine loop failed: {e!r}", file=sys.stderr)
+            self.fatal = True
+        if self.fatal:  # the engine is done: the process ends, and the parent hears it at once (never a hang)
+            sys.stderr.flush()
+            os._exit(1)
+
     def after_iteration(self) -> None:
         now = time.perf_counter()
         if now - self._sent_info >= INFO_PERIOD_S or not self.engine.has_work:

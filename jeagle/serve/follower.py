@@ -11,11 +11,13 @@ retracted and finished alike. The tokens are rank 0's to hand out; here they are
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 
 
 def follow(engine, tokenizer, channel) -> int:
-    """Apply rank 0's passes until its "stop"; the passes followed."""
+    """Apply rank 0's passes until its "stop"; the passes followed. A failed step raises (this process is then
+    out of step with rank 0, whose engine stops as well)."""
     from jeagle.serve.engine_process import rebuild_grammar
 
     requests: dict = {}  # rank 0's name for a request (its `follow_id`) → this engine's request
@@ -42,14 +44,8 @@ def follow(engine, tokenizer, channel) -> int:
                     engine.abort(r)
             elif kind == "flush":
                 engine.flush_cache()
-            elif kind == "abort_all":  # rank 0's last step failed (here too, most likely: then a no-op)
-                engine.abort_all()
         if engine.has_work:
-            try:
-                engine.step()
-            except Exception as e:  # as rank 0's loop does: every request in flight is dropped
-                print(f"[jeagle.serve] engine step failed: {e!r}", file=sys.stderr, flush=True)
-                engine.abort_all()
+            engine.step()  # a failure ends this process, as it ends rank 0's engine
         for fid in [fid for fid, r in requests.items() if r.done]:
             del requests[fid]
 
@@ -72,10 +68,14 @@ def follow_main(argv: list[str]) -> int:
             print(line, file=sys.stderr)
         print(f"[jeagle.serve] node rank {args.node_rank} of {args.engine.nnodes}: {facts['name']} loaded in "
               f"{facts['load_s']:.1f} s; following rank 0's engine (rank 0 serves HTTP)", file=sys.stderr, flush=True)
-        passes = follow(engine, tokenizer, PassChannel())
+        try:
+            passes = follow(engine, tokenizer, PassChannel())
+        except Exception as e:  # a step failed, or rank 0 (the coordinator) is gone: out of step for good
+            print(f"[jeagle.serve] node rank {args.node_rank}: stopped, out of step with rank 0: {e!r}",
+                  file=sys.stderr, flush=True)
+            os._exit(1)  # without the runtime's shutdown barrier, which would wait for the lost node
         print(f"[jeagle.serve] node rank {args.node_rank}: rank 0 stopped after {passes} passes", file=sys.stderr)
+        shutdown()
         return 0
     except KeyboardInterrupt:
         return 130
-    finally:
-        shutdown()
