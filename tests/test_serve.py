@@ -488,7 +488,7 @@ def test_gen_throughput_is_in_place_once_no_request_is_in_flight(parts):
     left_over = False
     while not any(event[0] == "done" for _, event in delivered):
         assert link.iterate()
-        info = link._info
+        info = link.info()
         if info["running_requests"] == 0 and any(event[0] == "tokens" for _, event in delivered):
             left_over |= engine.has_work
             assert info["internal_states"][0]["last_gen_throughput"] > 0, info
@@ -496,5 +496,5 @@ def test_gen_throughput_is_in_place_once_no_request_is_in_flight(parts):
     assert info["internal_states"][0]["last_gen_throughput"] > 0
     while engine.has_work:  # the left-over steps keep the figure
         assert link.iterate()
-        assert link._info["internal_states"][0]["last_gen_throughput"] > 0
+        assert link.info()["internal_states"][0]["last_gen_throughput"] > 0
     assert left_over, "no step was left over after the last request: this test no longer covers that case"

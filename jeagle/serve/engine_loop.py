@@ -93,6 +93,14 @@ def by_loop(events: list) -> None:
         loop.call_soon_threadsafe(put_all, batch)
 
 
+def params_to_wire(params: SamplingParams) -> SamplingParams:
+    """The params as they cross to another process: a grammar as its llguidance (kind, text), rebuilt there
+    (`engine_process.params_from_wire`)."""
+    if params.grammar is None:
+        return params
+    return dataclasses.replace(params, grammar=(params.grammar.kind, params.grammar.source))
+
+
 class GenThroughput:
     """SGLang's `last_gen_throughput`: the tokens the engine emitted per second over its last `steps` steps (SGLang's
     `decode_log_interval`), or over its last busy stretch when that ended sooner; 0.0 before any. Unlike SGLang's, the
@@ -123,6 +131,7 @@ class EngineLoop(threading.Thread):
         super().__init__(daemon=True, name="jeagle-engine")
         self.followers = followers  # under --nnodes on rank 0: the other processes' `PassChannel`
         self._follow_ids = itertools.count()
+        self.multi_node = followers is not None  # (a follower's loop sets it too)
         self.fatal = False  # under --nnodes a step failed: the loop ends after handing out its errors
         self.engine, self.deliver = engine, deliver
         self.facts = EngineFacts.of(engine)
@@ -201,9 +210,8 @@ class EngineLoop(threading.Thread):
         elif cmd == "flush":
             eng.flush_cache()
 
-    def _take_commands(self) -> bool:
-        """Apply the queued commands (waiting for one only when the engine is idle); False on stop. Under
-        --nnodes the pass's commands go to the other processes first (`followers`), an empty list too."""
+    def _next_pass(self) -> list:
+        """The queued commands as (cmd, job) pairs, up to a "stop" (waiting for one only when the engine is idle)."""
         idle = not self.engine.has_work
         taken = []
         try:
@@ -215,6 +223,12 @@ class EngineLoop(threading.Thread):
                 cmd, job = self.commands.get_nowait()
         except queue.Empty:
             pass
+        return taken
+
+    def _take_commands(self) -> bool:
+        """Apply this pass's commands; False on stop. Under --nnodes they go to the other processes first
+        (`followers`), an empty list too."""
+        taken = self._next_pass()
         if self.followers is not None:
             self._send_pass(taken)
         for cmd, job in taken:
@@ -227,10 +241,8 @@ class EngineLoop(threading.Thread):
         wire = []
         for cmd, job in taken:
             if cmd == "submit":
-                job.follow_id, params = next(self._follow_ids), job.params
-                if params.grammar is not None:  # a grammar travels as its llguidance text
-                    params = dataclasses.replace(params, grammar=(params.grammar.kind, params.grammar.source))
-                wire.append(("submit", job.follow_id, job.prompt, params))
+                job.follow_id = next(self._follow_ids)
+                wire.append(("submit", job.follow_id, job.prompt, params_to_wire(job.params)))
             elif cmd == "abort":
                 wire.append(("abort", job.follow_id))
             else:
@@ -246,7 +258,7 @@ class EngineLoop(threading.Thread):
             for j in self.jobs.values():  # after the tokens the step had already handed out
                 self._out.append((j, ("error", f"engine failure: {e}")))
             self.jobs.clear()
-            if self.followers is not None:  # the processes may be out of step (a node lost): this engine is done
+            if self.multi_node:  # the processes may be out of step (a node lost): this engine is done
                 print("[jeagle.serve] --nnodes: a step failed, so the nodes can no longer be trusted to run the same "
                       "steps; the engine stops (restart every node)", file=sys.stderr, flush=True)
                 self.fatal = True

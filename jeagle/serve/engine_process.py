@@ -34,7 +34,7 @@ import threading
 import time
 
 from jeagle.runtime.gc_clock import freeze_heap
-from jeagle.serve.engine_loop import EngineLoop, Job, by_loop
+from jeagle.serve.engine_loop import EngineLoop, Job, by_loop, params_to_wire
 
 INFO_PERIOD_S = 0.05
 
@@ -82,9 +82,7 @@ class EngineProcess:
 
     def try_submit(self, job: Job) -> bool:
         """Submit `job` unless the engine process is gone (False: nothing was queued, no event will come)."""
-        params = job.params
-        if params.grammar is not None:
-            params = dataclasses.replace(params, grammar=(params.grammar.kind, params.grammar.source))
+        params = params_to_wire(job.params)
         with self._lock:  # registered and sent, or refused, as one step against the reader's end
             if self._down:
                 return False
@@ -251,9 +249,7 @@ def _child_main(build, args, conn, env: dict) -> None:
                 break
             if msg[0] == "submit":
                 _, jid, prompt, params = msg
-                if params.grammar is not None:
-                    params = dataclasses.replace(params, grammar=rebuild_grammar(grammars, tokenizer, engine, *params.grammar))
-                job = jobs[jid] = Job(prompt, params, None, id=jid)
+                job = jobs[jid] = Job(prompt, params_from_wire(params, grammars, tokenizer, engine), None, id=jid)
                 loop.submit(job)
             elif msg[0] == "abort":
                 job = jobs.get(msg[1])
@@ -273,12 +269,15 @@ def _child_main(build, args, conn, env: dict) -> None:
         shutdown()
 
 
-def rebuild_grammar(grammars: dict, tokenizer, engine, kind: str, source: str):
-    """A grammar the parent compiled and checked, rebuilt from its llguidance text on this process's
-    backend (built on first use; a schema's requests share one, `GrammarBackend.rebuild`)."""
+def params_from_wire(params, grammars: dict, tokenizer, engine):
+    """`params_to_wire`'s params back: a grammar the sender compiled and checked, rebuilt from its llguidance
+    text on this process's backend (built on first use, kept in `grammars`; a schema's requests share one,
+    `GrammarBackend.rebuild`)."""
+    if params.grammar is None:
+        return params
     from jeagle.sampling.grammar import GrammarBackend
 
     if "backend" not in grammars:
         cfg = engine.model_cfg
         grammars["backend"] = GrammarBackend(tokenizer, cfg.vocab_size, cfg.eos_token_ids[0])
-    return grammars["backend"].rebuild(kind, source)
+    return dataclasses.replace(params, grammar=grammars["backend"].rebuild(*params.grammar))

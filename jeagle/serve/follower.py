@@ -10,44 +10,56 @@ retracted and finished alike. The tokens are rank 0's to hand out; here they are
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
+
+from jeagle.serve.engine_loop import EngineLoop, Job
+from jeagle.serve.engine_process import params_from_wire
+
+
+class FollowerLoop(EngineLoop):
+    """Rank 0's `EngineLoop` on a follower: each pass's commands come from `channel` (rank 0's `_send_pass`)
+    instead of HTTP handlers, are applied by the same `_apply` and stepped by the same `iterate`; the events
+    are dropped. Driven on the calling thread (`follow`), never started as one."""
+
+    def __init__(self, engine, tokenizer, channel):
+        super().__init__(engine, deliver=lambda events: None)
+        self.multi_node = True  # a failed step ends this loop as it ends rank 0's
+        self.channel, self.tokenizer, self.grammars = channel, tokenizer, {}
+        self.by_follow_id: dict[int, Job] = {}  # rank 0's name for a request → its job here, until it ends
+        self.passes = 0
+
+    def _next_pass(self) -> list:
+        self.passes += 1
+        taken = []
+        for cmd in self.channel.receive():
+            if cmd[0] == "submit":
+                _, fid, prompt, params = cmd
+                job = Job(prompt, params_from_wire(params, self.grammars, self.tokenizer, self.engine), None,
+                          follow_id=fid)
+                self.by_follow_id[fid] = job
+                taken.append(("submit", job))
+            elif cmd[0] == "abort":
+                if (job := self.by_follow_id.get(cmd[1])) is not None:
+                    taken.append(("abort", job))
+            else:
+                taken.append((cmd[0], None))
+        return taken
+
+    def after_iteration(self) -> None:
+        for fid in [fid for fid, j in self.by_follow_id.items() if j.request is None or j.request.done]:
+            del self.by_follow_id[fid]  # finished, or refused by the engine's checks (on rank 0 alike)
 
 
 def follow(engine, tokenizer, channel) -> int:
     """Apply rank 0's passes until its "stop"; the passes followed. A failed step raises (this process is then
     out of step with rank 0, whose engine stops as well)."""
-    from jeagle.serve.engine_process import rebuild_grammar
-
-    requests: dict = {}  # rank 0's name for a request (its `follow_id`) → this engine's request
-    grammars: dict = {}
-    passes = 0
-    while True:
-        passes += 1
-        for cmd in channel.receive():
-            kind = cmd[0]
-            if kind == "stop":
-                return passes
-            if kind == "submit":
-                _, fid, prompt, params = cmd
-                if params.grammar is not None:
-                    params = dataclasses.replace(params, grammar=rebuild_grammar(grammars, tokenizer, engine,
-                                                                                 *params.grammar))
-                try:
-                    requests[fid] = engine.submit(prompt, params)
-                except Exception:  # refused by the engine's checks, on rank 0 alike
-                    pass
-            elif kind == "abort":
-                r = requests.get(cmd[1])
-                if r is not None and not r.done:
-                    engine.abort(r)
-            elif kind == "flush":
-                engine.flush_cache()
-        if engine.has_work:
-            engine.step()  # a failure ends this process, as it ends rank 0's engine
-        for fid in [fid for fid, r in requests.items() if r.done]:
-            del requests[fid]
+    loop = FollowerLoop(engine, tokenizer, channel)
+    while loop.iterate():
+        pass
+    if loop.fatal:
+        raise RuntimeError("a step failed")
+    return loop.passes
 
 
 def follow_main(argv: list[str]) -> int:
