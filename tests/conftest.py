@@ -58,6 +58,7 @@ def pytest_unconfigure(config):
 # second pass (.ci/run). Every area keeps a test in the default run (the parametrized cases keep their first).
 SLOW_ON_CPU = {
     "tests/test_train.py::test_train_draft_end_to_end",
+    "tests/test_deterministic.py::test_deterministic_eagle3_on_the_kernels_equals_target_only",
     "tests/kernels/test_engine_with_kernels.py::test_prefills_after_cache_hits_through_the_causal_kernel",
     "tests/kernels/test_engine_with_kernels.py::test_paged_attention_kernel_in_the_engines",
     "tests/test_sharding.py::test_engines_on_a_mesh_equal_single_device",

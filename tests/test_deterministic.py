@@ -176,6 +176,65 @@ def test_first_token_equal_in_bf16_without_deterministic_mode(target, prompts):
         assert got == want
 
 
+def kernel_form_target():
+    """A bf16 target that deterministic mode runs on its kernels (`kernels_serve`: head_dim 64), tuned for near
+    ties as above; 4 layers, so an EAGLE-3 head's aux layers cut its layer loop."""
+    cfg = dataclasses.replace(target_config(vocab=2048, hidden=192), dtype="bfloat16", num_layers=4,
+                              intermediate_size=512, head_dim=64, num_heads=3, num_kv_heads=1)
+    target = random_model(cfg, 1)
+    e = np.asarray(target.embed[...].astype(jnp.float32))
+    target.embed[...] = jnp.asarray(e / np.sqrt((e * e).mean(-1, keepdims=True)), cfg.dtype)
+    target.wo[...] = target.wo[...] * MIX
+    target.w_down[...] = target.w_down[...] * MIX
+    return target
+
+
+KERNELS_DET = KernelSettings(deterministic=True, backend="interpret")  # on CPU the kernels run interpreted
+
+
+def test_kernel_form_logits_keep_their_bits_whatever_the_layer_loops_form():
+    """On the kernels (interpreted here, compiled on a GPU) the layers between the products and the attention
+    are XLA's, fused as the layer loop's form allows: `unroll` layers per iteration (the decode step), the loop
+    cut at EAGLE-3's aux layers (the verify), every layer inline. Compiled with the engine's options the
+    logits are the same bits in every form (with XLA's excess precision on they were not: a fusion carried
+    fp32 across a bf16 rounding, and greedy EAGLE parted from target-only on the GPU at batch 1)."""
+    from jeagle.models.deterministic import kernels_serve
+    from jeagle.runtime.executables import compiler_options
+
+    target = kernel_form_target()
+    with use(KERNELS_DET):
+        assert kernels_serve(target)
+    toks = jnp.asarray(np.random.default_rng(0).integers(5, 2048, size=(1, 8)).astype(np.int32))
+    attn = prefill_attn([8], 8)
+    got = []
+    for form in (dict(unroll=3), dict(unroll=3, aux_layers=(1,)), dict(unroll=True)):
+        k, v = init_pools(target.cfg, num_slots=16)
+        with use(KERNELS_DET):
+            run = jax.jit(lambda tk, a, k, v, form=form: target(tk, a, k, v, **form).logits)
+            exe = run.lower(toks, attn, k, v).compile(compiler_options(KERNELS_DET, cublas_only=False) or None)
+        got.append(np.asarray(exe(toks, attn, k, v)))
+    for form in got[1:]:
+        np.testing.assert_array_equal(got[0], form)
+
+
+def test_deterministic_eagle3_on_the_kernels_equals_target_only():
+    """Greedy EAGLE with an EAGLE-3 head (the verify's layer loop cut at its aux layers, the decode step's not)
+    equals greedy target-only in bf16 on the kernels. Without the engine's deterministic XLA options request 1
+    parts (XLA CPU, 2026-12-07)."""
+    from jeagle.models.eagle import random_draft
+
+    target = kernel_form_target()
+    head = random_draft(dataclasses.replace(draft_config(target.cfg, "eagle3"), dtype="bfloat16",
+                                            aux_layer_ids=(1, 2, 3)), seed=3)
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(5, 2048, size=int(n))] for n in rng.integers(3, 30, size=8)]
+    sp = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    config = EngineConfig(max_batch_size=4, max_context=96, kernels=KERNELS_DET)
+    want = [o.token_ids for o in target_only(target, config).generate(prompts, sp)]
+    got = [o.token_ids for o in speculative(target, head, config, SpecConfig(3, 2, 4)).generate(prompts, sp)]
+    assert [i for i, (a, b) in enumerate(zip(got, want)) if a != b] == []
+
+
 def test_deterministic_option():
     from jeagle.config import ConfigError
     from jeagle.engine import EngineSpec

@@ -118,10 +118,17 @@ def compiler_options(kernels, *, cublas_only: bool) -> dict:
     one matmul shape gets one algorithm everywhere. On a kernel backend the target's products are
     `linear_invariant`'s and its attention `ordered_attention`'s, whose numerics no XLA option changes,
     and autotuning stays on: without it the draft's cuBLAS calls took the H100 21x the default's time
-    per token at batch 16, with it 1.06x (bench/RESULTS.md, 2026-12-07). On a CPU no options of
-    ours. `slice_fusion=False`: XLA's dynamic-slice fusions off (KernelSettings says why). Then the
+    per token at batch 16, with it 1.06x (bench/RESULTS.md, 2026-12-07). Deterministic mode on every
+    backend: XLA's excess precision off, so a fusion rounds to bf16 after every op as the program says
+    instead of carrying fp32 across the ops it fused; which ops fuse follows the layer loop's form, which
+    differs between the decode step and the verify (the loop is cut at EAGLE-3's aux layers), and with
+    excess precision on the same layer gave other bits in each (bench/probes/loop_forms.py; greedy EAGLE
+    parted from target-only at batch 1 on the H100, bench/RESULTS.md 2026-12-07). Otherwise on a CPU no
+    options of ours. `slice_fusion=False`: XLA's dynamic-slice fusions off (KernelSettings says why). Then the
     settings' own `xla_options` (JEAGLE_XLA_OPTIONS), which win."""
     extra = dict(kernels.xla_options)
+    if kernels.deterministic:
+        extra = {"xla_allow_excess_precision": False} | extra
     if jax.default_backend() != "gpu":
         return extra
     if not kernels.slice_fusion:

@@ -198,3 +198,16 @@ def test_deterministic_compiles_without_autotuning_only_where_xla_carries_the_ta
         assert level not in kernels and kernels[triton] is False
     mine = KernelSettings(backend="reference", deterministic=True, xla_options={level: 4})
     assert compiler_options(mine, cublas_only=True)[level] == 4
+
+
+def test_deterministic_compiles_without_excess_precision_on_every_backend(monkeypatch):
+    """Deterministic executables round to bf16 where the program does, on a CPU and a GPU alike (which ops a
+    fusion holds in fp32 would otherwise follow the layer loop's form); the default mode keeps XLA's default."""
+    from jeagle.runtime.executables import compiler_options
+
+    name = "xla_allow_excess_precision"
+    for platform in ("cpu", "gpu"):
+        monkeypatch.setattr(jax, "default_backend", lambda platform=platform: platform)
+        for backend in ("reference", "interpret", "pallas"):
+            assert compiler_options(KernelSettings(backend=backend, deterministic=True), cublas_only=False)[name] is False
+        assert name not in compiler_options(KernelSettings(), cublas_only=False)
