@@ -392,6 +392,8 @@ def main(argv=None):
                              "model": args.model, "output_tokens": tokens, "compiled_in_untimed_pass": warm_compiled,
                              "requests_per_s": n / wall, "output_tokens_per_s": tokens / wall,
                              "ttft_ms": {q: 1e3 * pct(ttft, q) for q in (50, 90, 99)},
+                             # one client: each request's, in order (which one a slow percentile is)
+                             **({"ttft_ms_each": [round(1e3 * x, 2) for x in ttft]} if c == 1 else {}),
                              "latency_ms": {q: 1e3 * pct(lat, q) for q in (50, 90, 99)}, "warmup_s": warm,
                              "engine": args.engine, "engine_config": args.engine_config, "engine_host": host,
                              "metrics": metered, "server_cpu_s": server_cpu,

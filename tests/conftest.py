@@ -94,6 +94,29 @@ SLOW_ON_CPU = {
 }
 
 
+# The GPU runner's suite (`-m gpu`) keeps these cases of each compiled-kernel sweep (the engine's shapes: SmolLM2's
+# sizes, batch 64 and small rows); the function's other cases are `gpu_slow` (`-m gpu_slow`), so the suite fits one
+# device call (bench/RESULTS.md: the whole sweep took ~300 s of it, 2026-12-07).
+GPU_RUNNER_KEEPS = {
+    "tests/kernels/test_build_tree.py::test_compiled_kernel_matches_reference": {"B64-N17-K8", "B3-N8-K8"},
+    "tests/kernels/test_invariant.py::test_compiled_attention_is_the_same_in_every_form": {"67-9-3-64"},
+    "tests/kernels/test_invariant.py::test_compiled_linear_rows_do_not_depend_on_the_call": {"576-960", "576-49152"},
+    "tests/kernels/test_linear.py::test_compiled_kernel_matches_reference": {"1-576-960", "16-1536-576"},
+    "tests/kernels/test_linear.py::test_compiled_kernel_takes_verify_rows_when_allowed": {"128-576-1728"},
+    "tests/kernels/test_linear.py::test_compiled_transposed_weight_matches_reference": {"1", "64"},
+    "tests/kernels/test_paged_attention.py::test_compiled_matches_reference": {"case1", "case3"},
+    "tests/kernels/test_paged_attention.py::test_compiled_bf16_smollm2_shape": {"auto"},
+    "tests/kernels/test_paged_attention.py::test_compiled_causal_bf16_smollm2_shape": {"after-cache-auto",
+                                                                                       "from-zero-auto"},
+    "tests/kernels/test_slots.py::test_assign_compiled_matches_reference": {"64"},
+    "tests/kernels/test_slots.py::test_commit_compiled_matches_reference": {"64-17", "1-64"},
+    "tests/kernels/test_topk.py::test_compiled_kernel_matches_reference": {"16-8192-4", "1-8192-4"},
+    "tests/kernels/test_topk.py::test_compiled_top_k_equals_lax_top_k": {"shape0-20", "shape2-20"},
+    "tests/kernels/test_tree_speculative_sampling.py::test_compiled_kernel_matches_reference": {"B64-N17-K8-V37",
+                                                                                                "B3-N8-K8-V300"},
+    "tests/kernels/test_verify_tree_greedy.py::test_compiled_kernel_matches_reference": {"B64-N64-K8", "B1-N8-K4"},
+}
+
 def pytest_collection_modifyitems(config, items):
     import jax
 
@@ -104,14 +127,27 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
         if item.nodeid in SLOW_ON_CPU:
             item.add_marker(pytest.mark.slow)
+        function, _, case = item.nodeid.partition("[")
+        if function in GPU_RUNNER_KEEPS and case.rstrip("]") not in GPU_RUNNER_KEEPS[function]:
+            item.add_marker(pytest.mark.gpu_slow)
+    # `-m gpu` (the GPU runner's one call) leaves out what is also `gpu_slow`: a sweep's other cases, a long run.
+    if (config.option.markexpr or "").strip() == "gpu":
+        keep = [item for item in items if "gpu_slow" not in item.keywords]
+        if len(keep) < len(items):
+            config.hook.pytest_deselected(items=[item for item in items if "gpu_slow" in item.keywords])
+            items[:] = keep
     # A renamed test or parameter would move its slow case into the default run unnoticed: every name above
     # must exist among the tests of the files collected whole (not when single tests are asked for).
     if not any("::" in arg for arg in config.args):
         seen = {item.nodeid for item in items}
         files = {nodeid.split("::")[0] for nodeid in seen}
         stale = sorted(n for n in SLOW_ON_CPU if n.split("::")[0] in files and n not in seen)
+        for function, cases in GPU_RUNNER_KEEPS.items():
+            if function.split("::")[0] in files:
+                stale += [f"{function}[{case}]" for case in sorted(cases) if f"{function}[{case}]" not in seen]
         if stale:
-            raise pytest.UsageError(f"tests/conftest.py SLOW_ON_CPU names tests that do not exist: {stale}")
+            raise pytest.UsageError(f"tests/conftest.py SLOW_ON_CPU / GPU_RUNNER_KEEPS name tests that do not exist: "
+                                    f"{stale}")
 
 
 @pytest.fixture(scope="session")

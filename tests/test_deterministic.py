@@ -247,7 +247,7 @@ def test_deterministic_option():
         KernelSettings(deterministic=1)
 
 
-@pytest.mark.gpu
+@pytest.mark.gpu_slow  # the real model and head run deterministic mode in -m gpu (tests/test_gpu_engine.py)
 @pytest.mark.parametrize("bs", [16, 48])
 def test_deterministic_kernels_on_the_gpu_equal_target_only_at_every_batch(bs):
     """On a GPU deterministic mode runs on its own kernels (`linear_invariant`, `ordered_attention`): greedy EAGLE

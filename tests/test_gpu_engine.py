@@ -103,24 +103,40 @@ def test_bf16_first_token_equal_and_partings_only_at_near_ties(real):
         assert gap < NEAR_TIE, f"request {i} parts at token {at} with an fp32 gap of {gap:.3f}: not a near tie"
 
 
-@pytest.mark.parametrize("bs", [16, 48])
-def test_deterministic_eagle_equals_target_only(real, bs):
-    """48 prompts at batch `bs` (48: one wave; 16: three waves' worth, admitted as rows free, their shared
-    chat-template prefix a prefix-cache hit), then the same prompts again (every prompt a cache hit)."""
+@pytest.fixture(scope="module")
+def deterministic_want(real):
+    """Greedy target-only in deterministic mode, 64 tokens of each prompt: the 48 at batch 16 (continuous
+    batching), and the first 4 at batch 1 the same tokens (target-only is itself batch-invariant there)."""
     from jeagle.engine import EngineConfig, target_only
     from jeagle.kernels.settings import KernelSettings
     from jeagle.sampling import SamplingParams
 
-    from jeagle.kernels.settings import use
+    _, ids, model, _, _, _ = real
+    det = KernelSettings(deterministic=True)
+    sp = SamplingParams(max_new_tokens=64, ignore_eos=True)
+    want = [o.token_ids for o in target_only(model, EngineConfig(max_batch_size=16, max_context=512, kernels=det)
+                                             ).generate(ids, sp)]
+    alone = [o.token_ids for o in target_only(model, EngineConfig(max_batch_size=1, max_context=512, kernels=det)
+                                              ).generate(ids[:4], sp)]
+    assert not parted(alone, want[:4]), f"target-only at batch 1 and 16: {parted(alone, want[:4])} part"
+    return want
+
+
+@pytest.mark.parametrize("bs", [16, 48])
+def test_deterministic_eagle_equals_target_only(real, deterministic_want, bs):
+    """48 prompts at batch `bs` (48: one wave; 16: three waves' worth, admitted as rows free, their shared
+    chat-template prefix a prefix-cache hit), then the same prompts again (every prompt a cache hit)."""
+    from jeagle.engine import EngineConfig
+    from jeagle.kernels.settings import KernelSettings, use
     from jeagle.models.deterministic import kernels_serve
+    from jeagle.sampling import SamplingParams
 
     _, ids, model, head, _, _ = real
     det = KernelSettings(deterministic=True)
     with use(det):
         assert kernels_serve(model)  # on a GPU deterministic mode runs on its kernels, not the jnp fallback
     sp = SamplingParams(max_new_tokens=64, ignore_eos=True)
-    want = [o.token_ids for o in target_only(model, EngineConfig(max_batch_size=1, max_context=512, kernels=det)
-                                             ).generate(ids, sp)]
+    want = deterministic_want
     config = EngineConfig(max_batch_size=bs, max_context=512, kernels=det)
     for name, eng in engines(model, head, config):
         for run in ("first", "again"):
@@ -159,21 +175,18 @@ def test_every_result_read_had_its_copy_started(real, monkeypatch):
         assert results and not missing, f"{missing}: read without a copy to the host started"
 
 
-def test_server_32_streaming_clients_deterministic_equal_target_only(real):
+def test_server_32_streaming_clients_deterministic_equal_target_only(real, deterministic_want):
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("uvicorn")
-    from jeagle.engine import EngineConfig, speculative, target_only
+    from jeagle.engine import EngineConfig, speculative
     from jeagle.kernels.settings import KernelSettings
-    from jeagle.sampling import SamplingParams
     from jeagle.serve import create_app
     from jeagle.speculative.round import SpecConfig
     from tests.test_serve import start_server
 
     tok, ids, model, head, _, _ = real
     det = KernelSettings(deterministic=True)
-    want = [tok.decode(o.token_ids) for o in target_only(model, EngineConfig(max_batch_size=1, max_context=512,
-                                                                               kernels=det)).generate(
-        ids[:32], SamplingParams(max_new_tokens=48, ignore_eos=True))]
+    want = [tok.decode(t[:48]) for t in deterministic_want[:32]]  # greedy: 48 tokens are the 64's first 48
     engine = speculative(model, head, EngineConfig(max_batch_size=16, max_context=512, kernels=det),
                          SpecConfig(5, 4, 8))
     engine.warmup(progress=False, prefix=(False, True), greedy=(True,))
