@@ -9,8 +9,8 @@
 #   carry .stage1: `bash bench/gpu_session.sh stage`; carry .stage2: `bash bench/gpu_session.sh stage`;
 #   carry .stage3 + .whl: `bash bench/gpu_session.sh run STEPS...` (later calls: carry .whl only). Before a call
 #   that records runs: `bash bench/stamp_commit.sh` and carry .commit too (the commit the JSONs name).
-# Steps: gputests (pytest -m gpu), partings, detcost, and one per headline benchmark: decode, scale, serve,
-# accept, prefix, profile, eaglepeer, adaptive. Random-weight steps (detcost, scale, profile, adaptive) need no
+# Steps: gputests (pytest -m gpu), partings, forms, detcost, and one per headline benchmark: decode, scale, serve,
+# accept, prefix, profile, eaglepeer, adaptive. Random-weight steps (forms, detcost, scale, profile, adaptive) need no
 # staging: `bash bench/gpu_session.sh run scale profile`; the others need the staged GGUF (serve also the
 # server's wheels in .whl: `SERVE=1 bash bench/make_stages.sh`). Each step's knobs are environment variables
 # (below, with their defaults). Steps of earlier commits that RESULTS.md and HISTORY.md name (one-off A/Bs,
@@ -69,6 +69,10 @@ if step partings; then  # where bf16 EAGLE parts from target-only; deterministic
       --max-new-tokens "${PARTINGS_TOKENS:-128}" --modes "${spec%%:*}" --batch-sizes "${spec#*:}" \
       --json-out "$OUT/partings_${spec%%:*}.json" 2>&1 | grep --line-buffered -v "Converting\|Loading\|^{" | tee -a "$OUT/partings.log"
   done
+fi
+if step forms; then  # deterministic mode's logits in each layer-loop form, with and without XLA's excess precision
+  python3 bench/probes/loop_forms.py --shape smollm2 --json-out "$OUT/loop_forms.json" 2>&1 \
+    | grep -v '^{"probe"\|Delay kernel' | tee "$OUT/loop_forms.log"
 fi
 if step detcost; then  # deterministic mode's cost: as built; DETCOST_EXTRA=1 adds autotuning forced on and per-op profiles
   python3 bench/probes/deterministic_cost.py --shape smollm2 --batch-sizes ${DETCOST_BATCHES:-1,16} --tau 3.2 \

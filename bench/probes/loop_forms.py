@@ -2,8 +2,8 @@
 the plain loop, `--unroll` layers per iteration (the decode step's form), the loop cut at EAGLE-3's aux
 layers (the verify's form: segments of other lengths, so other layers share an unrolled body), every
 layer inline. One prefill-shaped forward per form over the same tokens, random weights of a real model's
-shape, each compiled with the engine's deterministic options, and again with `--xla-options` added
-(default: XLA's excess precision off, which otherwise lets a fusion skip a bf16 rounding between ops).
+shape, compiled with the engine's deterministic options (XLA's excess precision off) and again with
+excess precision on (XLA's default, which lets a fusion keep fp32 across a bf16 rounding between ops).
 Prints each form's largest logit difference from the first form's, per option set.
 
     python bench/probes/loop_forms.py --shape smollm2 --aux-layers 2,15,27 --json-out forms.json
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from pathlib import Path
 
@@ -30,7 +29,6 @@ def main(argv=None) -> int:
     p.add_argument("--unroll", type=int, default=3)
     p.add_argument("--tokens", type=int, default=40)
     p.add_argument("--rows", type=int, default=2)
-    p.add_argument("--xla-options", default='{"xla_allow_excess_precision": false}')
     p.add_argument("--json-out", default=None)
     args = p.parse_args(argv)
 
@@ -62,7 +60,7 @@ def main(argv=None) -> int:
     doc = {"probe": "loop_forms", "commit": git_commit(), "device": device_kind(), "shape": args.shape,
            "layers": cfg.num_layers, "aux_layers": aux, "unroll": args.unroll, "backend": ks.resolved(),
            "results": {}}
-    for label, extra in (("engine options", {}), (f"+ {args.xla_options}", json.loads(args.xla_options))):
+    for label, extra in (("excess precision on", {"xla_allow_excess_precision": True}), ("engine options", {})):
         opts = compiler_options(ks, cublas_only=True) | extra
         got = {}
         for name, kw in forms.items():
