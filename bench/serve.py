@@ -305,6 +305,7 @@ def main(argv=None):
     import httpx
     import uvicorn
 
+    from jeagle.runtime.gc_clock import freeze_heap, gc_totals
     from jeagle.serve import create_app
     from jeagle.serve.engine_process import EngineProcess
 
@@ -323,11 +324,9 @@ def main(argv=None):
             engine = EngineProcess(bench_engine, build)
             facts = engine.extra
         else:
-            from jeagle.runtime.gc_clock import freeze_heap
-
             engine, _, facts = bench_engine(*build)
-            freeze_heap()  # as python -m jeagle.serve --engine-thread does once its engine is built
         warm, tok = facts["warmup_s"], tokenizer_for(args.model, args.shape, facts["target_dir"])
+        freeze_heap()  # as python -m jeagle.serve does once its engine (thread or process) is ready
         app = create_app(engine, tok, "bench")
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -380,9 +379,10 @@ def main(argv=None):
                 object.__setattr__(served, "metrics", collector if metered == "on" else None)
                 httpx.post(f"{url}/flush_cache", timeout=60)  # the timed pass starts with no prefix cached
                 h0, g0 = host_totals(), grammar_rows()
-                cpu0 = time.process_time()  # the server's process: HTTP handlers, /metrics, (in: the clients)
+                # The server's process: HTTP handlers, /metrics (with --clients in, the clients too).
+                cpu0, gc0 = time.process_time(), gc_totals()
                 res, wall = clients[where](url, prompts, args.max_tokens, c, args.requests_per_client, extra, real)
-                server_cpu = time.process_time() - cpu0
+                server_cpu, gc1 = time.process_time() - cpu0, gc_totals()
                 host = engine_host(h0, host_totals(), wall) | {"grammar_rows": grammar_rows(g0)}
                 ttft = [r[0] for r in res]
                 lat = [r[1] for r in res]
@@ -397,6 +397,9 @@ def main(argv=None):
                              "latency_ms": {q: 1e3 * pct(lat, q) for q in (50, 90, 99)}, "warmup_s": warm,
                              "engine": args.engine, "engine_config": args.engine_config, "engine_host": host,
                              "metrics": metered, "server_cpu_s": server_cpu,
+                             "server_gc": {"collections": gc1["gc_collections"] - gc0["gc_collections"],
+                                           "full": gc1["gc_full_collections"] - gc0["gc_full_collections"],
+                                           "ms": round(1e3 * (gc1["gc_s"] - gc0["gc_s"]), 2)},
                              "xla_compilations_after_warmup": xla_compiled(),
                              "compiled_in_timed_pass": num_compiled() - compiled})
                 compiled = num_compiled()

@@ -278,6 +278,8 @@ def test_serve_cli_end_to_end(smollm2_dir):
         assert info["slice_fusion"] is False  # the server's default (jeagle.serve.options.SERVER_SLICE_FUSION)
         assert info["dispatch_thread"] is True  # (SERVER_DISPATCH_THREAD): the answer above came through it
         assert info["warmup_s"] is None and info["compilations_after_warmup"] is None and info["compilations"] > 0
+        # The HTTP process froze what start-up built (a full collection of it stalled streams ~100 ms).
+        assert info["http_process_gc"]["gc_frozen"] > 10_000
     finally:
         proc.terminate()
         proc.wait(timeout=60)

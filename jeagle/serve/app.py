@@ -26,6 +26,7 @@ from starlette.routing import Route
 from jeagle.sampling import logprobs
 from jeagle.engine import PromptTooLong
 from jeagle.serve import native
+from jeagle.runtime.gc_clock import gc_totals
 from jeagle.serve.engine_loop import EngineLoop, Job
 from jeagle.serve.metrics import Metrics, metered
 from jeagle.serve.protocol import (CHAT_KEYS, COMPLETION_KEYS, BadRequest, StopMatcher, TokenJSON,
@@ -160,7 +161,8 @@ async def server_info(request: Request):
         "batch_buckets": list(f.batch_buckets), "overlap": f.overlap, "verify_done_wait": f.verify_done_wait,
         "speculative": f.speculative, "adaptive": f.adaptive, "slice_fusion": f.slice_fusion,
         "dispatch_thread": f.dispatch_thread, "bucket_shrink_ratio": f.bucket_shrink_ratio,
-        "tool_call_parser": s.tools.name if s.tools else None})
+        "tool_call_parser": s.tools.name if s.tools else None,
+        "http_process_gc": gc_totals()})  # this process's collector (the engine's is in host_totals)
 
 
 async def flush_cache(request: Request):
