@@ -282,6 +282,8 @@ def main(argv=None):
                    help="sys.setswitchinterval values for the server's process, a row each (default: Python's 0.005)")
     p.add_argument("--repeats", type=int, default=1,
                    help="timed passes per row, the rows of a concurrency interleaved; the summary gives medians")
+    p.add_argument("--http", default="auto", choices=("auto", "h11", "httptools"),
+                   help="uvicorn's HTTP implementation (auto: httptools when installed, as jeagle.serve runs)")
     p.add_argument("--metrics", default="on", metavar="on,off",
                    help="/metrics collected (on) or not (off), a row each: the server process's CPU time per pass "
                    "with and without, beside the engine's host time")
@@ -331,7 +333,7 @@ def main(argv=None):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", http=args.http))
         th = threading.Thread(target=server.run, daemon=True)
         th.start()
         while not server.started:
@@ -387,7 +389,7 @@ def main(argv=None):
                 ttft = [r[0] for r in res]
                 lat = [r[1] for r in res]
                 n, tokens = len(res), sum(r[2] for r in res)
-                rows.append({"config": name, "concurrency": c, "requests": n, "wall_s": wall, "extra": extra,
+                rows.append({"config": name, "concurrency": c, "requests": n, "wall_s": wall, "extra": extra, "http": args.http,
                              "clients": where, "switch_interval": interval, "repeat": rep,
                              "model": args.model, "output_tokens": tokens, "compiled_in_untimed_pass": warm_compiled,
                              "requests_per_s": n / wall, "output_tokens_per_s": tokens / wall,
