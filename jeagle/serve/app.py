@@ -1,9 +1,8 @@
 """`create_app(engine, tokenizer, model_name, api_key)`: the Starlette app, its routes and handlers.
 
-A handler checks the key, checks the request completely (`protocol`, then `engine.check`, which
-queues nothing) — a bad one gets HTTP 400 and changes nothing — then hands a `Job` to the engine
-thread and answers from the job's events: streamed as server-sent events, or whole. A client that
-goes away mid-stream has its request aborted, which frees its KV slots.
+A handler checks the key, checks the whole request (`protocol`, then `engine.check`, which queues nothing) — a bad
+one gets HTTP 400 and changes nothing — then hands a `Job` to the engine thread and answers from the job's events:
+streamed as server-sent events, or whole. A client gone mid-stream has its request aborted, freeing its KV slots.
 """
 
 from __future__ import annotations
@@ -161,8 +160,7 @@ async def server_info(request: Request):
         "batch_buckets": list(f.batch_buckets), "overlap": f.overlap, "verify_done_wait": f.verify_done_wait,
         "speculative": f.speculative, "adaptive": f.adaptive, "slice_fusion": f.slice_fusion,
         "dispatch_thread": f.dispatch_thread, "bucket_shrink_ratio": f.bucket_shrink_ratio,
-        "tool_call_parser": s.tools.name if s.tools else None,
-        "http_process_gc": gc_totals()})  # this process's collector (the engine's is in host_totals)
+        "tool_call_parser": s.tools.name if s.tools else None, "http_process_gc": gc_totals()})  # engine's: host_totals
 
 
 async def flush_cache(request: Request):
