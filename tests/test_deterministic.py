@@ -29,9 +29,10 @@ MIX = 15.0
 DET = KernelSettings(deterministic=True)
 
 
-def near_tie_target(dtype="bfloat16"):
-    cfg = dataclasses.replace(target_config(vocab=2048, hidden=128), dtype=dtype, num_layers=4,
-                              intermediate_size=256, head_dim=32)
+def near_tie_target(dtype="bfloat16", hidden=128, **sizes):
+    """The target above; `hidden` and `sizes` (ModelConfig fields) replace its sizes."""
+    cfg = dataclasses.replace(target_config(vocab=2048, hidden=hidden), dtype=dtype,
+                              **({"num_layers": 4, "intermediate_size": 256, "head_dim": 32} | sizes))
     target = random_model(cfg, 1)
     e = np.asarray(target.embed[...].astype(jnp.float32))
     target.embed[...] = jnp.asarray(e / np.sqrt((e * e).mean(-1, keepdims=True)), cfg.dtype)
@@ -179,14 +180,7 @@ def test_first_token_equal_in_bf16_without_deterministic_mode(target, prompts):
 def kernel_form_target():
     """A bf16 target that deterministic mode runs on its kernels (`kernels_serve`: head_dim 64), tuned for near
     ties as above; 4 layers, so an EAGLE-3 head's aux layers cut its layer loop."""
-    cfg = dataclasses.replace(target_config(vocab=2048, hidden=192), dtype="bfloat16", num_layers=4,
-                              intermediate_size=512, head_dim=64, num_heads=3, num_kv_heads=1)
-    target = random_model(cfg, 1)
-    e = np.asarray(target.embed[...].astype(jnp.float32))
-    target.embed[...] = jnp.asarray(e / np.sqrt((e * e).mean(-1, keepdims=True)), cfg.dtype)
-    target.wo[...] = target.wo[...] * MIX
-    target.w_down[...] = target.w_down[...] * MIX
-    return target
+    return near_tie_target(hidden=192, intermediate_size=512, head_dim=64, num_heads=3, num_kv_heads=1)
 
 
 KERNELS_DET = KernelSettings(deterministic=True, backend="interpret")  # on CPU the kernels run interpreted

@@ -30,7 +30,7 @@ def serve(args: ServeArgs, link=None) -> int:
         tokenizer = Tokenizer.from_dir(facts["target_dir"])
     # This process serves from here on: later collections skip what start-up built. With the engine in a
     # process of its own this one still holds ~150k objects (JAX's modules among them), and a full collection
-    # of them stopped the event loop for 140-210 ms on a 2-core CPU, in the middle of streams.
+    # of them stopped the event loop for 140-320 ms on a 2-core CPU, in the middle of streams.
     freeze_heap()
     n = len(getattr(link, "replicas", [link]))
     where = "a thread" if link is None else "its own process" if n == 1 else f"{n} replicas' processes (--dp {n})"
