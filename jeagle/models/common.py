@@ -88,10 +88,29 @@ def fp32_logits(x: jax.Array, head: jax.Array) -> jax.Array:
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-    """HF semantics: normalise in fp32, cast back to the input dtype, then scale."""
+    """HF semantics: normalise in fp32, cast back to the input dtype, then scale. Deterministic mode: the
+    mean square by `fixed_order_sum`, whose bits do not depend on how many rows the call has."""
     xf = x.astype(jnp.float32)
-    xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    if current().deterministic:
+        ms = fixed_order_sum(xf * xf) / xf.shape[-1]
+    else:
+        ms = jnp.mean(xf * xf, axis=-1, keepdims=True)
+    xf = xf * jax.lax.rsqrt(ms + eps)
     return weight * xf.astype(x.dtype)
+
+
+def fixed_order_sum(x: jax.Array) -> jax.Array:
+    """Sum over the last axis (kept, size 1) as elementwise adds in one fixed order: zero-padded to a power of
+    two, then halved (x[..., :h] + x[..., h:]) until one column is left. A row's sum is then the same
+    scalar adds whatever the call's shape. XLA's GPU reductions are not: the emitter picks its threads per
+    row, vector width and tiling (or a Triton fusion's block size) from the whole shape, so a row summed
+    in a call of 1 row and of 16 rows can round differently (bench/probes/batch_rows.py)."""
+    n = x.shape[-1]
+    x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, (1 << (n - 1).bit_length()) - n)])
+    while x.shape[-1] > 1:
+        h = x.shape[-1] // 2
+        x = x[..., :h] + x[..., h:]
+    return x
 
 
 def rope_cos_sin(positions: jax.Array, head_dim: int, theta: float, scaling: RopeScaling | None):
