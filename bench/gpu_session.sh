@@ -9,8 +9,8 @@
 #   carry .stage1: `bash bench/gpu_session.sh stage`; carry .stage2: `bash bench/gpu_session.sh stage`;
 #   carry .stage3 + .whl: `bash bench/gpu_session.sh run STEPS...` (later calls: carry .whl only). Before a call
 #   that records runs: `bash bench/stamp_commit.sh` and carry .commit too (the commit the JSONs name).
-# Steps: gputests (pytest -m gpu), partings, forms, detcost, and one per headline benchmark: decode, scale, serve,
-# accept, prefix, profile, eaglepeer, adaptive. Random-weight steps (forms, detcost, scale, profile, adaptive) need no
+# Steps: gputests (pytest -m gpu), partings, forms, rows, detcost, and one per headline benchmark: decode, scale, serve,
+# accept, prefix, profile, eaglepeer, adaptive. Random-weight steps (forms, rows, detcost, scale, profile, adaptive) need no
 # staging: `bash bench/gpu_session.sh run scale profile`; the others need the staged GGUF (serve also the
 # server's wheels in .whl: `SERVE=1 bash bench/make_stages.sh`). Each step's knobs are environment variables
 # (below, with their defaults). Steps of earlier commits that RESULTS.md and HISTORY.md name (one-off A/Bs,
@@ -73,6 +73,10 @@ fi
 if step forms; then  # deterministic mode's logits in each layer-loop form, with and without XLA's excess precision
   python3 bench/probes/loop_forms.py --shape smollm2 --json-out "$OUT/loop_forms.json" 2>&1 \
     | grep -v '^{"probe"\|Delay kernel' | tee "$OUT/loop_forms.log"
+fi
+if step rows; then  # deterministic mode's logits for one row alone and among 16 / 48 rows, RMSNorm's sum each way
+  python3 bench/probes/batch_rows.py --shape smollm2 --layers "${ROWS_LAYERS:-4}" --rows "${ROWS_ROWS:-1,16,48}" \
+    --json-out "$OUT/batch_rows.json" 2>&1 | grep -v '^{"probe"\|Delay kernel' | tee "$OUT/batch_rows.log"
 fi
 if step detcost; then  # deterministic mode's cost: as built; DETCOST_EXTRA=1 adds autotuning forced on and per-op profiles
   python3 bench/probes/deterministic_cost.py --shape smollm2 --batch-sizes ${DETCOST_BATCHES:-1,16} --tau 3.2 \

@@ -52,6 +52,26 @@ def real(smollm2_dir):
     return tuple(out)
 
 
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """One executable store for the module's engines: each warms up as `jeagle.serve` does (the cold ones
+    compiled in worker processes, the rest loaded), and an executable another engine already compiled (the
+    same key: shapes, tier, kernel settings) loads instead of compiling again. Fresh per run."""
+    return str(tmp_path_factory.mktemp("executables"))
+
+
+def config(store, **kw):
+    from jeagle.engine import EngineConfig
+
+    return EngineConfig(max_context=512, executable_cache_dir=store, **kw)
+
+
+def run(eng, ids, sp):
+    """Warm `eng` up for these prompts (`warmup_for`, what `generate` on them can dispatch), then generate."""
+    eng.warmup_for([len(p) for p in ids], sp.max_new_tokens, greedy=(True,), progress=False)
+    return eng.generate(ids, sp)
+
+
 def engines(target, head, config, kinds=("static", "chain", "adaptive")):
     from jeagle.speculative.adaptive import AdaptiveConfig
     from jeagle.engine import speculative
@@ -68,32 +88,32 @@ def parted(got, want):
     return [i for i, (a, b) in enumerate(zip(got, want)) if a != b]
 
 
-def test_fp32_eagle_equals_target_only_static_and_adaptive(real):
-    from jeagle.engine import EngineConfig, target_only
+def test_fp32_eagle_equals_target_only_static_and_adaptive(real, store):
+    from jeagle.engine import target_only
     from jeagle.sampling import SamplingParams
 
     _, ids, _, _, model, head = real
     ids = ids[:16]
     sp = SamplingParams(max_new_tokens=64, ignore_eos=True)
-    config = EngineConfig(max_batch_size=16, max_context=512)
-    want = [o.token_ids for o in target_only(model, config).generate(ids, sp)]
-    for name, eng in engines(model, head, config, ("static", "adaptive")):
-        got = [o.token_ids for o in eng.generate(ids, sp)]
+    cfg = config(store, max_batch_size=16)
+    want = [o.token_ids for o in run(target_only(model, cfg), ids, sp)]
+    for name, eng in engines(model, head, cfg, ("static", "adaptive")):
+        got = [o.token_ids for o in run(eng, ids, sp)]
         assert not parted(got, want), f"{name}: requests {parted(got, want)} part from target-only in fp32"
         assert eng.last_stats.accept_length > 2.0, name  # the shipped head drafts well: the trees were used
 
 
-def test_bf16_first_token_equal_and_partings_only_at_near_ties(real):
-    from jeagle.engine import EngineConfig, speculative, target_only
+def test_bf16_first_token_equal_and_partings_only_at_near_ties(real, store):
+    from jeagle.engine import speculative, target_only
     from jeagle.sampling import SamplingParams
     from jeagle.speculative.round import SpecConfig
 
     _, ids, model, head, fp32, _ = real
     ids = ids[:16]
     sp = SamplingParams(max_new_tokens=64, ignore_eos=True)
-    config = EngineConfig(max_batch_size=16, max_context=512)
-    want = [o.token_ids for o in target_only(model, config).generate(ids, sp)]
-    got = [o.token_ids for o in speculative(model, head, config, SpecConfig(5, 4, 8)).generate(ids, sp)]
+    cfg = config(store, max_batch_size=16)
+    want = [o.token_ids for o in run(target_only(model, cfg), ids, sp)]
+    got = [o.token_ids for o in run(speculative(model, head, cfg, SpecConfig(5, 4, 8)), ids, sp)]
     assert [g[0] for g in got] == [w[0] for w in want]
     for i in parted(got, want):
         at = next(j for j, (a, b) in enumerate(zip(got[i], want[i])) if a != b)
@@ -104,29 +124,26 @@ def test_bf16_first_token_equal_and_partings_only_at_near_ties(real):
 
 
 @pytest.fixture(scope="module")
-def deterministic_want(real):
+def deterministic_want(real, store):
     """Greedy target-only in deterministic mode, 64 tokens of each prompt: the 48 at batch 16 (continuous
     batching), and the first 4 at batch 1 the same tokens (target-only is itself batch-invariant there)."""
-    from jeagle.engine import EngineConfig, target_only
+    from jeagle.engine import target_only
     from jeagle.kernels.settings import KernelSettings
     from jeagle.sampling import SamplingParams
 
     _, ids, model, _, _, _ = real
     det = KernelSettings(deterministic=True)
     sp = SamplingParams(max_new_tokens=64, ignore_eos=True)
-    want = [o.token_ids for o in target_only(model, EngineConfig(max_batch_size=16, max_context=512, kernels=det)
-                                             ).generate(ids, sp)]
-    alone = [o.token_ids for o in target_only(model, EngineConfig(max_batch_size=1, max_context=512, kernels=det)
-                                              ).generate(ids[:4], sp)]
+    want = [o.token_ids for o in run(target_only(model, config(store, max_batch_size=16, kernels=det)), ids, sp)]
+    alone = [o.token_ids for o in run(target_only(model, config(store, max_batch_size=1, kernels=det)), ids[:4], sp)]
     assert not parted(alone, want[:4]), f"target-only at batch 1 and 16: {parted(alone, want[:4])} part"
     return want
 
 
 @pytest.mark.parametrize("bs", [16, 48])
-def test_deterministic_eagle_equals_target_only(real, deterministic_want, bs):
+def test_deterministic_eagle_equals_target_only(real, store, deterministic_want, bs):
     """48 prompts at batch `bs` (48: one wave; 16: three waves' worth, admitted as rows free, their shared
     chat-template prefix a prefix-cache hit), then the same prompts again (every prompt a cache hit)."""
-    from jeagle.engine import EngineConfig
     from jeagle.kernels.settings import KernelSettings, use
     from jeagle.models.deterministic import kernels_serve
     from jeagle.sampling import SamplingParams
@@ -137,48 +154,47 @@ def test_deterministic_eagle_equals_target_only(real, deterministic_want, bs):
         assert kernels_serve(model)  # on a GPU deterministic mode runs on its kernels, not the jnp fallback
     sp = SamplingParams(max_new_tokens=64, ignore_eos=True)
     want = deterministic_want
-    config = EngineConfig(max_batch_size=bs, max_context=512, kernels=det)
-    for name, eng in engines(model, head, config):
-        for run in ("first", "again"):
-            outs = eng.generate(ids, sp)
-            got = [o.token_ids for o in outs]
-            assert not parted(got, want), f"{name} at batch {bs} ({run}): {parted(got, want)} part from target-only"
+    for name, eng in engines(model, head, config(store, max_batch_size=bs, kernels=det)):
+        for which in ("first", "again"):
+            got = [o.token_ids for o in (run(eng, ids, sp) if which == "first" else eng.generate(ids, sp))]
+            assert not parted(got, want), f"{name} at batch {bs} ({which}): {parted(got, want)} part from target-only"
         assert eng.last_stats.cached_tokens > 0, name  # the second run continued cached prefixes
 
 
-def test_no_xla_compilation_after_warmup_by_jaxs_count(real):
-    from jeagle.engine import EngineConfig, speculative
+def test_no_xla_compilation_after_warmup_by_jaxs_count(real, store):
+    from jeagle.engine import speculative
     from jeagle.runtime import compile_count
     from jeagle.sampling import SamplingParams
     from jeagle.speculative.round import SpecConfig
 
     _, ids, model, head, _, _ = real
     sp = SamplingParams(max_new_tokens=48, ignore_eos=True)
-    eng = speculative(model, head, EngineConfig(max_batch_size=16, max_context=512), SpecConfig(5, 4, 8))
+    eng = speculative(model, head, config(store, max_batch_size=16), SpecConfig(5, 4, 8))
     eng.warmup_for([len(p) for p in ids[:24]], sp.max_new_tokens, greedy=(True,), progress=False)
     before = compile_count.count()
     eng.generate(ids[:24], sp)
     assert compile_count.count() == before and eng.xla_compilations_after_warmup == 0
 
 
-def test_every_result_read_had_its_copy_started(real, monkeypatch):
-    from jeagle.engine import EngineConfig, speculative, target_only
+def test_every_result_read_had_its_copy_started(real, store, monkeypatch):
+    from jeagle.engine import speculative, target_only
     from jeagle.sampling import SamplingParams
     from jeagle.speculative.round import SpecConfig
     from tests.test_wiring import reads_without_copies
 
     _, ids, model, head, _, _ = real
     sp = SamplingParams(max_new_tokens=32, ignore_eos=True)
-    config = EngineConfig(max_batch_size=8, max_context=512)
-    for eng in (target_only(model, config), speculative(model, head, config, SpecConfig(5, 4, 8))):
+    cfg = config(store, max_batch_size=8)
+    for eng in (target_only(model, cfg), speculative(model, head, cfg, SpecConfig(5, 4, 8))):
+        eng.warmup_for([len(p) for p in ids[:6]], sp.max_new_tokens, greedy=(True,), progress=False)
         results, tables, missing = reads_without_copies(monkeypatch, lambda: eng.generate(ids[:6], sp))
         assert results and not missing, f"{missing}: read without a copy to the host started"
 
 
-def test_server_32_streaming_clients_deterministic_equal_target_only(real, deterministic_want):
+def test_server_32_streaming_clients_deterministic_equal_target_only(real, store, deterministic_want):
     httpx = pytest.importorskip("httpx")
     pytest.importorskip("uvicorn")
-    from jeagle.engine import EngineConfig, speculative
+    from jeagle.engine import speculative
     from jeagle.kernels.settings import KernelSettings
     from jeagle.serve import create_app
     from jeagle.speculative.round import SpecConfig
@@ -187,8 +203,7 @@ def test_server_32_streaming_clients_deterministic_equal_target_only(real, deter
     tok, ids, model, head, _, _ = real
     det = KernelSettings(deterministic=True)
     want = [tok.decode(t[:48]) for t in deterministic_want[:32]]  # greedy: 48 tokens are the 64's first 48
-    engine = speculative(model, head, EngineConfig(max_batch_size=16, max_context=512, kernels=det),
-                         SpecConfig(5, 4, 8))
+    engine = speculative(model, head, config(store, max_batch_size=16, kernels=det), SpecConfig(5, 4, 8))
     engine.warmup(progress=False, prefix=(False, True), greedy=(True,))
     srv, thread, url = start_server(create_app(engine, tok, "smollm2"))
 

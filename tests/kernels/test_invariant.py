@@ -175,3 +175,41 @@ def test_compiled_linear_rows_do_not_depend_on_the_call(k, n):
         np.testing.assert_array_equal(full[rows], rows_of("pallas", x, w, jnp.int32(0), rows))
     want = np.asarray(linear_reference(x, w, 0).astype(jnp.float32))
     np.testing.assert_allclose(full, want, atol=5e-2, rtol=5e-2)
+
+
+# RMSNorm, which XLA owns between the kernels: in deterministic mode its mean square is `fixed_order_sum`'s
+# elementwise adds, not an XLA reduction (whose GPU emitter tiles a row by the call's whole shape).
+
+
+def norm_rows(x, rows):
+    from jeagle.models.common import rms_norm
+
+    w = jnp.linspace(0.5, 1.5, x.shape[-1], dtype=x.dtype)
+    with use(KernelSettings(deterministic=True)):
+        return np.asarray(jax.jit(lambda x: rms_norm(x, w, 1e-5))(x[rows]).astype(jnp.float32))
+
+
+def test_deterministic_rms_norm_sums_without_an_xla_reduction():
+    from jeagle.models.common import fixed_order_sum, rms_norm
+
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((5, 576)), jnp.float32)
+    w = jnp.ones((576,), jnp.float32)
+    with use(KernelSettings(deterministic=True)):
+        jaxpr = str(jax.make_jaxpr(lambda x: rms_norm(x, w, 1e-5))(x))
+    assert "reduce_sum" not in jaxpr and "reduce_precision" not in jaxpr
+    with use(KernelSettings()):
+        assert "reduce_sum" in str(jax.make_jaxpr(lambda x: rms_norm(x, w, 1e-5))(x))  # the default keeps XLA's
+    for n in (1, 7, 64, 576, 1000):
+        y = np.random.default_rng(n).standard_normal((3, n)).astype(np.float32)
+        np.testing.assert_allclose(np.asarray(fixed_order_sum(jnp.asarray(y)))[:, 0], y.sum(-1), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(norm_rows(x, slice(None)), np.asarray(x / np.sqrt((np.asarray(x) ** 2).mean(-1,
+                               keepdims=True) + 1e-5) * np.linspace(0.5, 1.5, 576)), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_compiled_rms_norm_rows_do_not_depend_on_the_call():
+    for h in (576, 4096):
+        x = jnp.asarray(np.random.default_rng(h).standard_normal((3 * ROW_TILE + 7, h)) * 3, jnp.bfloat16)
+        full = norm_rows(x, slice(None))
+        for rows in (slice(0, 1), slice(0, 16), slice(5, 53), slice(0, 2 * ROW_TILE)):
+            np.testing.assert_array_equal(full[rows], norm_rows(x, rows))
