@@ -102,6 +102,36 @@ def run_load(*args):
     return asyncio.run(load(*args))
 
 
+def prime_client():
+    """A client process's first streamed request costs more than its next ones: httpx, httpcore and anyio
+    import and set up their transport on first use (+60 ms on a 2-core CPU; on the GPU runner's host one
+    client's first request in a fresh process read a TTFT of 140 ms against 3-4 ms after, bench/HISTORY.md
+    2026-12-07). Each client process makes one request to a throwaway local server before any timing."""
+    import httpx
+
+    body = b"data: {}\n\n"
+
+    async def go():
+        async def reply(reader, writer):
+            await reader.readuntil(b"\r\n\r\n")
+            await reader.readexactly(2)  # the request's JSON body, {}
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: %d\r\n\r\n%s"
+                         % (len(body), body))
+            await writer.drain()
+            writer.close()
+
+        server = await asyncio.start_server(reply, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
+            async with c.stream("POST", "/", json={}) as r:
+                async for line in r.aiter_lines():
+                    line.startswith("data: ") and json.loads(line[6:])
+        server.close()
+        await server.wait_closed()
+
+    asyncio.run(go())
+
+
 class Clients:
     """Where the load runs: `processes` spawned processes sharing the clients (kept for the whole
     bench; one process parsing 48 streams of top-5 logprobs was the bottleneck), or this one."""
@@ -112,9 +142,12 @@ class Clients:
             import multiprocessing as mp
             from concurrent.futures import ProcessPoolExecutor
 
-            self.pool = ProcessPoolExecutor(processes, mp_context=mp.get_context("spawn"))
-            for f in [self.pool.submit(time.sleep, 0.5) for _ in range(processes)]:  # all started before timing
+            # Every process started and primed (`prime_client`) before timing.
+            self.pool = ProcessPoolExecutor(processes, mp_context=mp.get_context("spawn"), initializer=prime_client)
+            for f in [self.pool.submit(time.sleep, 0.5) for _ in range(processes)]:
                 f.result()
+        else:
+            prime_client()
 
     def __call__(self, url, prompts, max_tokens, concurrency, per_client, extra, chat):
         """[(TTFT, latency, tokens)] of every client's requests, and the wall from the first start to the
