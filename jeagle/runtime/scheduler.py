@@ -404,11 +404,14 @@ class Engine(KVFlow, CompilationsAfterWarmup):
     def plan_for(self, prompt_lengths, max_new_tokens: int, greedy=(True, False), **modes) -> list:
         """The step keys these prompts can dispatch: batch sizes up to their number (capped by the running batch),
         their prompt-length buckets, the prefix buckets up to the longest context they can reach; in the modes
-        asked (logprobs, penalties, grammar: `warmup`)."""
+        asked (logprobs, penalties, grammar: `warmup`). With the prefix cache on, also the prefills that continue
+        a cached prefix unless `prefix` says otherwise: a prompt admitted after another with the same start (a
+        chat template's) continues it, which at batch 1 is every prompt after the first."""
         lengths = list(prompt_lengths)
         n = min(len(lengths), self.max_running)
         longest = max(self.decoder.prefix_bound(x, max_new_tokens, self.config.overlap) for x in lengths)
         kv = [k for k in self.buckets.kv if k < longest] + [longest]
+        modes.setdefault("prefix", (False, True) if len(lengths) > 1 else (False,))
         return self.warmup_plan(batch_sizes=range(1, n + 1), prefill_lengths=lengths, kv_lengths=kv, greedy=greedy,
                                 **modes)
 
