@@ -92,7 +92,8 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
     mean square by `fixed_order_sum`, whose bits do not depend on how many rows the call has."""
     xf = x.astype(jnp.float32)
     if current().deterministic:
-        ms = fixed_order_sum(xf * xf) / xf.shape[-1]
+        # Behind a barrier: fused into the scaling below, the sum would be recomputed for every element of its row.
+        ms = jax.lax.optimization_barrier(fixed_order_sum(xf * xf)) / xf.shape[-1]
     else:
         ms = jnp.mean(xf * xf, axis=-1, keepdims=True)
     xf = xf * jax.lax.rsqrt(ms + eps)
