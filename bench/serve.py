@@ -317,6 +317,8 @@ def main(argv=None):
                    help="timed passes per row, the rows of a concurrency interleaved; the summary gives medians")
     p.add_argument("--http", default="auto", choices=("auto", "h11", "httptools"),
                    help="uvicorn's HTTP implementation (auto: httptools when installed, as jeagle.serve runs)")
+    p.add_argument("--loop", default="auto", choices=("auto", "asyncio", "uvloop"),
+                   help="uvicorn's event loop (auto: uvloop when installed, as jeagle.serve runs)")
     p.add_argument("--metrics", default="on", metavar="on,off",
                    help="/metrics collected (on) or not (off), a row each: the server process's CPU time per pass "
                    "with and without, beside the engine's host time")
@@ -366,7 +368,8 @@ def main(argv=None):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
-        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", http=args.http))
+        server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", http=args.http,
+                                               loop=args.loop))
         th = threading.Thread(target=server.run, daemon=True)
         th.start()
         while not server.started:
@@ -423,7 +426,7 @@ def main(argv=None):
                 lat = [r[1] for r in res]
                 n, tokens = len(res), sum(r[2] for r in res)
                 rows.append({"config": name, "concurrency": c, "requests": n, "wall_s": wall, "extra": extra,
-                             "http": args.http, "clients": where, "switch_interval": interval, "repeat": rep,
+                             "http": args.http, "loop": args.loop, "clients": where, "switch_interval": interval, "repeat": rep,
                              "model": args.model, "output_tokens": tokens, "compiled_in_untimed_pass": warm_compiled,
                              "requests_per_s": n / wall, "output_tokens_per_s": tokens / wall,
                              "ttft_ms": {q: 1e3 * pct(ttft, q) for q in (50, 90, 99)},
