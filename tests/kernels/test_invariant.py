@@ -184,9 +184,14 @@ def test_compiled_linear_rows_do_not_depend_on_the_call(k, n):
 def norm_rows(x, rows):
     from jeagle.models.common import rms_norm
 
+    from jeagle.runtime.executables import compiler_options
+
     w = jnp.linspace(0.5, 1.5, x.shape[-1], dtype=x.dtype)
-    with use(KernelSettings(deterministic=True)):
-        return np.asarray(jax.jit(lambda x: rms_norm(x, w, 1e-5))(x[rows]).astype(jnp.float32))
+    ks = KernelSettings(deterministic=True)
+    with use(ks):  # compiled as the engine's deterministic executables are
+        lowered = jax.jit(lambda x: rms_norm(x, w, 1e-5)).lower(x[rows])
+    exe = lowered.compile(compiler_options(ks, cublas_only=True) or None)
+    return np.asarray(exe(x[rows]).astype(jnp.float32))
 
 
 def test_deterministic_rms_norm_sums_without_an_xla_reduction():
