@@ -426,7 +426,8 @@ def main(argv=None):
                 lat = [r[1] for r in res]
                 n, tokens = len(res), sum(r[2] for r in res)
                 rows.append({"config": name, "concurrency": c, "requests": n, "wall_s": wall, "extra": extra,
-                             "http": args.http, "loop": args.loop, "clients": where, "switch_interval": interval, "repeat": rep,
+                             "http": args.http, "loop": args.loop, "clients": where, "switch_interval": interval,
+                             "repeat": rep,
                              "model": args.model, "output_tokens": tokens, "compiled_in_untimed_pass": warm_compiled,
                              "requests_per_s": n / wall, "output_tokens_per_s": tokens / wall,
                              "ttft_ms": {q: 1e3 * pct(ttft, q) for q in (50, 90, 99)},

@@ -54,9 +54,9 @@ def test_warmup_for_prompts_that_share_a_start_covers_their_prefix_cache_hits():
     start = list(rng.integers(5, 90, size=40))
     prompts = [start + list(rng.integers(5, 90, size=int(n))) for n in (7, 19, 12)]
     params = SamplingParams(max_new_tokens=8, ignore_eos=True)
-    for engine in (target_only(target, EngineConfig(max_batch_size=1, max_context=128)),
-                   speculative(target, signed_identity_head(target, 1.0), EngineConfig(max_batch_size=1, max_context=128),
-                               SpecConfig(3, 2, 4))):
+    config = EngineConfig(max_batch_size=1, max_context=128)
+    for engine in (target_only(target, config),
+                   speculative(target, signed_identity_head(target, 1.0), config, SpecConfig(3, 2, 4))):
         engine.warmup_for([len(p) for p in prompts], params.max_new_tokens, greedy=(True,), progress=False)
         engine.generate(prompts, params)
         assert engine.last_stats.cached_tokens > 0  # the later prompts continued the first's prefix

@@ -134,7 +134,8 @@ def deterministic_want(real, store):
     det = KernelSettings(deterministic=True)
     sp = SamplingParams(max_new_tokens=64, ignore_eos=True)
     want = [o.token_ids for o in target_only(model, config(store, max_batch_size=16, kernels=det)).generate(ids, sp)]
-    alone = [o.token_ids for o in target_only(model, config(store, max_batch_size=1, kernels=det)).generate(ids[:4], sp)]
+    alone = [o.token_ids
+             for o in target_only(model, config(store, max_batch_size=1, kernels=det)).generate(ids[:4], sp)]
     assert not parted(alone, want[:4]), f"target-only at batch 1 and 16: {parted(alone, want[:4])} part"
     return want
 
