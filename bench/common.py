@@ -135,6 +135,21 @@ def random_eagle3_head(cfg, seed: int = 1, draft_vocab: int | None = None):
                                     rms_norm_eps=cfg.rms_norm_eps), seed=seed)
 
 
+def deterministic_random_target(shape: str, layers: int | None = None):
+    """(config, random-weight target, deterministic kernel settings from the environment) of a named shape,
+    `layers` of its layers if given: what the deterministic-mode probes compile their forwards from."""
+    import dataclasses
+
+    from jeagle.config import ModelConfig
+    from jeagle.kernels.settings import KernelSettings
+    from jeagle.models.llama import random_model
+
+    cfg = ModelConfig(**SHAPES[shape])
+    if layers:
+        cfg = dataclasses.replace(cfg, num_layers=layers)
+    return cfg, random_model(cfg), dataclasses.replace(KernelSettings.from_env(), deterministic=True)
+
+
 def random_target_and_head(shape: str):
     """A random-weight target of a named shape and a random one-layer EAGLE-1 head for it: what the
     speculative benches time (a round's cost depends on shapes, not weights)."""

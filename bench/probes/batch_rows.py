@@ -12,13 +12,12 @@ made (their block sizes are chosen per shape).
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common puts the repo root on the path
 
-from common import SHAPES, device_kind, emit, git_commit  # noqa: E402
+from common import deterministic_random_target, device_kind, emit, git_commit  # noqa: E402
 
 XLA_VARIANTS = {  # XLA options tried with RMSNorm on XLA's reduction
     "engine options": {},
@@ -44,19 +43,13 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    from jeagle.config import ModelConfig
-    from jeagle.kernels.settings import KernelSettings, use
+    from jeagle.kernels.settings import use
     from jeagle.models import common
     from jeagle.models.common import AttnInputs
-    from jeagle.models.llama import random_model
     from jeagle.runtime.executables import compiler_options
     from jeagle.runtime.kv_cache import init_pools
 
-    cfg = ModelConfig(**SHAPES[args.shape])
-    if args.layers:
-        cfg = dataclasses.replace(cfg, num_layers=args.layers)
-    model = random_model(cfg)
-    ks = dataclasses.replace(KernelSettings.from_env(), deterministic=True)
+    cfg, model, ks = deterministic_random_target(args.shape, args.layers)
     rows = [int(r) for r in args.rows.split(",")]
     t, c = args.tokens, args.context
     rng = np.random.default_rng(0)

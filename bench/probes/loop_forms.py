@@ -12,13 +12,12 @@ Prints each form's largest logit difference from the first form's, per option se
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/: common puts the repo root on the path
 
-from common import SHAPES, device_kind, emit, git_commit  # noqa: E402
+from common import deterministic_random_target, device_kind, emit, git_commit  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -36,19 +35,13 @@ def main(argv=None) -> int:
     import jax.numpy as jnp
     import numpy as np
 
-    from jeagle.config import ModelConfig
-    from jeagle.kernels.settings import KernelSettings, use
+    from jeagle.kernels.settings import use
     from jeagle.models.common import AttnInputs
-    from jeagle.models.llama import random_model
     from jeagle.runtime.executables import compiler_options
     from jeagle.runtime.kv_cache import init_pools
 
-    cfg = ModelConfig(**SHAPES[args.shape])
-    if args.layers:
-        cfg = dataclasses.replace(cfg, num_layers=args.layers)
-    model = random_model(cfg)
+    cfg, model, ks = deterministic_random_target(args.shape, args.layers)
     aux = tuple(int(x) for x in args.aux_layers.split(",") if int(x) <= cfg.num_layers)
-    ks = dataclasses.replace(KernelSettings.from_env(), deterministic=True)
     b, t = args.rows, args.tokens
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(5, cfg.vocab_size, size=(b, t)).astype(np.int32))
